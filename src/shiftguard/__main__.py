@@ -1,0 +1,7 @@
+"""``python -m shiftguard`` (also what ``torchrun -m shiftguard run`` executes)."""
+
+import sys
+
+from shiftguard.cli import main
+
+sys.exit(main())

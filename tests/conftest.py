@@ -1,0 +1,46 @@
+"""Shared test fixtures.
+
+Real data lives in ``../shared/data`` beside the repository (MNIST and Fashion-MNIST in the
+official IDX gzip format). ``SHIFTGUARD_SHARED_DATA`` overrides the location. Tests that need it
+use the fixtures below and skip with a clear reason when it is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path:
+    env = os.environ.get("SHIFTGUARD_SHARED_DATA")
+    return Path(env) if env else REPO_ROOT.parent / "shared" / "data"
+
+
+def _require(sub: str) -> Path:
+    d = shared_data_dir() / sub
+    if not (d / "t10k-images-idx3-ubyte.gz").is_file():
+        pytest.skip(f"real {sub} data not found at {d} (set SHIFTGUARD_SHARED_DATA to the folder holding mnist/ and fashion-mnist/)")
+    return d
+
+
+@pytest.fixture
+def mnist_dir() -> Path:
+    """Folder with the official MNIST IDX gzip files; skips when absent."""
+    return _require("mnist")
+
+
+@pytest.fixture
+def fashion_mnist_dir() -> Path:
+    """Folder with the Fashion-MNIST IDX gzip files; skips when absent."""
+    return _require("fashion-mnist")
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_threads():
+    torch.manual_seed(0)
+    yield
