@@ -1,0 +1,43 @@
+"""Pure tensor functions (no state, no data, no training).
+
+- :mod:`shiftguard.functional.quantile` -- quantile activation QACT (000, Alg. 1-2)
+- :mod:`shiftguard.functional.kde` -- weighted Gaussian KDE for the QACT backward
+"""
+
+from shiftguard.functional.kde import gaussian_kde, gaussian_kde_grid, kde_grid_error_bound, silverman_bandwidth
+from shiftguard.functional.quantile import (
+    QACTStatistics,
+    channel_values,
+    default_statistics,
+    grounding_weights,
+    qact_apply,
+    qact_statistics,
+    quantile_activation,
+    quantile_levels,
+    weighted_quantiles,
+)
+
+__all__ = [
+    "QACTStatistics",
+    "channel_values",
+    "default_statistics",
+    "grounding_weights",
+    "qact_apply",
+    "qact_statistics",
+    "quantile_activation",
+    "quantile_levels",
+    "weighted_quantiles",
+    "gaussian_kde",
+    "gaussian_kde_grid",
+    "kde_grid_error_bound",
+    "silverman_bandwidth",
+]
+
+from shiftguard.functional.vmf import (  # noqa: E402  (vMF utilities, 003 ch. 2 / app. A)
+    log_vmf_normalizer,
+    sample_vmf,
+    vmf_log_prob,
+    vmf_mean_resultant_length,
+)
+
+__all__ += ["log_vmf_normalizer", "sample_vmf", "vmf_log_prob", "vmf_mean_resultant_length"]

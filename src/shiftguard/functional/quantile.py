@@ -1,0 +1,337 @@
+"""Quantile activation (QACT) math: 000, Sec. 2, Algorithms 1-2, eqs. (4)-(9).
+
+For one neuron (channel) with context values ``z_1..z_M`` (000, Sec. 3 "Extending to standard
+layers": every value of ``x[:, c, ...]``, i.e. all of the batch and all spatial positions):
+
+1. *Grounding* (000, eqs. (8)-(9) and Alg. 1): append ``-c`` and ``+c`` (``c = 100``), then give the
+   negative values total weight 1/2 (``w_- = 1/n_-`` each, normalised) and the non-negative values
+   total weight 1/2 (``w_+ = 1/n_+``). Exact zeros count as non-negative, following eq. (8)
+   (``z+ = z if z >= 0``). The appended ``+-c`` guarantee that both sides are non-empty.
+2. *Quantiles* (Alg. 1): weighted quantiles ``q_i`` at levels ``tau_i = i / (n_tau + 1)``,
+   ``i = 1..n_tau`` (evenly spaced in (0, 1)), by linear interpolation of the weighted empirical
+   CDF with the *midpoint* convention: the ``k``-th smallest value ``v_(k)`` (weight ``w_k``, weights
+   normalised to sum 1) sits at level ``p_k = sum_{j<=k} w_j - w_k / 2``; ``q(tau)`` interpolates
+   linearly between consecutive ``(p_k, v_(k))`` and is clamped to ``v_(1)`` / ``v_(K)`` outside
+   ``[p_1, p_K]``. With equal weights this is Hazen's rule (``numpy.quantile(method="hazen")``).
+3. *Forward* (Alg. 1, eq. (6)): ``QACT(x) = (1/n_tau) * sum_i 1[x >= q_i]`` in ``[0, 1]``.
+4. *Backward* (Alg. 2, eqs. (5), (7)): ``grad_input = grad_output * f_hat(x)`` with ``f_hat`` the
+   Gaussian KDE of ``S`` points drawn from the grounded context with the grounding weights
+   (:mod:`shiftguard.functional.kde`). As in Alg. 2, the quantiles and samples are treated as
+   constants (no gradient flows through the context statistics).
+
+The computation is split in two so that the context can come from anywhere (the current batch, a
+frozen running estimate, a reference set, or values gathered from every DDP process):
+
+- (a) :func:`qact_statistics` ``(C, M) context values -> QACTStatistics(quantiles (C, n_tau),
+  samples (C, S), bandwidth (C,))``;
+- (b) :func:`qact_apply` ``(x (N, C, *), stats) -> (N, C, *)``: forward = count of quantiles
+  ``<= x`` / n_tau, backward = ``grad * KDE(x)``.
+
+:func:`quantile_activation` is the batch-context composition ``qact_apply(x, qact_statistics(
+channel_values(x)))``. Everything is vectorised over channels (one ``torch.sort`` of the
+``(C, M + 2)`` context, ``searchsorted`` for the levels and for the forward count), works on any
+device and floating dtype, and is deterministic given the ``generator`` used for the KDE samples.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from shiftguard._validation import check_tensor
+from shiftguard.functional.kde import gaussian_kde_grid, silverman_bandwidth
+
+__all__ = [
+    "QACTStatistics",
+    "quantile_levels",
+    "channel_values",
+    "grounding_weights",
+    "weighted_quantiles",
+    "qact_statistics",
+    "qact_apply",
+    "quantile_activation",
+    "default_statistics",
+]
+
+
+class QACTStatistics(NamedTuple):
+    """Per-channel context statistics of QACT (output of :func:`qact_statistics`).
+
+    Attributes:
+        quantiles: ``(C, n_tau)`` non-decreasing weighted quantiles ``q_1..q_{n_tau}`` (Alg. 1).
+        samples: ``(C, S)`` sorted points drawn from the grounded context (Alg. 2).
+        bandwidth: ``(C,)`` KDE bandwidth (Silverman's rule on ``samples``).
+    """
+
+    quantiles: torch.Tensor
+    samples: torch.Tensor
+    bandwidth: torch.Tensor
+
+
+def quantile_levels(n_tau: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """``tau_i = i / (n_tau + 1)`` for ``i = 1..n_tau``: evenly spaced in the open interval (0, 1)."""
+    return torch.arange(1, n_tau + 1, dtype=torch.float64, device=device).div_(n_tau + 1).to(dtype)
+
+
+def channel_values(x: torch.Tensor) -> torch.Tensor:
+    """The context matrix ``(C, M)`` of ``x`` ``(N, C, *spatial)``: row ``c`` holds every value of
+    ``x[:, c, ...]`` (``M = N * prod(spatial)``; 000, Sec. 3 "Extending to standard layers")."""
+    return x.transpose(0, 1).reshape(x.shape[1], -1)
+
+
+def _from_channel_values(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`channel_values` for a tensor shaped like ``like``."""
+    n, c = like.shape[0], like.shape[1]
+    return v.reshape(c, n, *like.shape[2:]).transpose(0, 1).contiguous()
+
+
+def grounding_weights(values: torch.Tensor) -> torch.Tensor:
+    """Grounding weights of 000 eq. (9) / Alg. 1 for each row of ``values`` ``(C, K)``.
+
+    Negative values share weight 1/2 equally (``0.5 / n_-`` each), non-negative values (zeros
+    included, eq. (8)) share the other 1/2 (``0.5 / n_+``). A side with no values gets no weight
+    and the other side then carries all of it (cannot happen once ``+-c`` are appended).
+    """
+    neg = values < 0
+    n_neg = neg.sum(dim=1, keepdim=True).to(values.dtype)
+    n_pos = values.shape[1] - n_neg
+    w_neg = torch.where(n_pos > 0, 0.5, 1.0) / n_neg.clamp_min(1)
+    w_pos = torch.where(n_neg > 0, 0.5, 1.0) / n_pos.clamp_min(1)
+    return torch.where(neg, w_neg, w_pos)
+
+
+def _interpolate(sorted_values: torch.Tensor, positions: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Piecewise-linear quantile function through ``(positions_k, sorted_values_k)`` at ``levels``.
+
+    sorted_values, positions: ``(C, K)`` (positions strictly increasing); levels: ``(C, L)``.
+    Clamped to the first/last value outside ``[positions_1, positions_K]``.
+    """
+    k_dim = sorted_values.shape[1]
+    if k_dim == 1:
+        return sorted_values.expand(-1, levels.shape[1]).clone()
+    k = torch.searchsorted(positions, levels, right=True) - 1  # p_k <= tau < p_{k+1}
+    below = k < 0
+    above = k >= k_dim - 1
+    k = k.clamp(0, k_dim - 2)
+    p0 = torch.gather(positions, 1, k)
+    p1 = torch.gather(positions, 1, k + 1)
+    v0 = torch.gather(sorted_values, 1, k)
+    v1 = torch.gather(sorted_values, 1, k + 1)
+    gap = p1 - p0
+    t = torch.where(gap > 0, (levels - p0) / torch.where(gap > 0, gap, torch.ones_like(gap)), torch.zeros_like(gap))
+    q = v0 + t * (v1 - v0)
+    q = torch.where(below, sorted_values[:, :1].expand_as(q), q)
+    q = torch.where(above, sorted_values[:, -1:].expand_as(q), q)
+    # Rounding in the interpolation must not break monotonicity (searchsorted needs sorted rows).
+    return torch.cummax(q, dim=1).values
+
+
+def weighted_quantiles(values: torch.Tensor, weights: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Weighted quantiles of each row with linear interpolation (midpoint convention, module doc).
+
+    Args:
+        values: ``(C, K)`` finite values, ``K >= 1``. weights: ``(C, K)`` strictly positive.
+        levels: ``(L,)`` levels in [0, 1].
+
+    Returns:
+        ``(C, L)`` quantiles, non-decreasing along each row.
+    """
+    values = check_tensor(values, "values", ndim=2, floating=True, finite=True, nonempty=True)
+    weights = check_tensor(weights, "weights", ndim=2, floating=True, finite=True)
+    levels = check_tensor(levels, "levels", ndim=1, floating=True, finite=True)
+    if weights.shape != values.shape:
+        raise ValueError(f"weights: expected shape {tuple(values.shape)}, got {tuple(weights.shape)}")
+    if levels.numel() and (float(levels.min()) < 0 or float(levels.max()) > 1):
+        raise ValueError("levels: expected values in [0, 1]")
+    v, order = torch.sort(values, dim=1)
+    w = torch.gather(weights, 1, order)
+    w = w / w.sum(dim=1, keepdim=True)
+    if not bool((w > 0).all()):
+        raise ValueError("weights: expected strictly positive weights (drop zero-weight values instead)")
+    p = torch.cumsum(w, dim=1) - 0.5 * w
+    lv = levels.to(v.dtype).expand(v.shape[0], -1).contiguous()
+    return _interpolate(v, p, lv)
+
+
+def _grounded_position(k: torch.Tensor, n_neg: torch.Tensor, k_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Midpoint CDF position ``p_k`` of sorted index ``k`` in the grounded context (closed form).
+
+    ``k < n_-`` (negatives): ``p_k = (k + 1/2) / (2 n_-)``; otherwise ``p_k = 1/2 + (k - n_- + 1/2) /
+    (2 n_+)`` -- the cumulative grounding weights minus half a weight.
+    """
+    kf = k.to(dtype)
+    nn_ = n_neg.to(dtype)
+    np_ = k_dim - nn_
+    return torch.where(k < n_neg, (kf + 0.5) / (2 * nn_), 0.5 + (kf - nn_ + 0.5) / (2 * np_))
+
+
+def _grounded_quantiles(ctx: torch.Tensor, n_neg: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Weighted quantiles of the sorted grounded context ``ctx`` ``(C, K)`` at ``levels`` ``(C, L)``.
+
+    Same result as :func:`_interpolate` on the ``(C, K)`` array of positions, but the bracketing
+    index ``k`` (largest with ``p_k <= tau``) is found in closed form on ``(C, L)`` only (then
+    corrected by one step against the exact positions, so rounding in the inversion cannot matter).
+    """
+    k_dim = ctx.shape[1]
+    dtype = ctx.dtype
+    nn_ = n_neg[:, None]
+    np_ = k_dim - nn_
+    tau = levels
+    k_neg = torch.floor(2.0 * tau * nn_.to(dtype) - 0.5)
+    k_pos = nn_.to(dtype) + torch.floor((tau - 0.5) * 2.0 * np_.to(dtype) - 0.5)
+    k = torch.where(tau < 0.5, k_neg, k_pos).long().clamp_(-1, k_dim - 1)
+    for _ in range(2):  # fix off-by-one from rounding: enforce p_k <= tau < p_{k+1}
+        up = (k + 1 <= k_dim - 1) & (_grounded_position((k + 1).clamp(max=k_dim - 1), nn_, k_dim, dtype) <= tau)
+        down = (k >= 0) & (_grounded_position(k.clamp(min=0), nn_, k_dim, dtype) > tau)
+        k = k + up.long() - down.long()
+    below = k < 0
+    above = k >= k_dim - 1
+    k = k.clamp(0, k_dim - 2)
+    p0 = _grounded_position(k, nn_, k_dim, dtype)
+    p1 = _grounded_position(k + 1, nn_, k_dim, dtype)
+    v0 = torch.gather(ctx, 1, k)
+    v1 = torch.gather(ctx, 1, k + 1)
+    t = (tau - p0) / (p1 - p0)
+    q = v0 + t * (v1 - v0)
+    q = torch.where(below, ctx[:, :1].expand_as(q), q)
+    q = torch.where(above, ctx[:, -1:].expand_as(q), q)
+    return torch.cummax(q, dim=1).values
+
+
+def qact_statistics(
+    values: torch.Tensor,
+    n_tau: int = 100,
+    c: float = 100.0,
+    n_samples: int = 1000,
+    generator: Optional[torch.Generator] = None,
+) -> QACTStatistics:
+    """(a) Context statistics of QACT from a ``(C, M)`` matrix of context values (000, Alg. 1-2).
+
+    Appends ``-c, +c`` to every row, grounds (eqs. (8)-(9)), returns the weighted quantiles at
+    :func:`quantile_levels` ``(n_tau)``, ``n_samples`` points drawn with the grounding weights
+    (sorted) and their Silverman bandwidth.
+
+    Args:
+        values: ``(C, M)`` finite context values, ``M >= 1`` (from :func:`channel_values`, or
+            gathered from several processes).
+        n_tau: number of quantile levels. c: grounding bound (> 0). n_samples: KDE sample size S
+            (0 skips the sample: forward-only use, ``samples`` is then ``(C, 0)``).
+        generator: ``torch.Generator`` on ``values.device`` for the KDE samples (global RNG if None).
+
+    Returns:
+        :class:`QACTStatistics` with ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)``.
+    """
+    values = check_tensor(values, "values", ndim=2, floating=True, finite=True, nonempty=True)
+    if not c > 0:
+        raise ValueError(f"c: expected a positive grounding bound, got {c}")
+    return _qact_statistics(values, n_tau, c, n_samples, generator)
+
+
+def _qact_statistics(values, n_tau, c, n_samples, generator) -> QACTStatistics:
+    """:func:`qact_statistics` without input validation (callers have validated ``x``)."""
+    ch = values.shape[0]
+    bounds = torch.tensor([-c, c], dtype=values.dtype, device=values.device).expand(ch, 2)
+    ctx, _ = torch.sort(torch.cat([values, bounds], dim=1), dim=1)
+    k_dim = ctx.shape[1]
+    zero = torch.zeros(ch, 1, dtype=values.dtype, device=values.device)
+    n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]  # number of values < 0
+    levels = quantile_levels(n_tau, values.dtype, values.device).expand(ch, -1).contiguous()
+    quantiles = _grounded_quantiles(ctx, n_neg, levels)
+
+    if n_samples == 0:
+        empty = values.new_zeros(ch, 0)
+        return QACTStatistics(quantiles, empty, values.new_zeros(ch))
+    # Alg. 2: S points drawn with the grounding weights, i.e. from the step CDF that gives the sorted
+    # negatives (first n_- entries of ctx) mass 1/2 and the non-negatives the other 1/2. They are
+    # drawn already sorted: sorted uniforms U_(1..S) = cumsum(E) / sum(E) with E ~ Exp(1) i.i.d.
+    # (Renyi's representation), pushed through the monotone inverse CDF -- the same law as S i.i.d.
+    # weighted draws followed by a sort, without the O(S log S) sort.
+    e = -torch.log1p(-torch.rand(ch, n_samples + 1, generator=generator, device=values.device, dtype=torch.float64))
+    cum = torch.cumsum(e, dim=1)
+    u = cum[:, :-1] / cum[:, -1:]
+    nn_ = n_neg[:, None]
+    np_ = k_dim - nn_
+    idx = torch.where(
+        u < 0.5,
+        torch.minimum(torch.floor(2.0 * u * nn_).long(), nn_ - 1),
+        nn_ + torch.minimum(torch.floor((2.0 * u - 1.0) * np_).long(), np_ - 1),
+    )
+    samples = torch.gather(ctx, 1, idx)
+    return QACTStatistics(quantiles, samples, silverman_bandwidth(samples))
+
+
+def default_statistics(num_channels: int, n_tau: int = 100, n_samples: int = 1000,
+                       dtype: torch.dtype = torch.float32, device=None) -> QACTStatistics:
+    """Statistics of a standard normal context (the initial frozen state, like BatchNorm's
+    running mean 0 / var 1): quantiles ``Phi^-1(tau_i)``, samples ``Phi^-1((j + 1/2) / S)``."""
+    q = torch.special.ndtri(quantile_levels(n_tau, torch.float64, device))
+    s = torch.special.ndtri((torch.arange(n_samples, dtype=torch.float64, device=device) + 0.5) / n_samples)
+    q = q.to(dtype).expand(num_channels, -1).clone()
+    s = s.to(dtype).expand(num_channels, -1).clone()
+    return QACTStatistics(q, s, silverman_bandwidth(s))
+
+
+class _QACTFunction(torch.autograd.Function):
+    """Forward eq. (6) given quantiles; backward eq. (7) given the KDE samples and bandwidth."""
+
+    @staticmethod
+    def forward(ctx, x, quantiles, samples, bandwidth):
+        xv = channel_values(x).contiguous()
+        counts = torch.searchsorted(quantiles.contiguous(), xv, right=True)  # #{i : q_i <= x}
+        out = counts.to(x.dtype).div_(quantiles.shape[1])
+        ctx.save_for_backward(xv, samples, bandwidth)
+        ctx.x_shape = x.shape
+        return _from_channel_values(out, x)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        xv, samples, bandwidth = ctx.saved_tensors
+        if samples.shape[1] == 0:
+            raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
+        dens = gaussian_kde_grid(xv, samples, bandwidth)
+        n, ch = ctx.x_shape[0], ctx.x_shape[1]
+        dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
+        return grad_output * dens, None, None, None
+
+
+def _check_input(x: torch.Tensor, name: str = "input") -> torch.Tensor:
+    return check_tensor(x, name, min_ndim=2, floating=True, finite=True, nonempty=True)
+
+
+def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
+    """(b) Apply given context statistics to ``x`` (000, Alg. 1 eq. (6) and Alg. 2 eq. (7)).
+
+    Args:
+        x: ``(N, C)`` or ``(N, C, *spatial)`` finite floating tensor.
+        stats: :class:`QACTStatistics` with ``C`` rows, same dtype/device as ``x``.
+
+    Returns:
+        Tensor shaped like ``x`` with values in ``{0, 1/n_tau, ..., 1}``. Its gradient is
+        ``grad_output * f_hat(x)`` (fast grid KDE, :func:`shiftguard.functional.kde.gaussian_kde_grid`).
+    """
+    if x.shape[1] != stats.quantiles.shape[0]:
+        raise ValueError(f"stats: expected statistics for {x.shape[1]} channels, got {stats.quantiles.shape[0]}")
+    return _QACTFunction.apply(x, stats.quantiles.to(x.dtype), stats.samples.to(x.dtype), stats.bandwidth.to(x.dtype))
+
+
+def quantile_activation(
+    x: torch.Tensor,
+    n_tau: int = 100,
+    c: float = 100.0,
+    n_samples: int = 1000,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """QACT of ``x`` with ``x`` itself as the context (000, Alg. 1-2; "batch" context).
+
+    Args:
+        x: ``(N, C)`` or ``(N, C, *spatial)`` finite floating tensor (at least 2 dims).
+        n_tau, c, n_samples, generator: see :func:`qact_statistics`.
+
+    Returns:
+        Tensor shaped like ``x`` in ``[0, 1]``.
+    """
+    x = _check_input(x)
+    with torch.no_grad():
+        stats = _qact_statistics(channel_values(x.detach()), n_tau, float(c), n_samples, generator)
+    return qact_apply(x, stats)

@@ -1,0 +1,256 @@
+"""Quantile activation modules: ``QuantileActivation``, ``QACTBlock``, ``make_activation``.
+
+``QuantileActivation`` is a thin module over :mod:`shiftguard.functional.quantile` (000, Alg. 1-2).
+
+Context modes (000, Sec. 3 "Inference with QACT"):
+
+- ``"batch"`` (default, in training *and* evaluation): the current input is its own context. This
+  is training, and the paper's context-aware inference ("we include several samples from the
+  context distribution"). ``model.eval()`` does **not** change the mode -- unlike BatchNorm -- because
+  the paper evaluates with the test batch as context; switch explicitly.
+- ``"frozen"``: the stored statistics are used, so a single sample can be classified (approach (1)
+  of 000, Sec. 3). The stored statistics are running estimates updated in every *training-mode*
+  forward in batch context, like BatchNorm's running stats: with momentum ``m`` (default 0.1),
+  ``running = (1 - m) * running + m * batch`` for the quantiles ``(C, n_tau)``, the sorted KDE
+  samples ``(C, S)`` and the bandwidth ``(C,)`` (averaging sorted samples averages quantile
+  functions, so rows stay sorted); ``momentum=None`` gives the cumulative average. They start at the
+  statistics of a standard normal (the BatchNorm-normalised input the block expects).
+- ``fit_context(x)`` replaces the stored statistics by those of a reference set ``x`` and switches
+  to ``"frozen"``; ``with layer.context(x): ...`` does the same temporarily and restores both the
+  statistics and the mode on exit.
+
+``layer.context`` reads as the mode string (``"batch"``/``"frozen"``), can be assigned a mode, and can
+be called with a reference set to get the context manager above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from shiftguard._validation import check_positive
+from shiftguard.functional.quantile import (
+    QACTStatistics,
+    _check_input,
+    channel_values,
+    default_statistics,
+    qact_apply,
+    _qact_statistics,
+)
+
+__all__ = ["QuantileActivation", "QACTBlock", "make_activation", "CONTEXT_MODES", "ACTIVATION_NAMES"]
+
+CONTEXT_MODES = ("batch", "frozen")
+ACTIVATION_NAMES = ("relu", "prelu", "selu", "qact")
+
+
+class _ContextMode(str):
+    """The mode string of a :class:`QuantileActivation`; calling it with a reference set gives the
+    ``with layer.context(x):`` context manager."""
+
+    _owner: "QuantileActivation"
+
+    def __new__(cls, value: str, owner: "QuantileActivation"):
+        obj = super().__new__(cls, value)
+        obj._owner = owner
+        return obj
+
+    def __call__(self, reference: torch.Tensor):
+        return self._owner._temporary_context(reference)
+
+
+def _check_mode(mode) -> str:
+    if not isinstance(mode, str) or mode not in CONTEXT_MODES:
+        raise ValueError(f"context: expected one of {', '.join(CONTEXT_MODES)}, got {mode!r}")
+    return str(mode)
+
+
+class QuantileActivation(nn.Module):
+    """QACT (000, Alg. 1-2): each value becomes its grounded quantile level in its channel's context.
+
+    Args:
+        n_tau: number of quantile levels ``tau_i = i / (n_tau + 1)``.
+        c: grounding bound appended as ``+-c`` to every context (000: ``c = 100``).
+        n_samples: KDE sample size ``S`` for the backward (000: ``S = 1000``).
+        context: ``"batch"`` or ``"frozen"`` (module docstring).
+        momentum: running-statistics momentum for ``"frozen"`` (None = cumulative average).
+        num_features: number of channels ``C``; when None the stored statistics are created at the
+            first forward (and resized when a state dict is loaded).
+
+    Shape: input ``(N, C)`` or ``(N, C, *spatial)``, output the same, values in ``[0, 1]``.
+    The KDE samples come from a generator seeded from torch's global RNG, so results are
+    deterministic given ``torch.manual_seed``.
+    """
+
+    def __init__(self, n_tau: int = 100, c: float = 100.0, n_samples: int = 1000, context: str = "batch",
+                 momentum: Optional[float] = 0.1, num_features: Optional[int] = None):
+        super().__init__()
+        self.n_tau = check_positive(n_tau, "n_tau", integer=True)
+        self.c = float(check_positive(c, "c"))
+        self.n_samples = check_positive(n_samples, "n_samples", integer=True)
+        if momentum is not None and not (0.0 < float(momentum) <= 1.0):
+            raise ValueError(f"momentum: expected a value in (0, 1] or None, got {momentum}")
+        self.momentum = momentum
+        self._context = _check_mode(context)
+        self.num_features = num_features
+        if num_features is not None:
+            check_positive(num_features, "num_features", integer=True)
+            s = default_statistics(num_features, n_tau, n_samples)
+        else:
+            s = QACTStatistics(torch.empty(0, n_tau), torch.empty(0, n_samples), torch.empty(0))
+        self.register_buffer("running_quantiles", s.quantiles)
+        self.register_buffer("running_samples", s.samples)
+        self.register_buffer("running_bandwidth", s.bandwidth)
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long))
+
+    # ------------------------------------------------------------------ context mode
+    @property
+    def context(self) -> _ContextMode:
+        return _ContextMode(self._context, self)
+
+    @context.setter
+    def context(self, mode: str) -> None:
+        self._context = _check_mode(mode)
+
+    def statistics(self) -> QACTStatistics:
+        """The stored (frozen) statistics."""
+        return QACTStatistics(self.running_quantiles, self.running_samples, self.running_bandwidth)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        seed = int(torch.randint(0, 2**62, (1,)).item())  # from torch's global RNG
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+        return g
+
+    def _ensure_buffers(self, x: torch.Tensor) -> None:
+        ch = x.shape[1]
+        if self.running_quantiles.shape[0] == 0:
+            s = default_statistics(ch, self.n_tau, self.n_samples, dtype=x.dtype, device=x.device)
+            self.running_quantiles, self.running_samples, self.running_bandwidth = s
+            self.num_features = ch
+        elif self.running_quantiles.shape[0] != ch:
+            raise ValueError(f"input: expected {self.running_quantiles.shape[0]} channels, got shape {tuple(x.shape)}")
+
+    def batch_statistics(self, x: torch.Tensor, with_samples: bool = True) -> QACTStatistics:
+        """Statistics with ``x`` ``(N, C, *)`` as the context (no gradient). Without samples (when no
+        gradient and no running update is needed) the KDE sample is skipped."""
+        with torch.no_grad():
+            xd = x.detach()
+            s = self.n_samples if with_samples else 0
+            return _qact_statistics(channel_values(xd), self.n_tau, self.c, s, self._generator(x.device))
+
+    @torch.no_grad()
+    def fit_context(self, x: torch.Tensor) -> "QuantileActivation":
+        """Store the statistics of the reference set ``x`` ``(N, C, *)`` and switch to ``"frozen"``."""
+        x = _check_input(x)
+        self._ensure_buffers(x)
+        s = self.batch_statistics(x)
+        self.running_quantiles.copy_(s.quantiles)
+        self.running_samples.copy_(s.samples)
+        self.running_bandwidth.copy_(s.bandwidth)
+        self._context = "frozen"
+        return self
+
+    @contextlib.contextmanager
+    def _temporary_context(self, reference: torch.Tensor) -> Iterator["QuantileActivation"]:
+        saved = (self.running_quantiles.clone(), self.running_samples.clone(), self.running_bandwidth.clone())
+        mode, was_empty = self._context, self.running_quantiles.shape[0] == 0
+        try:
+            yield self.fit_context(reference)
+        finally:
+            if was_empty:
+                self.running_quantiles, self.running_samples, self.running_bandwidth = saved
+            else:
+                self.running_quantiles.copy_(saved[0])
+                self.running_samples.copy_(saved[1])
+                self.running_bandwidth.copy_(saved[2])
+            self._context = mode
+
+    @torch.no_grad()
+    def _update_running(self, s: QACTStatistics) -> None:
+        self.num_batches_tracked += 1
+        m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else float(self.momentum)
+        self.running_quantiles.lerp_(s.quantiles.to(self.running_quantiles.dtype), m)
+        self.running_samples.lerp_(s.samples.to(self.running_samples.dtype), m)
+        self.running_bandwidth.lerp_(s.bandwidth.to(self.running_bandwidth.dtype), m)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _check_input(x)
+        self._ensure_buffers(x)
+        if self._context == "batch":
+            need_samples = self.training or (torch.is_grad_enabled() and x.requires_grad)
+            stats = self.batch_statistics(x, with_samples=need_samples)
+            if self.training:
+                self._update_running(stats)
+        else:
+            stats = self.statistics()
+        return qact_apply(x, stats)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Lazily-sized buffers take the stored shape (like nn.LazyModule).
+        for name in ("running_quantiles", "running_samples", "running_bandwidth"):
+            key = prefix + name
+            if key in state_dict and getattr(self, name).shape != state_dict[key].shape and getattr(self, name).shape[0] == 0:
+                setattr(self, name, torch.empty_like(state_dict[key], device=getattr(self, name).device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return (f"n_tau={self.n_tau}, c={self.c}, n_samples={self.n_samples}, context={self._context!r}, "
+                f"momentum={self.momentum}")
+
+
+class _BatchNormAnyRank(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm over dim 1 of any ``(N, C, *)`` input (BatchNorm1d/2d/3d share parameters)."""
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"input: expected at least 2 dimensions, got shape {tuple(input.shape)}")
+
+
+_BN_BY_DIM = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+
+class QACTBlock(nn.Module):
+    """BatchNorm -> QACT -> BatchNorm, the stable-training recipe of 000 (Remark after Alg. 2:
+    "we prepend and append the quantile activation with BatchNorm layers").
+
+    Args:
+        num_features: channels ``C``.
+        dim: 1, 2 or 3 to use ``BatchNorm{dim}d``; None (default) accepts any ``(N, C, *)`` rank.
+        **qact_kwargs: passed to :class:`QuantileActivation`.
+    """
+
+    def __init__(self, num_features: int, dim: Optional[int] = None, **qact_kwargs):
+        super().__init__()
+        check_positive(num_features, "num_features", integer=True)
+        if dim is not None and dim not in _BN_BY_DIM:
+            raise ValueError(f"dim: expected 1, 2, 3 or None, got {dim!r}")
+        bn = _BN_BY_DIM[dim] if dim is not None else _BatchNormAnyRank
+        self.num_features = num_features
+        self.bn_in = bn(num_features)
+        self.act = QuantileActivation(num_features=num_features, **qact_kwargs)
+        self.bn_out = bn(num_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn_out(self.act(self.bn_in(x)))
+
+
+def make_activation(name: str, num_features: int) -> nn.Module:
+    """Activation by name: ``relu`` | ``prelu`` (one slope per channel) | ``selu`` | ``qact``
+    (the :class:`QACTBlock`, 000 Sec. 4 "replace the usual ReLU activation with QACT")."""
+    key = name.lower() if isinstance(name, str) else name
+    if key in ("prelu", "qact"):
+        check_positive(num_features, "num_features", integer=True)
+    if key == "relu":
+        return nn.ReLU()
+    if key == "prelu":
+        return nn.PReLU(num_features)
+    if key == "selu":
+        return nn.SELU()
+    if key == "qact":
+        return QACTBlock(num_features)
+    raise ValueError(f"name: unknown activation {name!r}; expected one of {', '.join(ACTIVATION_NAMES)}")

@@ -1,0 +1,350 @@
+"""QACT (000, Alg. 1-2) against a slow, obviously-correct reference written from the algorithm text.
+
+The reference (numpy, one Python loop per channel and per level) follows Alg. 1 literally:
+append -c and +c, weight negatives 1/n_- and non-negatives 1/n_+ (zeros non-negative, eq. (8)),
+normalise, sort, put the k-th value at the midpoint of its weight step of the weighted CDF,
+interpolate linearly at tau_i = i / (n_tau + 1), output (1/n_tau) * sum_i 1[x >= q_i] (eq. (6)).
+The backward reference is grad_output * (exact Gaussian KDE of the layer's own KDE samples with
+Silverman's bandwidth computed in numpy) (Alg. 2, eq. (7)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shiftguard.functional import (
+    channel_values,
+    gaussian_kde,
+    gaussian_kde_grid,
+    grounding_weights,
+    kde_grid_error_bound,
+    qact_apply,
+    qact_statistics,
+    quantile_activation,
+    weighted_quantiles,
+)
+from shiftguard.nn import QACTBlock, QuantileActivation, make_activation
+
+
+# ----------------------------------------------------------------------------- reference
+def ref_quantiles(z: np.ndarray, n_tau: int = 100, c: float = 100.0) -> np.ndarray:
+    v = np.concatenate([np.asarray(z, dtype=np.float64), [-c, c]])
+    neg = v < 0
+    w = np.where(neg, 1.0 / neg.sum(), 1.0 / (~neg).sum())
+    w = w / w.sum()
+    order = np.argsort(v, kind="stable")
+    v, w = v[order], w[order]
+    p = np.cumsum(w) - w / 2
+    q = []
+    for i in range(1, n_tau + 1):
+        tau = i / (n_tau + 1)
+        if tau < p[0]:
+            q.append(v[0])
+        elif tau >= p[-1]:
+            q.append(v[-1])
+        else:
+            k = int(np.nonzero(p <= tau)[0][-1])
+            t = (tau - p[k]) / (p[k + 1] - p[k])
+            q.append(v[k] + t * (v[k + 1] - v[k]))
+    return np.array(q)
+
+
+def ref_qact(x: np.ndarray, n_tau: int = 100, c: float = 100.0) -> np.ndarray:
+    """Batch-context QACT of x (N, C, *) with a loop over channels."""
+    out = np.empty_like(x, dtype=np.float64)
+    for ch in range(x.shape[1]):
+        z = x[:, ch].reshape(-1)
+        q = ref_quantiles(z, n_tau, c)
+        vals = x[:, ch]
+        out[:, ch] = np.array([(xv >= q).sum() / n_tau for xv in vals.reshape(-1)]).reshape(vals.shape)
+    return out
+
+
+def ref_silverman(s: np.ndarray) -> float:
+    std = s.std(ddof=1)
+    iqr = (np.quantile(s, 0.75) - np.quantile(s, 0.25)) / 1.34
+    a = min(std, iqr)
+    if a <= 0:
+        a = std
+    if a <= 0:
+        a = 1e-3 * max(1.0, np.abs(s).max())
+    return 0.9 * a * len(s) ** (-0.2)
+
+
+def ref_kde(points: np.ndarray, samples: np.ndarray, h: float) -> np.ndarray:
+    u = (points[:, None] - samples[None, :]) / h
+    return np.exp(-0.5 * u * u).sum(axis=1) / (len(samples) * h * math.sqrt(2 * math.pi))
+
+
+SHAPES = [(32, 5), (6, 3, 4, 4), (8, 4, 7), (1, 4), (3, 2, 2, 2)]
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- forward
+@pytest.mark.parametrize("shape", SHAPES)
+def test_forward_matches_reference_exactly_float64(shape):
+    x = torch.randn(shape, dtype=torch.float64) * 2
+    out = quantile_activation(x, generator=_gen())
+    assert out.shape == x.shape and out.dtype == torch.float64
+    np.testing.assert_array_equal(out.numpy(), ref_qact(x.numpy()))
+
+
+@pytest.mark.parametrize("shape", [(64, 6), (8, 3, 5, 5)])
+def test_forward_matches_reference_float32(shape):
+    x = torch.randn(shape)
+    out = quantile_activation(x, generator=_gen())
+    assert out.dtype == torch.float32
+    # Compare the counts sum_i 1[x >= q_i]: out is count / 100 rounded to float32.
+    counts = np.rint(out.double().numpy() * 100)
+    np.testing.assert_array_equal(out.numpy(), (counts / 100).astype(np.float32))
+    np.testing.assert_array_equal(counts, np.rint(ref_qact(x.numpy().astype(np.float64)) * 100))
+
+
+@pytest.mark.parametrize(
+    "name, values",
+    [
+        ("constant", lambda: torch.full((20, 3), 0.7, dtype=torch.float64)),
+        ("constant_zero", lambda: torch.zeros(10, 2, dtype=torch.float64)),
+        ("all_positive", lambda: torch.rand(30, 3, dtype=torch.float64) + 0.1),
+        ("all_negative", lambda: -torch.rand(30, 3, dtype=torch.float64) - 0.1),
+        ("single_sample", lambda: torch.randn(1, 5, dtype=torch.float64)),
+        ("ties_and_zeros", lambda: torch.tensor([[0.0, 1.0], [0.0, 1.0], [-1.0, 1.0], [2.0, -3.0]], dtype=torch.float64)),
+        ("beyond_c", lambda: torch.tensor([[-150.0], [3.0], [250.0]], dtype=torch.float64)),
+    ],
+)
+def test_corner_cases_match_reference(name, values):
+    x = values()
+    out = quantile_activation(x, generator=_gen())
+    np.testing.assert_array_equal(out.numpy(), ref_qact(x.numpy()))
+    assert torch.isfinite(out).all()
+
+
+def test_quantiles_match_reference_and_general_weighted_quantiles():
+    x = torch.randn(40, 4, dtype=torch.float64)
+    stats = qact_statistics(channel_values(x), generator=_gen())
+    for ch in range(4):
+        np.testing.assert_allclose(stats.quantiles[ch].numpy(), ref_quantiles(x[:, ch].numpy()), rtol=1e-12, atol=1e-10)
+    aug = torch.cat([channel_values(x), torch.tensor([[-100.0, 100.0]], dtype=torch.float64).expand(4, 2)], dim=1)
+    general = weighted_quantiles(aug, grounding_weights(aug), torch.arange(1, 101, dtype=torch.float64) / 101)
+    torch.testing.assert_close(general, stats.quantiles, rtol=1e-12, atol=1e-10)
+
+
+def test_equal_weights_reduce_to_hazen_quantiles():
+    v = torch.randn(3, 50, dtype=torch.float64)
+    levels = torch.tensor([0.05, 0.3, 0.5, 0.77, 0.99], dtype=torch.float64)
+    got = weighted_quantiles(v, torch.ones_like(v), levels)
+    want = np.quantile(v.numpy(), levels.numpy(), axis=1, method="hazen").T
+    np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
+
+
+def test_grounding_gives_each_sign_half_the_weight():
+    v = torch.tensor([[-1.0, 0.0, 2.0, 3.0, -100.0, 100.0]])
+    w = grounding_weights(v)
+    assert float(w[v < 0].sum()) == pytest.approx(0.5)
+    assert float(w[v >= 0].sum()) == pytest.approx(0.5)
+    assert float(w[0, 1]) == pytest.approx(0.5 / 4)  # zero counts as non-negative (eq. (8))
+
+
+# ----------------------------------------------------------------------------- backward
+@pytest.mark.parametrize("shape", [(64, 3), (4, 2, 6, 6), (5, 3, 9), (1, 3)])
+def test_gradient_is_grad_output_times_reference_kde(shape):
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(shape, dtype=torch.float64)
+    quantile_activation(x, generator=_gen(3)).backward(g)
+    stats = qact_statistics(channel_values(x.detach()), generator=_gen(3))  # same samples
+    xv = channel_values(x.detach())
+    _, spacing = gaussian_kde_grid(xv, stats.samples, stats.bandwidth, return_spacing=True)
+    bound = kde_grid_error_bound(stats.bandwidth, spacing)
+    want = torch.empty_like(xv)
+    for ch in range(xv.shape[0]):
+        s = stats.samples[ch].numpy()
+        h = ref_silverman(s)
+        assert float(stats.bandwidth[ch]) == pytest.approx(h, rel=1e-12)
+        want[ch] = torch.from_numpy(ref_kde(xv[ch].numpy(), s, h))
+    got = channel_values(x.grad / g)
+    # Tolerance: the proven worst-case error of the grid KDE (kde.py docstring), plus rounding.
+    tol = bound[:, None] * 1.0001 + 1e-12
+    assert ((got - want).abs() <= tol).all(), float(((got - want).abs() - tol).max())
+    # ... and the bound is small: <= 0.1% of the kernel peak phi(0)/h.
+    assert (bound <= 1e-3 / (math.sqrt(2 * math.pi) * stats.bandwidth)).all()
+
+
+def test_grid_kde_close_to_exact_kde_on_wide_ranges():
+    torch.manual_seed(1)
+    samples, _ = torch.sort(torch.cat([torch.randn(2, 990), torch.full((2, 10), 100.0)], dim=1).double(), dim=1)
+    h = torch.tensor([0.05, 0.3], dtype=torch.float64)
+    x = torch.linspace(-5, 105, 3000, dtype=torch.float64).expand(2, -1).contiguous()
+    fast, spacing = gaussian_kde_grid(x, samples, h, return_spacing=True)
+    exact = gaussian_kde(x, samples, h)
+    assert ((fast - exact).abs() <= kde_grid_error_bound(h, spacing)[:, None] * 1.0001 + 1e-12).all()
+
+
+def test_kde_samples_are_drawn_with_the_grounding_weights():
+    # 10 negatives and 990 positives: grounding gives each side half the draws.
+    z = torch.cat([-torch.rand(10) - 0.1, torch.rand(990) + 0.1]).double()[:, None].expand(-1, 4).T.contiguous()
+    stats = qact_statistics(z, n_samples=5000, generator=_gen(5))
+    allowed = set(z[0].tolist()) | {-100.0, 100.0}
+    assert set(stats.samples.flatten().tolist()) <= allowed
+    frac_neg = float((stats.samples < 0).double().mean())
+    assert abs(frac_neg - 0.5) < 4 * 0.5 / math.sqrt(20000)
+    assert torch.all(stats.samples[:, 1:] >= stats.samples[:, :-1])
+
+
+def test_same_generator_seed_gives_same_gradient():
+    x = torch.randn(16, 3, dtype=torch.float64)
+    grads = []
+    for _ in range(2):
+        xi = x.clone().requires_grad_(True)
+        quantile_activation(xi, generator=_gen(11)).sum().backward()
+        grads.append(xi.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+def test_module_is_deterministic_given_torch_seed():
+    x = torch.randn(16, 3)
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        xi = x.clone().requires_grad_(True)
+        QuantileActivation()(xi).sum().backward()
+        outs.append(xi.grad)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- modes
+def test_eval_does_not_change_the_context_mode():
+    layer = QuantileActivation()
+    layer.eval()
+    assert layer.context == "batch"
+    x = torch.randn(20, 3)
+    torch.testing.assert_close(layer(x), quantile_activation(x))
+
+
+def test_frozen_mode_uses_stored_statistics_and_batch_mode_updates_them():
+    layer = QuantileActivation(momentum=None)
+    x = torch.randn(50, 3) * 3 + 1
+    layer.train()(x)  # cumulative average after one batch = that batch's statistics
+    want = qact_statistics(channel_values(x)).quantiles
+    torch.testing.assert_close(layer.running_quantiles, want)
+    layer.eval()(x)  # no update in eval
+    assert int(layer.num_batches_tracked) == 1
+    layer.context = "frozen"
+    single = layer(x[:1])
+    assert single.shape == (1, 3)
+    counts = torch.searchsorted(want, x[:1].T.contiguous(), right=True).T / 100
+    torch.testing.assert_close(single, counts.float())
+
+
+def test_fit_context_and_context_manager():
+    ref = torch.randn(200, 2) + 5
+    x = torch.randn(4, 2) + 5
+    layer = QuantileActivation()
+    before = layer(x)
+    with layer.context(ref):
+        assert layer.context == "frozen"
+        inside = layer(x)
+        alone = layer(x[1:2])
+    assert layer.context == "batch"
+    torch.testing.assert_close(layer(x), before)
+    # inside the context, each row is judged against ref, not against the 4-row batch
+    want = torch.from_numpy(np.stack([[(xv >= ref_quantiles(ref[:, c].numpy())).sum() / 100 for c, xv in enumerate(row)]
+                                      for row in x.double().numpy()])).float()
+    torch.testing.assert_close(inside, want)
+    torch.testing.assert_close(alone, inside[1:2])
+    layer.fit_context(ref)
+    assert layer.context == "frozen"
+    torch.testing.assert_close(layer(x), inside)
+
+
+def test_context_can_be_assigned_and_validated():
+    layer = QuantileActivation(context="frozen")
+    assert layer.context == "frozen"
+    layer.context = "batch"
+    assert layer.context == "batch"
+    with pytest.raises(ValueError, match="context"):
+        layer.context = "test"
+    with pytest.raises(ValueError, match="context"):
+        QuantileActivation(context="eval")
+
+
+def test_lazy_statistics_round_trip_through_state_dict():
+    a = QuantileActivation()
+    a.train()(torch.randn(30, 4))
+    b = QuantileActivation()
+    b.load_state_dict(a.state_dict())
+    torch.testing.assert_close(b.running_quantiles, a.running_quantiles)
+
+
+# ----------------------------------------------------------------------------- errors, dtypes
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_raises(bad):
+    x = torch.randn(5, 3)
+    x[2, 1] = bad
+    with pytest.raises(ValueError, match="input"):
+        QuantileActivation()(x)
+    with pytest.raises(ValueError, match="input"):
+        quantile_activation(x)
+
+
+def test_one_dimensional_input_raises():
+    with pytest.raises(ValueError, match="input"):
+        QuantileActivation()(torch.randn(10))
+
+
+def test_integer_input_raises_type_error():
+    with pytest.raises(TypeError, match="input"):
+        QuantileActivation()(torch.ones(4, 2, dtype=torch.long))
+
+
+def test_wrong_channel_count_for_statistics_raises():
+    stats = qact_statistics(torch.randn(3, 10))
+    with pytest.raises(ValueError, match="stats"):
+        qact_apply(torch.randn(4, 2), stats)
+
+
+# ----------------------------------------------------------------------------- block, factory
+@pytest.mark.parametrize("shape", [(8, 4), (8, 4, 5), (8, 4, 3, 3)])
+def test_qact_block_accepts_any_rank_and_backpropagates(shape):
+    block = QACTBlock(4)
+    x = torch.randn(shape, requires_grad=True)
+    y = block(x)
+    assert y.shape == x.shape
+    y.pow(2).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert block.bn_in.weight.grad is not None
+
+
+def test_qact_block_with_explicit_batchnorm_dim():
+    block = QACTBlock(3, dim=2)
+    assert isinstance(block.bn_in, torch.nn.BatchNorm2d)
+    with pytest.raises(ValueError):
+        block(torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("name, cls", [("relu", torch.nn.ReLU), ("prelu", torch.nn.PReLU), ("selu", torch.nn.SELU),
+                                       ("qact", QACTBlock), ("QACT", QACTBlock)])
+def test_make_activation(name, cls):
+    assert isinstance(make_activation(name, 6), cls)
+
+
+def test_make_activation_unknown_name_lists_valid_ones():
+    with pytest.raises(ValueError, match="relu, prelu, selu, qact"):
+        make_activation("gelu", 4)
+
+
+def test_functional_boundaries_validate_their_arguments():
+    with pytest.raises(ValueError, match="values"):
+        qact_statistics(torch.randn(10))
+    with pytest.raises(ValueError, match="values"):
+        qact_statistics(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="weights"):
+        weighted_quantiles(torch.randn(2, 3), torch.ones(2, 4), torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="levels"):
+        weighted_quantiles(torch.randn(2, 3), torch.ones(2, 3), torch.tensor([1.5]))
