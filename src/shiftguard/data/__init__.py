@@ -1,0 +1,33 @@
+"""Datasets: loaders for the standard image sets in their official on-disk formats, and a default.
+
+``load(name, split, root=None, download=False, *, corruption=None, severity=None)`` returns an
+:class:`ImageDataset` (``.images`` uint8 ``(N, C, H, W)``, ``.labels`` int64 ``(N,)``,
+``.classes``, ``.name``, ``.split``). ``load_default(split)`` is a real, class-balanced MNIST
+subset shipped inside the package (offline, < 1 s). ``make_loader`` builds a DataLoader whose
+shuffle depends only on its seed. See ``docs/data.md`` for every name, format and error.
+"""
+
+from shiftguard.data.base import ImageDataset, make_loader
+from shiftguard.data.corrupted_sets import (
+    CIFAR_C_CORRUPTIONS,
+    MNIST_C_CORRUPTIONS,
+    TINYIMAGENET_C_CORRUPTIONS,
+    corruption_names,
+)
+from shiftguard.data.embedded import load_default
+from shiftguard.data.registry import describe, load, names
+from shiftguard.data import toy  # noqa: E402  two-Gaussians failure-mode toy (000, Fig. 1)
+
+__all__ = [
+    "ImageDataset",
+    "make_loader",
+    "load",
+    "load_default",
+    "names",
+    "describe",
+    "corruption_names",
+    "CIFAR_C_CORRUPTIONS",
+    "MNIST_C_CORRUPTIONS",
+    "TINYIMAGENET_C_CORRUPTIONS",
+    "toy",
+]

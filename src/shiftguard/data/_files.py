@@ -1,0 +1,118 @@
+"""Low-level file reading shared by the loaders: every failure becomes an error naming the file.
+
+A loader never lets a bare ``zlib.error`` or ``EOFError`` escape: a user with a truncated
+download must be told which file is broken and what was expected of it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import zlib
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["file_error", "read_bytes", "load_npy", "missing_files_error", "check_split"]
+
+
+def file_error(path: os.PathLike | str, message: str) -> ValueError:
+    """A ``ValueError`` whose message starts with the offending file."""
+    return ValueError(f"{path}: {message}")
+
+
+def read_bytes(path: Path) -> bytes:
+    """The content of ``path``, gunzipped when it is a gzip file (by magic bytes, not by name)."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise file_error(path, "expected a file, found a directory") from None
+    if raw[:2] != b"\x1f\x8b":
+        if path.suffix == ".gz":
+            raise file_error(path, "named .gz but is not a gzip file (bad magic bytes)")
+        return raw
+    try:
+        return gzip.decompress(raw)
+    except (EOFError, OSError, zlib.error) as exc:  # truncated stream, bad CRC, garbage
+        raise file_error(path, f"corrupt or truncated gzip data ({type(exc).__name__}: {exc})") from None
+
+
+def load_npy(path: Path, *, mmap: bool = False) -> np.ndarray:
+    """``numpy.load`` of a ``.npy`` file with pickles refused and every failure naming the file.
+
+    ``mmap=True`` maps the file read-only instead of reading it (the CIFAR-10-C arrays are 150 MB
+    each and a caller usually needs one fifth of them).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: file not found")
+    _check_npy_size(path)
+    try:
+        arr = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except ValueError as exc:  # bad header, object arrays (pickle refused), size mismatch
+        raise file_error(path, f"not a valid .npy array file ({exc})") from None
+    except Exception as exc:  # truncated data (EOFError, OSError), mangled header (SyntaxError, TokenError, ...)
+        raise file_error(path, f"corrupt or truncated .npy file ({type(exc).__name__}: {exc})") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive under a .npy name
+        raise file_error(path, "expected a single .npy array, found an .npz archive")
+    return arr
+
+
+def _check_npy_size(path: Path) -> None:
+    """Compare the size the .npy header declares with the file's size before reading any data.
+
+    Without this a corrupt shape field would make ``numpy.load`` allocate the declared size first.
+    """
+    from numpy.lib import format as npformat
+
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            if fh.read(4) == b"PK\x03\x04":
+                raise file_error(path, "expected a single .npy array, found an .npz (zip) archive")
+            fh.seek(0)
+            version = npformat.read_magic(fh)
+            if version == (1, 0):
+                shape, _, dtype = npformat.read_array_header_1_0(fh)
+            elif version in ((2, 0), (3, 0)):
+                shape, _, dtype = npformat.read_array_header_2_0(fh)
+            else:
+                raise file_error(path, f"unsupported .npy format version {version}")
+            header_end = fh.tell()
+    except ValueError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise file_error(path, f"not a valid .npy array file ({exc})") from None
+    except Exception as exc:  # truncated or mangled header (EOFError, SyntaxError, TokenError, ...)
+        raise file_error(path, f"corrupt or truncated .npy header ({type(exc).__name__}: {exc})") from None
+    if dtype.hasobject:
+        raise file_error(path, f"holds Python objects (dtype {dtype}); pickled arrays are refused")
+    expected = header_end + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise file_error(path, f"{kind}: header declares {dtype} {tuple(shape)} ({expected} bytes in all), file holds {size}")
+
+
+def check_split(name: str, split: str, allowed: Sequence[str]) -> str:
+    if not isinstance(split, str) or split not in allowed:
+        raise ValueError(f"split: {name!r} has splits {list(allowed)}, got {split!r}")
+    return split
+
+
+def missing_files_error(
+    name: str,
+    expected: Iterable[str],
+    looked_in: Sequence[Path],
+    hint: Optional[str] = None,
+) -> FileNotFoundError:
+    """The error for a dataset whose files are not where they were looked for."""
+    where = "\n  ".join(str(p) for p in looked_in)
+    files = ", ".join(expected)
+    msg = f"{name}: expected files {files} in one of:\n  {where}"
+    if hint:
+        msg += f"\n{hint}"
+    return FileNotFoundError(msg)
