@@ -1,0 +1,177 @@
+"""Batched, deterministic image corruptions: MNIST-C and CIFAR-10-C on CPU or GPU.
+
+>>> from shiftguard import corruptions
+>>> corruptions.names("mnist-c")[:3]
+['shot_noise', 'impulse_noise', 'glass_blur']
+>>> x_shifted = corruptions.corrupt(x, "fog", severity=3, seed=0)  # doctest: +SKIP
+
+Suites (seed documents 000 and 004 evaluate on "MNISTC" and "CIFAR10C"):
+
+- ``"mnist-c"``: the 15 corruptions of Mu & Gilmer (2019), five severities each, severity 3 =
+  the published MNIST-C setting (:mod:`.mnist_c`).
+- ``"cifar-c"``: the 15 benchmark corruptions of Hendrycks & Dietterich (2019) with the
+  CIFAR-10-C constants (:mod:`.cifar_c`); ``"cifar-c-extra"``: its 4 extra corruptions.
+
+Images are ``(N, C, H, W)``: ``uint8`` in 0..255 or floating point in [0, 1] (values outside are
+clipped first). The output has the input's shape, dtype and device and is clipped to the valid
+range; ``uint8`` results are rounded to the nearest level (the published scripts truncate, a
+bias of half a level). All randomness comes from one ``torch.Generator`` seeded with ``seed`` on
+the images' device, so the same call gives the same output; the random stream is consumed in
+chunks of ``CHUNK`` images, so an image's noise depends on its position in the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .cifar_c import CIFAR_C, CIFAR_C_EXTRA
+from .mnist_c import MNIST_C
+from .registry import CorruptionSpec
+
+__all__ = ["SUITES", "CorruptionSpec", "names", "get", "corrupt", "gallery"]
+
+SUITES: dict[str, dict[str, CorruptionSpec]] = {
+    "mnist-c": MNIST_C,
+    "cifar-c": CIFAR_C,
+    "cifar-c-extra": CIFAR_C_EXTRA,
+}
+
+#: Images processed per step (bounds memory; the random stream continues across chunks).
+CHUNK = 8192
+
+
+def _check_suite(suite: str) -> dict[str, CorruptionSpec]:
+    if suite not in SUITES:
+        raise ValueError(f"suite: unknown suite {suite!r}; valid: {', '.join(SUITES)}")
+    return SUITES[suite]
+
+
+def names(suite: str = "cifar-c", *, extra: bool = False) -> list[str]:
+    """Corruption names of ``suite`` in benchmark order (``extra=True`` appends the 4 CIFAR-10-C
+    extras to ``"cifar-c"``)."""
+    out = list(_check_suite(suite))
+    if extra:
+        if suite != "cifar-c":
+            raise ValueError(f"extra: only the 'cifar-c' suite has extra corruptions, got suite={suite!r}")
+        out += list(CIFAR_C_EXTRA)
+    return out
+
+
+def get(name: str, suite: Optional[str] = None, channels: Optional[int] = None) -> CorruptionSpec:
+    """The :class:`CorruptionSpec` for ``name``.
+
+    ``suite`` may be given, or a qualified name ``"mnist-c/fog"`` used. Otherwise the suite is
+    inferred: names that exist in both MNIST-C and CIFAR-10-C (shot_noise, impulse_noise,
+    glass_blur, motion_blur, brightness, fog, spatter) resolve to MNIST-C for one-channel images
+    and to CIFAR-10-C otherwise.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"name: expected a string, got {type(name).__name__}")
+    if "/" in name and suite is None:
+        suite, name = name.split("/", 1)
+    if suite is not None:
+        table = _check_suite(suite)
+        if name not in table:
+            raise ValueError(f"name: unknown corruption {name!r} for suite {suite!r}; valid: {', '.join(table)}")
+        return table[name]
+    found = [s for s, t in SUITES.items() if name in t]
+    if not found:
+        valid = sorted({n for t in SUITES.values() for n in t})
+        raise ValueError(f"name: unknown corruption {name!r}; valid: {', '.join(valid)}")
+    if len(found) > 1:
+        pick = "mnist-c" if channels == 1 else next(s for s in found if s != "mnist-c")
+        return SUITES[pick][name]
+    return SUITES[found[0]][name]
+
+
+def _check_images(images) -> torch.Tensor:
+    if not isinstance(images, torch.Tensor):
+        raise TypeError(f"images: expected a torch.Tensor (N, C, H, W), got {type(images).__name__}")
+    if images.dim() != 4:
+        raise ValueError(f"images: expected 4 dimensions (N, C, H, W), got shape {tuple(images.shape)}")
+    if images.dtype != torch.uint8 and not images.is_floating_point():
+        raise TypeError(f"images: expected dtype uint8 or floating point, got {images.dtype}")
+    if images.shape[1] not in (1, 3):
+        raise ValueError(f"images: expected 1 or 3 channels (N, C, H, W), got C={images.shape[1]}")
+    if images.shape[2] < 8 or images.shape[3] < 8:
+        raise ValueError(f"images: expected H, W >= 8, got shape {tuple(images.shape)}")
+    return images
+
+
+def _check_severity(severity) -> int:
+    if isinstance(severity, bool) or not isinstance(severity, int):
+        try:
+            import numpy as np
+
+            if isinstance(severity, np.integer):
+                severity = int(severity)
+            else:
+                raise TypeError
+        except TypeError:
+            raise TypeError(f"severity: expected an int in 0..5, got {type(severity).__name__}") from None
+    if not 0 <= severity <= 5:
+        raise ValueError(f"severity: expected 0..5 (0 = clean), got {severity}")
+    return severity
+
+
+def corrupt(
+    images: torch.Tensor,
+    name: str,
+    severity: int,
+    seed: int = 0,
+    *,
+    suite: Optional[str] = None,
+    params=None,
+) -> torch.Tensor:
+    """Corrupt a batch of images.
+
+    Args:
+        images: ``(N, C, H, W)`` with C in {1, 3}; ``uint8`` (0..255) or float (assumed in
+            [0, 1]; float16/bfloat16 are computed in float32).
+        name: corruption name (see :func:`names`), optionally qualified as ``"suite/name"``.
+        severity: 1..5, or 0 for the unchanged images (a copy).
+        seed: seed of the ``torch.Generator`` (on the images' device) driving all randomness.
+        suite: ``"mnist-c"``, ``"cifar-c"`` or ``"cifar-c-extra"``; inferred when omitted (see
+            :func:`get`).
+        params: advanced: use this parameter setting instead of the suite's entry for
+            ``severity`` (same structure as ``get(name).params[i]``), e.g. the ImageNet-C constants
+            in :data:`.cifar_c.IMAGECORRUPTIONS_PARAMS` for comparisons with that package.
+
+    Returns:
+        A new tensor with the shape, dtype and device of ``images``, clipped to the valid range.
+    """
+    images = _check_images(images)
+    spec = get(name, suite, channels=images.shape[1])
+    severity = _check_severity(severity)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if severity == 0 or images.shape[0] == 0:
+        return images.clone()
+    work = torch.float64 if images.dtype == torch.float64 else torch.float32
+    gen = torch.Generator(device=images.device)
+    gen.manual_seed(seed)
+    out = torch.empty_like(images)
+    with torch.no_grad():
+        for start in range(0, images.shape[0], CHUNK):
+            chunk = images[start : start + CHUNK]
+            x = chunk.to(work, copy=True)  # our own buffer: the ops below may work in place
+            x = x.div_(255.0) if images.dtype == torch.uint8 else x.clamp_(0, 1)
+            if params is None:
+                y = spec(x, severity, gen)
+            else:
+                y = spec.fn(x, params, gen, min(x.shape[-2:]) / spec.ref_size)
+            # in place: these passes dominate the cost of the cheap corruptions
+            y = y.nan_to_num_(0.0).clamp_(0, 1)
+            if images.dtype == torch.uint8:
+                y = y.mul_(255).round_()
+            out[start : start + CHUNK].copy_(y)
+    return out
+
+
+def gallery(images, suite: Optional[str] = None, **kwargs):
+    """Figure of corruptions (rows) x severities 0-5 (columns); see :func:`.figures.gallery`."""
+    from .figures import gallery as _gallery
+
+    return _gallery(images, suite, **kwargs)

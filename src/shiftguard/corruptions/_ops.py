@@ -1,0 +1,641 @@
+"""Vectorised image primitives shared by the corruption suites.
+
+Every function takes a float tensor ``(N, C, H, W)`` (values in ``[0, 1]`` unless said
+otherwise) and works on the whole batch at once with pure torch ops, so it runs unchanged on
+CPU or GPU. Randomness always comes from an explicit ``torch.Generator`` on the images' device.
+
+The primitives re-create, in torch, the image operations that the published generation code of
+CIFAR-10-C (hendrycks/robustness ``ImageNet-C/create_c/make_cifar_c.py``) and MNIST-C
+(google-research/mnist-c ``corruptions.py``) borrow from scipy / scikit-image / OpenCV /
+ImageMagick / PIL. Each docstring names the library call it stands for and the boundary
+convention it reproduces, because those conventions are where re-implementations drift.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+
+# ----------------------------------------------------------------------------- random numbers
+
+
+def uniform(shape: Sequence[int], low: float, high: float, gen: torch.Generator, like: Tensor) -> Tensor:
+    """Uniform draws in ``[low, high)`` with the images' dtype and device."""
+    u = torch.rand(tuple(shape), generator=gen, device=like.device, dtype=like.dtype)
+    return u if (low, high) == (0, 1) else u.mul_(high - low).add_(low)
+
+
+def normal(shape: Sequence[int], loc: float, scale: float, gen: torch.Generator, like: Tensor) -> Tensor:
+    """Gaussian draws ``N(loc, scale^2)`` with the images' dtype and device."""
+    z = torch.randn(tuple(shape), generator=gen, device=like.device, dtype=like.dtype).mul_(scale)
+    return z.add_(loc) if loc else z
+
+
+def random_sign(n: int, gen: torch.Generator, like: Tensor) -> Tensor:
+    """``n`` independent draws from {-1, +1} (numpy ``np.random.choice([-1, 1])``)."""
+    bits = torch.randint(0, 2, (n,), generator=gen, device=like.device)
+    return (bits * 2 - 1).to(like.dtype)
+
+
+# ----------------------------------------------------------------------------- padding / filtering
+
+
+def pad_index(n: int, before: int, after: int, mode: str, device) -> Tensor:
+    """Source index for every position of a 1-D signal of length ``n`` padded by ``before``/``after``.
+
+    ``mode`` follows scipy.ndimage names: ``nearest`` (a a | a b c | c c), ``reflect``
+    (b a | a b c | c b: half-sample symmetric, scipy's default), ``mirror`` (c b | a b c | b a:
+    whole-sample symmetric, OpenCV's BORDER_REFLECT_101 and torch's ``reflect``), ``wrap``.
+    """
+    i = torch.arange(-before, n + after, device=device)
+    if mode == "nearest":
+        return i.clamp(0, n - 1)
+    if mode == "wrap":
+        return i.remainder(n)
+    if mode == "reflect":
+        period = 2 * n
+        i = i.remainder(period)
+        return torch.where(i >= n, period - 1 - i, i)
+    if mode == "mirror":
+        if n == 1:
+            return torch.zeros_like(i)
+        period = 2 * n - 2
+        i = i.remainder(period)
+        return torch.where(i >= n, period - i, i)
+    raise ValueError(f"mode: unknown padding mode {mode!r}")
+
+
+def pad2d(x: Tensor, ph: tuple[int, int], pw: tuple[int, int], mode: str) -> Tensor:
+    """Pad the last two dims of ``x``; ``mode`` as in :func:`pad_index` or ``constant`` (zeros)."""
+    if mode == "constant":
+        return F.pad(x, (pw[0], pw[1], ph[0], ph[1]))
+    H, W = x.shape[-2:]
+    x = x.index_select(-2, pad_index(H, ph[0], ph[1], mode, x.device))
+    return x.index_select(-1, pad_index(W, pw[0], pw[1], mode, x.device))
+
+
+def gaussian_kernel1d(sigma: float, truncate: float = 4.0, *, dtype=torch.float32, device=None) -> Tensor:
+    """Normalised 1-D Gaussian, radius ``int(truncate * sigma + 0.5)`` (scipy ``gaussian_filter``)."""
+    radius = int(truncate * float(sigma) + 0.5)
+    t = torch.arange(-radius, radius + 1, dtype=torch.float64, device=device)
+    k = torch.exp(-0.5 * (t / float(sigma)) ** 2)
+    return (k / k.sum()).to(dtype)
+
+
+def filter2d(x: Tensor, kernel: Tensor, mode: str) -> Tensor:
+    """Correlate every channel of ``x`` (…, H, W) with one 2-D ``kernel`` (kh, kw), same size out.
+
+    Correlation (not convolution), kernel anchored at its centre, like ``cv2.filter2D`` and
+    ``scipy.ndimage.correlate``.
+    """
+    shape = x.shape
+    H, W = shape[-2:]
+    kh, kw = kernel.shape
+    if H * W <= 1024 and kh * kw > 9 and mode != "constant":
+        # Small images: one dense (HW x HW) matrix with the boundary folded in beats conv2d.
+        M = _cached_dense_filter(H, W, kernel, mode, x)
+        return torch.matmul(x.reshape(-1, H * W), M.transpose(0, 1)).reshape(shape)
+    x4 = x.reshape(-1, 1, H, W)
+    x4 = pad2d(x4, (kh // 2, (kh - 1) // 2), (kw // 2, (kw - 1) // 2), mode)
+    out = F.conv2d(x4, kernel.to(x.dtype).view(1, 1, kh, kw))
+    return out.reshape(shape)
+
+
+def filter_matrix(n: int, kernel: Tensor, mode: str) -> Tensor:
+    """The ``(n, n)`` matrix of correlating a length-``n`` signal with the odd-length 1-D
+    ``kernel`` under boundary ``mode`` (as in :func:`pad_index`, or ``constant`` = zeros):
+    ``out = M @ signal``. Folding the boundary into the matrix lets small images be filtered with
+    two batched matmuls, much faster on CPU than a convolution for 28x28 or 32x32 images."""
+    k = kernel.detach().to("cpu", torch.float64)
+    r = k.numel() // 2
+    M = torch.zeros(n, n, dtype=torch.float64)
+    rows = torch.arange(n)
+    for t in range(k.numel()):
+        src = rows + t - r
+        if mode == "constant":
+            ok = (src >= 0) & (src < n)
+            M.index_put_((rows[ok], src[ok]), k[t].expand(int(ok.sum())), accumulate=True)
+        else:
+            j = pad_index(n, r, r, mode, "cpu")[rows + t]
+            M.index_put_((rows, j), k[t].expand(n), accumulate=True)
+    return M
+
+
+_MATRIX_CACHE: dict = {}
+
+
+def _cached_filter_matrix(n: int, kernel: Tensor, mode: str, like: Tensor) -> Tensor:
+    key = (n, tuple(kernel.detach().cpu().double().tolist()), mode, like.dtype, str(like.device))
+    M = _MATRIX_CACHE.get(key)
+    if M is None:
+        if len(_MATRIX_CACHE) > 512:
+            _MATRIX_CACHE.clear()
+        M = filter_matrix(n, kernel, mode).to(dtype=like.dtype, device=like.device)
+        _MATRIX_CACHE[key] = M
+    return M
+
+
+def _cached_dense_filter(H: int, W: int, kernel: Tensor, mode: str, like: Tensor) -> Tensor:
+    key = ("dense", H, W, tuple(kernel.detach().cpu().double().flatten().tolist()), kernel.shape, mode, like.dtype, str(like.device))
+    M = _MATRIX_CACHE.get(key)
+    if M is None:
+        kh, kw = kernel.shape
+        k = kernel.detach().to("cpu", torch.float64)
+        ri = pad_index(H, kh // 2, (kh - 1) // 2, mode, "cpu")
+        ci = pad_index(W, kw // 2, (kw - 1) // 2, mode, "cpu")
+        out_r = torch.arange(H)[:, None, None, None]
+        out_c = torch.arange(W)[None, :, None, None]
+        a = torch.arange(kh)[None, None, :, None]
+        b = torch.arange(kw)[None, None, None, :]
+        src = ri[out_r + a] * W + ci[out_c + b]  # (H, W, kh, kw)
+        dst = (out_r * W + out_c).expand_as(src)
+        D = torch.zeros(H * W, H * W, dtype=torch.float64)
+        D.index_put_((dst.reshape(-1), src.reshape(-1)), k.expand(H, W, kh, kw).reshape(-1), accumulate=True)
+        M = D.to(dtype=like.dtype, device=like.device)
+        if len(_MATRIX_CACHE) > 512:
+            _MATRIX_CACHE.clear()
+        _MATRIX_CACHE[key] = M
+    return M
+
+
+def separable_filter(x: Tensor, k_rows: Optional[Tensor], k_cols: Optional[Tensor], mode: str) -> Tensor:
+    """Apply a 1-D kernel down the rows (``k_rows``) then along the columns (``k_cols``).
+
+    Small images (sides <= 64) use boundary-folded filter matrices (:func:`filter_matrix`),
+    larger ones padded convolutions; both give the same result."""
+    shape = x.shape
+    H, W = shape[-2:]
+    if max(H, W) <= 64:
+        y = x
+        if k_rows is not None and k_rows.numel() > 1:
+            y = torch.matmul(_cached_filter_matrix(H, k_rows, mode, x), y)
+        if k_cols is not None and k_cols.numel() > 1:
+            y = torch.matmul(y, _cached_filter_matrix(W, k_cols, mode, x).transpose(0, 1))
+        return y
+    y = x.reshape(-1, 1, H, W)
+    if k_rows is not None and k_rows.numel() > 1:
+        r = k_rows.numel() // 2
+        y = pad2d(y, (r, r), (0, 0), mode)
+        y = F.conv2d(y, k_rows.to(y.dtype).view(1, 1, -1, 1))
+    if k_cols is not None and k_cols.numel() > 1:
+        r = k_cols.numel() // 2
+        y = pad2d(y, (0, 0), (r, r), mode)
+        y = F.conv2d(y, k_cols.to(y.dtype).view(1, 1, 1, -1))
+    return y.reshape(shape)
+
+
+def gaussian_blur(x: Tensor, sigma: float, mode: str = "nearest", truncate: float = 4.0) -> Tensor:
+    """``skimage.filters.gaussian(x, sigma)`` per channel (scipy ``gaussian_filter``; default mode
+    ``nearest`` as in scikit-image). ``sigma <= 0`` returns ``x`` unchanged."""
+    if sigma <= 0:
+        return x
+    k = gaussian_kernel1d(sigma, truncate, dtype=x.dtype, device=x.device)
+    return separable_filter(x, k, k, mode)
+
+
+def box_blur3(x: Tensor) -> Tensor:
+    """``cv2.blur(x, (3, 3))``: 3x3 mean, BORDER_REFLECT_101."""
+    k = torch.full((3,), 1.0 / 3.0, dtype=x.dtype, device=x.device)
+    return separable_filter(x, k, k, "mirror")
+
+
+def cv2_gaussian_kernel1d(ksize: int, sigma: float) -> Tensor:
+    """``cv2.getGaussianKernel(ksize, sigma)`` (float64)."""
+    t = torch.arange(ksize, dtype=torch.float64) - (ksize - 1) / 2
+    k = torch.exp(-(t**2) / (2 * sigma * sigma))
+    return k / k.sum()
+
+
+def disk_kernel(radius: float, alias_blur: float) -> Tensor:
+    """The anti-aliased disk of make_cifar_c.py ``disk()``: indicator of ``x^2 + y^2 <= r^2`` on
+    ``[-8, 8]^2`` (``[-r, r]^2`` when ``r > 8``), normalised, then ``cv2.GaussianBlur`` with a
+    3x3 (5x5 when ``r > 8``) kernel of sigma ``alias_blur`` (BORDER_REFLECT_101). Float64."""
+    if radius <= 8:
+        half, ksize = 8, 3
+    else:
+        half, ksize = int(radius), 5
+    L = torch.arange(-half, half + 1, dtype=torch.float64)
+    Y, X = torch.meshgrid(L, L, indexing="ij")
+    d = ((X**2 + Y**2) <= radius**2).double()
+    d = d / d.sum()
+    g = cv2_gaussian_kernel1d(ksize, alias_blur)
+    return separable_filter(d[None, None], g, g, "mirror")[0, 0]
+
+
+def crop_kernel(kernel: Tensor, eps: float = 1e-12) -> Tensor:
+    """Trim all-zero outer rows/columns symmetrically (same result, smaller convolution)."""
+    nz = (kernel.abs() > eps).nonzero()
+    if nz.numel() == 0:
+        return kernel
+    c = kernel.shape[0] // 2
+    r = int(max((nz[:, 0] - c).abs().max(), (nz[:, 1] - c).abs().max()))
+    return kernel[c - r : c + r + 1, c - r : c + r + 1]
+
+
+# ----------------------------------------------------------------------------- motion blur
+
+
+def motion_blur(x: Tensor, radius: float, sigma: float, angle_deg: Tensor) -> Tensor:
+    """ImageMagick ``MotionBlurImage(radius, sigma, angle)`` on every image, one angle per image.
+
+    Kernel width ``2 * ceil(radius) + 1`` with one-sided Gaussian weights ``exp(-i^2 / 2 sigma^2)``,
+    i = 0..width-1 (normalised); tap ``i`` reads the pixel at
+    ``(x + ceil(i cos a - 0.5), y + ceil(i sin a - 0.5))`` with edge replication, and taps that
+    leave the image are dropped without renormalising (as the numpy port in ``imagecorruptions``
+    does). Taps whose normalised weight is below 1e-7 are skipped (their total effect is far
+    below one 8-bit level). ``angle_deg``: ``(N,)``.
+    """
+    N, C, H, W = x.shape
+    width = 2 * int(math.ceil(radius)) + 1
+    i = torch.arange(width, dtype=torch.float64)
+    k = torch.exp(-(i**2) / (2 * float(sigma) ** 2))
+    k = (k / k.sum()).tolist()
+    a = angle_deg.to(torch.float64) * (math.pi / 180.0)
+    sin_a, cos_a = torch.sin(a), torch.cos(a)
+    rows = torch.arange(H, device=x.device)
+    cols = torch.arange(W, device=x.device)
+    flat = x.reshape(N, C, H * W)
+    out = torch.zeros_like(flat)
+    for t in range(width):
+        if k[t] < 1e-7:  # a far tail tap: changes no pixel by more than 1e-7 (skipped for speed)
+            continue
+        oy = torch.ceil(t * sin_a - 0.5).long().to(x.device)
+        ox = torch.ceil(t * cos_a - 0.5).long().to(x.device)
+        valid = ((oy.abs() < H) & (ox.abs() < W)).to(x.dtype)
+        r = (rows[None, :] + oy[:, None]).clamp(0, H - 1)
+        c = (cols[None, :] + ox[:, None]).clamp(0, W - 1)
+        idx = (r[:, :, None] * W + c[:, None, :]).reshape(N, 1, H * W).expand(N, C, H * W)
+        out += (k[t] * valid)[:, None, None] * flat.gather(2, idx)
+    return out.reshape(N, C, H, W)
+
+
+# ----------------------------------------------------------------------------- resampling
+
+
+def linear_resample_matrix(src_pos: Tensor, n_in: int) -> Tensor:
+    """Matrix ``(len(src_pos), n_in)`` of linear-interpolation weights at the source positions."""
+    p = src_pos.to(torch.float64).clamp(0, n_in - 1)
+    lo = p.floor().long().clamp(0, n_in - 1)
+    hi = (lo + 1).clamp(max=n_in - 1)
+    w = p - lo.double()
+    A = torch.zeros(len(p), n_in, dtype=torch.float64)
+    rows = torch.arange(len(p))
+    A.index_put_((rows, lo), 1 - w, accumulate=True)
+    A.index_put_((rows, hi), w, accumulate=True)
+    return A
+
+
+def clipped_zoom_matrix(n: int, zoom: float, centre_trim: bool = True) -> Tensor:
+    """1-D linear map of make_cifar_c.py ``clipped_zoom``: crop the central ``ceil(n / zoom)``
+    pixels, ``scipy.ndimage.zoom(order=1)`` them (output ``round(ch * zoom)`` samples, the end
+    points aligned), then keep the central ``n`` (``centre_trim``; imagecorruptions keeps the
+    first ``n`` instead). Returns ``(n, n)`` float64."""
+    ch = int(math.ceil(n / float(zoom)))
+    top = (n - ch) // 2
+    n_out = int(round(ch * zoom))
+    trim = (n_out - n) // 2 if centre_trim else 0
+    j = torch.arange(n, dtype=torch.float64) + trim
+    step = (ch - 1) / (n_out - 1) if n_out > 1 else 0.0
+    return linear_resample_matrix(top + j * step, n)
+
+
+def apply_separable(x: Tensor, A_rows: Tensor, A_cols: Tensor) -> Tensor:
+    """``A_rows @ x @ A_cols^T`` over the last two dims (a separable linear resampling)."""
+    A_rows = A_rows.to(dtype=x.dtype, device=x.device)
+    A_cols = A_cols.to(dtype=x.dtype, device=x.device)
+    return torch.matmul(torch.matmul(A_rows, x), A_cols.transpose(0, 1))
+
+
+def pil_box_matrix(n_in: int, n_out: int) -> Tensor:
+    """Weights of PIL's ``Image.resize(..., Image.BOX)`` along one axis (libImaging Resample.c
+    ``precompute_coeffs`` with the box filter, support 0.5). Returns ``(n_out, n_in)`` float64."""
+    scale = n_in / n_out
+    filterscale = max(scale, 1.0)
+    support = 0.5 * filterscale
+    A = torch.zeros(n_out, n_in, dtype=torch.float64)
+    for xx in range(n_out):
+        center = (xx + 0.5) * scale
+        xmin = max(int(center - support + 0.5), 0)
+        xmax = min(int(center + support + 0.5), n_in)
+        for xi in range(xmin, xmax):
+            t = (xi - center + 0.5) / filterscale
+            if -0.5 < t <= 0.5:
+                A[xx, xi] = 1.0
+        s = A[xx].sum()
+        if s > 0:
+            A[xx] /= s
+    return A
+
+
+def pixel_grid(H: int, W: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """Pixel-centre coordinates ``(xs, ys)``, each ``(H, W)``; x = column, y = row."""
+    ys = torch.arange(H, device=like.device, dtype=like.dtype)
+    xs = torch.arange(W, device=like.device, dtype=like.dtype)
+    yy, xx = torch.meshgrid(ys, xs, indexing="ij")
+    return xx, yy
+
+
+def sample_at(x: Tensor, src_x: Tensor, src_y: Tensor, padding: str) -> Tensor:
+    """Bilinear sample ``x`` (N, C, H, W) at pixel coordinates ``src_x/src_y`` (N, H', W').
+
+    ``padding``: ``zeros`` (skimage ``warp(mode='constant')``, scipy ``mode='constant'``),
+    ``mirror`` (OpenCV BORDER_REFLECT_101), ``reflect`` (scipy ``mode='reflect'``, half-sample
+    symmetric), ``border`` (edge replication).
+    """
+    N, C, H, W = x.shape
+    if padding == "reflect":
+        # grid_sample's reflection with align_corners=False reflects about -0.5 and n - 0.5.
+        gx = (2 * src_x + 1) / W - 1
+        gy = (2 * src_y + 1) / H - 1
+        grid = torch.stack([gx, gy], dim=-1)
+        return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
+    gx = 2 * src_x / max(W - 1, 1) - 1
+    gy = 2 * src_y / max(H - 1, 1) - 1
+    grid = torch.stack([gx, gy], dim=-1)
+    pm = {"zeros": "zeros", "mirror": "reflection", "border": "border"}[padding]
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode=pm, align_corners=True)
+
+
+def affine_warp(x: Tensor, matrix: Tensor, padding: str = "zeros") -> Tensor:
+    """``out(p) = x(M p)`` for a per-image inverse map ``matrix`` (N, 2, 3) acting on pixel
+    coordinates ``p = (col, row, 1)`` (skimage ``warp(x, inverse_map=M, order=1)``)."""
+    N, C, H, W = x.shape
+    xx, yy = pixel_grid(H, W, x)
+    M = matrix.to(x.dtype)
+    sx = M[:, 0, 0, None, None] * xx + M[:, 0, 1, None, None] * yy + M[:, 0, 2, None, None]
+    sy = M[:, 1, 0, None, None] * xx + M[:, 1, 1, None, None] * yy + M[:, 1, 2, None, None]
+    return sample_at(x, sx, sy, padding)
+
+
+# ----------------------------------------------------------------------------- plasma fractal
+
+
+def plasma_fractal(n: int, mapsize: int, wibbledecay: float, gen: torch.Generator, like: Tensor) -> Tensor:
+    """Diamond-square height maps ``(n, mapsize, mapsize)`` in [0, 1], one per image.
+
+    The same recursion as ``plasma_fractal`` in make_cifar_c.py (wibble starts at 100, each
+    midpoint is the mean of its four parents plus ``wibble * U(-wibble, wibble)``, wibble divided
+    by ``wibbledecay`` per level, periodic neighbours), batched over images. ``mapsize`` must be
+    a power of two.
+    """
+    if mapsize & (mapsize - 1):
+        raise ValueError(f"mapsize: must be a power of two, got {mapsize}")
+    dt = torch.float64 if like.dtype == torch.float64 else torch.float32
+    m = torch.zeros(n, mapsize, mapsize, device=like.device, dtype=dt)
+    step = mapsize
+    wibble = 100.0
+
+    def jitter(t: Tensor) -> Tensor:
+        u = torch.rand(t.shape, generator=gen, device=t.device, dtype=dt) * 2 - 1
+        return t / 4 + wibble * wibble * u
+
+    while step >= 2:
+        h = step // 2
+        corner = m[:, 0::step, 0::step]
+        sq = corner + torch.roll(corner, -1, dims=1)
+        sq = sq + torch.roll(sq, -1, dims=2)
+        m[:, h::step, h::step] = jitter(sq)
+        dr = m[:, h::step, h::step]
+        ul = m[:, 0::step, 0::step]
+        lt = dr + torch.roll(dr, 1, dims=1) + ul + torch.roll(ul, -1, dims=2)
+        m[:, 0::step, h::step] = jitter(lt)
+        tt = dr + torch.roll(dr, 1, dims=2) + ul + torch.roll(ul, -1, dims=1)
+        m[:, h::step, 0::step] = jitter(tt)
+        step //= 2
+        wibble /= wibbledecay
+    flat = m.reshape(n, -1)
+    flat = flat - flat.min(dim=1, keepdim=True).values
+    flat = flat / flat.max(dim=1, keepdim=True).values.clamp_min(1e-12)
+    return flat.reshape(n, mapsize, mapsize).to(like.dtype)
+
+
+def plasma_fractal_corner(
+    n: int, mapsize: int, wibbledecay: float, crop: int, gen: torch.Generator, like: Tensor
+) -> Tensor:
+    """The top-left ``crop x crop`` corner of :func:`plasma_fractal` maps of side ``mapsize``,
+    without computing the full-resolution maps (MNIST-C crops 28x28 out of 256x256).
+
+    All levels down to step 8 are computed on the whole map, held at a quarter of the resolution
+    (the points on multiples of 4, which is all those levels touch); the last two levels
+    (steps 4 and 2) are computed only in a window around the corner, with a margin that absorbs
+    the one-point reach of each level. Same recursion and noise law as the full map; the one
+    approximation is the final min/max normalisation, taken over the quarter-resolution map
+    (the last two levels can stretch the true range by at most ``wibble^2`` of those levels:
+    about 1 % at MNIST-C's decay 1.4). Returns ``(n, crop, crop)`` in [0, 1].
+    """
+    if mapsize < 64 or mapsize < 4 * (crop + 8):
+        return plasma_fractal(n, mapsize, wibbledecay, gen, like)[:, :crop, :crop]
+    dt = torch.float64 if like.dtype == torch.float64 else torch.float32
+    # Coarse: the reduced map of side mapsize/4 runs exactly the first levels - 2 levels.
+    reduced = mapsize // 4
+    m = torch.zeros(n, reduced, reduced, device=like.device, dtype=dt)
+    step, wibble = reduced, 100.0
+
+    def jitter(t: Tensor, w: float) -> Tensor:
+        u = torch.rand(t.shape, generator=gen, device=t.device, dtype=dt) * 2 - 1
+        return t / 4 + w * w * u
+
+    while step >= 2:
+        h = step // 2
+        corner = m[:, 0::step, 0::step]
+        sq = corner + torch.roll(corner, -1, dims=1)
+        sq = sq + torch.roll(sq, -1, dims=2)
+        m[:, h::step, h::step] = jitter(sq, wibble)
+        dr = m[:, h::step, h::step]
+        ul = m[:, 0::step, 0::step]
+        m[:, 0::step, h::step] = jitter(dr + torch.roll(dr, 1, dims=1) + ul + torch.roll(ul, -1, dims=2), wibble)
+        m[:, h::step, 0::step] = jitter(dr + torch.roll(dr, 1, dims=2) + ul + torch.roll(ul, -1, dims=1), wibble)
+        step //= 2
+        wibble /= wibbledecay
+    lo = m.reshape(n, -1).amin(1).view(n, 1, 1)
+    hi = m.reshape(n, -1).amax(1).view(n, 1, 1)
+    # Window: full-resolution coordinates -4 .. 4K-4 (K + 1 coarse points per side).
+    K = (crop + 3) // 4 + 2
+    idx = torch.arange(-1, K, device=like.device).remainder(reduced)
+    L = 4 * K + 1
+    win = torch.zeros(n, L, L, device=like.device, dtype=dt)
+    win[:, 0::4, 0::4] = m[:, idx][:, :, idx]
+    for step in (4, 2):
+        h = step // 2
+        cg = win[:, 0::step, 0::step]
+        win[:, h::step, h::step] = jitter(cg[:, :-1, :-1] + cg[:, 1:, :-1] + cg[:, :-1, 1:] + cg[:, 1:, 1:], wibble)
+        dr = win[:, h::step, h::step]
+        ul = win[:, 0::step, 0::step]
+        # rows on the corner grid, columns between: dr above/below, ul left/right
+        a = dr[:, 1:, :] + dr[:, :-1, :] + ul[:, 1:-1, :-1] + ul[:, 1:-1, 1:]
+        win[:, step:-step:step, h::step] = jitter(a, wibble)
+        b = dr[:, :, 1:] + dr[:, :, :-1] + ul[:, :-1, 1:-1] + ul[:, 1:, 1:-1]
+        win[:, h::step, step:-step:step] = jitter(b, wibble)
+        wibble /= wibbledecay
+    out = (win[:, 4 : 4 + crop, 4 : 4 + crop] - lo) / (hi - lo).clamp_min(1e-12)
+    return out.clamp(0, 1).to(like.dtype)
+
+
+def next_power_of_two(v: int) -> int:
+    return 1 if v <= 1 else 1 << (int(v) - 1).bit_length()
+
+
+# ----------------------------------------------------------------------------- colour
+
+
+def rgb_to_gray(x: Tensor) -> Tensor:
+    """ITU-R 601 luma ``0.299 R + 0.587 G + 0.114 B`` (``cv2.COLOR_RGB2GRAY``); (N, 1, H, W)."""
+    if x.shape[1] == 1:
+        return x
+    w = torch.tensor([0.299, 0.587, 0.114], dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
+    return (x[:, :3] * w).sum(dim=1, keepdim=True)
+
+
+def hsv_value_shift(x: Tensor, delta: float) -> Tensor:
+    """skimage ``rgb2hsv`` -> ``V = clip(V + delta, 0, 1)`` -> ``hsv2rgb``, in closed form.
+
+    For fixed hue and saturation every RGB channel is proportional to V, so the round trip is
+    ``x * V' / V``; black pixels (V = 0, S = 0) become grey ``V'``. One channel: ``clip(x + delta)``.
+    """
+    v = x.amax(dim=1, keepdim=True)
+    v_new = (v + delta).clamp(0, 1)
+    ratio = torch.where(v > 0, v_new / v.clamp_min(1e-12), torch.zeros_like(v))
+    return torch.where(v > 0, x * ratio, v_new.expand_as(x))
+
+
+def hsv_saturation_affine(x: Tensor, gain: float, offset: float) -> Tensor:
+    """skimage ``rgb2hsv`` -> ``S = clip(S * gain + offset, 0, 1)`` -> ``hsv2rgb`` on RGB (C = 3).
+
+    Each channel is ``V - S * V * g_k(H)``, so a new saturation S' gives
+    ``x_k' = V - (S'/S) (V - x_k)``. Grey pixels (S = 0) have hue 0 in skimage, so with
+    ``S' > 0`` they turn red-tinted: ``(V, V (1 - S'), V (1 - S'))``.
+    """
+    v = x.amax(dim=1, keepdim=True)
+    mn = x.amin(dim=1, keepdim=True)
+    delta = v - mn
+    s = torch.where(v > 0, delta / v.clamp_min(1e-12), torch.zeros_like(v))
+    s_new = (s * gain + offset).clamp(0, 1)
+    ratio = torch.where(s > 0, s_new / s.clamp_min(1e-12), torch.zeros_like(s))
+    coloured = v - ratio * (v - x)
+    grey = torch.cat([v, v * (1 - s_new), v * (1 - s_new)], dim=1)
+    return torch.where(s > 0, coloured, grey)
+
+
+# ----------------------------------------------------------------------------- edges
+
+
+def _shift(t: Tensor, dy: int, dx: int) -> Tensor:
+    """``out[y, x] = t[y + dy, x + dx]`` with zeros outside."""
+    H, W = t.shape[-2:]
+    p = F.pad(t, (1, 1, 1, 1))
+    return p[..., 1 + dy : 1 + dy + H, 1 + dx : 1 + dx + W]
+
+
+def _dilate3(t: Tensor) -> Tensor:
+    """3x3 maximum filter with zero padding (separable, cheaper than max_pool2d on CPU)."""
+    p = F.pad(t, (1, 1, 0, 0))
+    r = torch.maximum(torch.maximum(p[..., :-2], p[..., 1:-1]), p[..., 2:])
+    p = F.pad(r, (0, 0, 1, 1))
+    return torch.maximum(torch.maximum(p[..., :-2, :], p[..., 1:-1, :]), p[..., 2:, :])
+
+
+def canny(
+    x: Tensor,
+    sigma: float = 1.0,
+    low: float = 0.1,
+    high: float = 0.2,
+    *,
+    smooth_mode: str = "constant",
+    l1: bool = False,
+) -> Tensor:
+    """Canny edges of a single-channel batch ``(N, 1, H, W)`` -> bool, like
+    ``skimage.feature.canny(x, sigma, low, high)`` (the MNIST-C ``canny_edges`` call):
+    Gaussian smoothing (zero padding), Sobel gradients (scipy ``sobel``, mode ``reflect``),
+    bilinear non-maximum suppression in four sectors, the one-pixel image border masked out,
+    then hysteresis over 8-connected components (a component survives when it holds a pixel
+    above ``high``). ``l1`` uses ``|gx| + |gy|`` for the magnitude (OpenCV's default).
+    """
+    s = gaussian_blur(x, sigma, mode=smooth_mode) if sigma > 0 else x
+    d = torch.tensor([-1.0, 0.0, 1.0], dtype=x.dtype, device=x.device)
+    sm = torch.tensor([1.0, 2.0, 1.0], dtype=x.dtype, device=x.device)
+    # ndimage.correlate1d orientation: out[i] = x[i+1] - x[i-1].
+    gi = separable_filter(s, d, sm, "reflect")  # derivative along rows (axis 0)
+    gj = separable_filter(s, sm, d, "reflect")  # derivative along columns (axis 1)
+    mag = gi.abs() + gj.abs() if l1 else torch.hypot(gi, gj)
+    ai, aj = gi.abs(), gj.abs()
+    H, W = x.shape[-2:]
+    inner = torch.zeros_like(mag, dtype=torch.bool)
+    inner[..., 1:-1, 1:-1] = True
+    m = lambda dy, dx: _shift(mag, dy, dx)  # noqa: E731
+    local_max = torch.zeros_like(inner)
+    with torch.no_grad():
+        same = ((gi >= 0) & (gj >= 0)) | ((gi <= 0) & (gj <= 0))
+        opp = ((gi <= 0) & (gj >= 0)) | ((gi >= 0) & (gj <= 0))
+        w_ji = aj / ai
+        w_ij = ai / aj
+        sectors = [
+            (same & (ai >= aj), w_ji, (1, 0), (1, 1), (-1, 0), (-1, -1)),
+            (same & (ai <= aj), w_ij, (0, 1), (1, 1), (0, -1), (-1, -1)),
+            (opp & (ai <= aj), w_ij, (0, 1), (-1, 1), (0, -1), (1, -1)),
+            (opp & (ai >= aj), w_ji, (-1, 0), (-1, 1), (1, 0), (1, -1)),
+        ]
+        for pts, w, c1p, c2p, c1m, c2m in sectors:
+            plus = m(*c2p) * w + m(*c1p) * (1 - w) <= mag
+            minus = m(*c2m) * w + m(*c1m) * (1 - w) <= mag
+            local_max = torch.where(pts & inner, plus & minus, local_max)
+        low_mask = local_max & (mag >= low)
+        seed = low_mask & (mag >= high)
+        # Hysteresis: grow the strong pixels through 8-connected weak ones until stable.
+        seedf = seed.to(x.dtype)
+        lowf = low_mask.to(x.dtype)
+        for it in range(H * W):
+            grown = _dilate3(seedf) * lowf
+            if it % 4 == 3 and torch.equal(grown, seedf):
+                break
+            seedf = grown
+    return seedf > 0
+
+
+def distance_to_edges(edges: Tensor, cap: float) -> Tensor:
+    """Euclidean distance from every pixel to the nearest ``True`` pixel of ``edges`` (N, 1, H, W),
+    capped at ``cap`` (images without edges get ``cap``). Exact, in two passes (Felzenszwalb &
+    Huttenlocher style): the 1-D distance ``g`` to the nearest edge along each row by a forward
+    and a backward scan, then ``min over |dy| <= cap of dy^2 + g(y + dy)^2``."""
+    N, _, H, W = edges.shape
+    e = edges[:, 0]
+    far = float(cap) + 1.0
+    g = torch.full((N, H, W), far, device=e.device, dtype=torch.float32)
+    last = torch.full((N, H), -1e9, device=e.device)
+    for x in range(W):  # forward scan: distance to the nearest edge at or left of x
+        last = torch.where(e[:, :, x], torch.full_like(last, x), last)
+        g[:, :, x] = torch.clamp(x - last, max=far)
+    last = torch.full((N, H), 1e9, device=e.device)
+    for x in range(W - 1, -1, -1):  # backward scan: nearest edge at or right of x
+        last = torch.where(e[:, :, x], torch.full_like(last, x), last)
+        g[:, :, x] = torch.minimum(g[:, :, x], torch.clamp(last - x, max=far))
+    g2 = g * g
+    d2 = g2.clone()
+    reach = min(int(math.ceil(cap)), H - 1)
+    for dy in range(1, reach + 1):
+        d2[:, dy:, :] = torch.minimum(d2[:, dy:, :], g2[:, :-dy, :] + dy * dy)
+        d2[:, :-dy, :] = torch.minimum(d2[:, :-dy, :], g2[:, dy:, :] + dy * dy)
+    return d2.sqrt().clamp(max=cap)[:, None]
+
+
+def equalize_hist_u8(x: Tensor) -> Tensor:
+    """``cv2.equalizeHist`` per image on integer-valued ``x`` (N, 1, H, W) in 0..255."""
+    N = x.shape[0]
+    v = x.reshape(N, -1).long().clamp(0, 255)
+    hist = torch.zeros(N, 256, device=x.device, dtype=torch.float64)
+    hist.scatter_add_(1, v, torch.ones_like(v, dtype=torch.float64))
+    cdf = hist.cumsum(1)
+    total = cdf[:, -1:]
+    # cv2: lut[v] = round((cdf[v] - cdf[first nonzero]) * 255 / (total - count of the first bin))
+    first = torch.where(hist > 0, cdf, torch.full_like(cdf, float("inf"))).amin(dim=1, keepdim=True)
+    denom = (total - first).clamp_min(1)
+    lut = ((cdf - first) * 255.0 / denom).round().clamp(0, 255)
+    # a flat image (one value) is left unchanged by OpenCV
+    flat = (total - first) == 0
+    out = lut.gather(1, v)
+    out = torch.where(flat, v.double(), out)
+    return out.reshape(x.shape).to(x.dtype)
