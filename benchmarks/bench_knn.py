@@ -1,0 +1,145 @@
+"""Speed of NED (fit + predict) with each kNN back end, against scikit-learn.
+
+Workload (issue #5): a support of 60,000 x 128 float32 embeddings (10 Gaussian classes), 10,000
+queries, k = 10. "fit" = the leave-one-out temperature fit of NED (default: 5,000 calibration
+queries against the full support, own row excluded) and "predict" = kNN of the 10k queries +
+eq. (3) of 004. Back ends, in the same run on the same data:
+
+- ``torch``: shiftguard's exact chunked matmul + topk (``knn_search(backend="torch")``);
+- ``faiss``: ``faiss.IndexFlatL2`` (``knn_search(backend="faiss")``);
+- ``sklearn``: ``KNeighborsClassifier(n_neighbors=k, n_jobs=-1)`` doing the same neighbour
+  searches (``kneighbors``), with the same temperature fit and eq. (3) on its output;
+- ``sklearn-vote``: plain ``KNeighborsClassifier.predict_proba`` (vote share, no fit of T), for scale.
+
+Prints a table and writes ``benchmarks/results/bench_knn.json``. The machine is shared: timings
+are noisy, the speed-up ratios (same run) are what to compare. Target: torch/faiss NED >= 5x
+faster than the sklearn NED and under 5 s on 2 cores.
+
+    python benchmarks/bench_knn.py [--n-support 60000] [--n-query 10000] [--dim 128] [--k 10] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shiftguard.heads import NED
+from shiftguard.heads.ned import ned_probabilities
+from shiftguard.io import atomic_write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_data(n_support, n_query, dim, classes=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    centres = 1.5 * torch.randn(classes, dim, generator=g)
+    ys = torch.arange(n_support) % classes
+    yq = torch.randint(0, classes, (n_query,), generator=g)
+    xs = centres[ys] + torch.randn(n_support, dim, generator=g) * 1.2
+    xq = centres[yq] + torch.randn(n_query, dim, generator=g) * 1.2
+    return xs, ys, xq, yq
+
+
+def run_ned(backend, xs, ys, xq, k):
+    t0 = time.perf_counter()
+    head = NED(k=k, backend=backend).fit(xs, ys)
+    t1 = time.perf_counter()
+    p = head.predict_proba(xq)
+    t2 = time.perf_counter()
+    return {"fit_s": t1 - t0, "predict_s": t2 - t1, "total_s": t2 - t0, "temperature": head.temperature_}, p
+
+
+def run_sklearn_ned(xs, ys, xq, k, max_fit_queries=5000, seed=0):
+    from sklearn.neighbors import KNeighborsClassifier
+
+    xs_np, ys_np, xq_np = xs.numpy(), ys.numpy(), xq.numpy()
+    t0 = time.perf_counter()
+    clf = KNeighborsClassifier(n_neighbors=k, n_jobs=-1).fit(xs_np, ys_np)
+    rows = torch.randperm(len(ys_np), generator=torch.Generator().manual_seed(seed))[:max_fit_queries].numpy()
+    d, idx = clf.kneighbors(xs_np[rows], n_neighbors=k + 1)
+    # drop each query's own row (or the farthest when a duplicate came first), as NED does
+    is_self = idx == rows[:, None]
+    is_self[~is_self.any(1), -1] = True
+    keep = np.argsort(is_self, axis=1, kind="stable")[:, :k]
+    d = np.take_along_axis(d, keep, 1) ** 2
+    idx = np.take_along_axis(idx, keep, 1)
+    same = torch.from_numpy(ys_np[idx] == ys_np[rows][:, None])
+    temperature, _, _ = NED._fit_temperature(torch.from_numpy(d), same)
+    t1 = time.perf_counter()
+    dq, iq = clf.kneighbors(xq_np)
+    p = ned_probabilities(torch.from_numpy(dq ** 2), torch.from_numpy(ys_np[iq]), temperature, 10)
+    t2 = time.perf_counter()
+    return {"fit_s": t1 - t0, "predict_s": t2 - t1, "total_s": t2 - t0, "temperature": temperature}, p
+
+
+def run_sklearn_vote(xs, ys, xq, k):
+    from sklearn.neighbors import KNeighborsClassifier
+
+    t0 = time.perf_counter()
+    clf = KNeighborsClassifier(n_neighbors=k, n_jobs=-1).fit(xs.numpy(), ys.numpy())
+    t1 = time.perf_counter()
+    clf.predict_proba(xq.numpy())
+    t2 = time.perf_counter()
+    return {"fit_s": t1 - t0, "predict_s": t2 - t1, "total_s": t2 - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n-support", type=int, default=60000)
+    ap.add_argument("--n-query", type=int, default=10000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=1, help="best of this many runs per back end")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "bench_knn.json")
+    args = ap.parse_args()
+
+    xs, ys, xq, yq = make_data(args.n_support, args.n_query, args.dim)
+    NED(k=args.k).fit(xs[:2000], ys[:2000]).predict_proba(xq[:100])  # warm-up (imports, allocator)
+    rows, probs = {}, {}
+    for name in ("torch", "faiss", "sklearn", "sklearn-vote"):
+        best = None
+        for _ in range(args.repeats):
+            if name == "sklearn":
+                res, p = run_sklearn_ned(xs, ys, xq, args.k)
+            elif name == "sklearn-vote":
+                res, p = run_sklearn_vote(xs, ys, xq, args.k), None
+            else:
+                res, p = run_ned(name, xs, ys, xq, args.k)
+            if best is None or res["total_s"] < best["total_s"]:
+                best = res
+            if p is not None:
+                probs[name] = p
+        rows[name] = best
+    base = rows["sklearn"]["total_s"]
+    for name, r in rows.items():
+        r["speedup_vs_sklearn_ned"] = base / r["total_s"]
+    agree = {f"{a}_vs_{b}_max_abs_prob_diff": float((probs[a].double() - probs[b].double()).abs().max())
+             for a, b in (("torch", "faiss"), ("torch", "sklearn"))}
+
+    print(f"NED fit+predict: support {args.n_support} x {args.dim}, {args.n_query} queries, k={args.k}, "
+          f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}")
+    print(f"{'backend':14s} {'fit s':>8s} {'predict s':>10s} {'total s':>8s} {'x vs sklearn NED':>17s}")
+    for name, r in rows.items():
+        print(f"{name:14s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} {r['speedup_vs_sklearn_ned']:17.1f}")
+    for key, val in agree.items():
+        print(f"{key}: {val:.2e}")
+    result = {
+        "workload": vars(args) | {"out": str(args.out)},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "load_average": os.getloadavg()},
+        "results": rows,
+        "agreement": agree,
+        "note": "shared machine: absolute timings are noisy; compare the same-run ratios",
+    }
+    atomic_write_json(args.out, result, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

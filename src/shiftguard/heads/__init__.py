@@ -1,0 +1,29 @@
+"""Confidence heads on embeddings: fitted on (clean) train embeddings, they return calibrated
+class probabilities for new, possibly shifted, embeddings.
+
+Every head follows ``fit(train_emb, train_labels, val_emb=None, val_labels=None) -> self``,
+``predict_proba(emb) -> (N, C)``, ``predict(emb) -> (N,)``. See ``docs/heads_metrics.md``.
+"""
+
+from shiftguard.heads.base import EmbeddingHead, NotFittedError
+from shiftguard.heads.distance_ratio import DistanceRatioHead
+from shiftguard.heads.knn import knn_search
+from shiftguard.heads.knn_baselines import KNNVote, OneNN, WeightedKNN
+from shiftguard.heads.logistic import LogisticRegressionHead
+from shiftguard.heads.ned import NED
+from shiftguard.heads.quantile import QuantileClassifierHead
+from shiftguard.heads.temperature import TemperatureScaling
+
+__all__ = [
+    "EmbeddingHead",
+    "NotFittedError",
+    "NED",
+    "OneNN",
+    "KNNVote",
+    "WeightedKNN",
+    "TemperatureScaling",
+    "LogisticRegressionHead",
+    "DistanceRatioHead",
+    "QuantileClassifierHead",
+    "knn_search",
+]

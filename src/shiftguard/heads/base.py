@@ -1,0 +1,92 @@
+"""Small scikit-learn-like base class shared by every confidence head.
+
+A head is fitted on (clean) train embeddings and returns class probabilities for new embeddings:
+``fit(train_embeddings, train_labels, val_embeddings=None, val_labels=None) -> self``,
+``predict_proba(embeddings) -> (N, C)``, ``predict(embeddings) -> (N,)``. Parameters live in
+``__init__``; learned state carries a trailing underscore (``num_classes_``, ``temperature_``...).
+Torch tensors in and out, on the device of the input.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
+
+__all__ = ["EmbeddingHead", "NotFittedError"]
+
+
+class NotFittedError(RuntimeError):
+    """Raised when ``predict_proba`` is called before ``fit``."""
+
+
+class EmbeddingHead:
+    """Base class: input validation, ``num_classes`` inference, ``predict`` and ``repr``."""
+
+    #: names of ``__init__`` parameters shown by ``repr``
+    _param_names: tuple[str, ...] = ("num_classes",)
+
+    def __init__(self, num_classes: Optional[int] = None):
+        if num_classes is not None:
+            check_positive(num_classes, "num_classes", integer=True)
+        self.num_classes = num_classes
+
+    # -- public API -----------------------------------------------------------------------------
+    def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        raise NotImplementedError
+
+    def predict_proba(self, embeddings) -> torch.Tensor:
+        raise NotImplementedError
+
+    def predict(self, embeddings) -> torch.Tensor:
+        """Most probable class per row, ``int64 (N,)``."""
+        return self.predict_proba(embeddings).argmax(dim=1)
+
+    # -- helpers for subclasses -----------------------------------------------------------------
+    def _check_fit_inputs(self, embeddings, labels, name="train_embeddings", label_name="train_labels",
+                          require_all_classes: bool = True):
+        emb = check_tensor(embeddings, name, ndim=2, floating=True, finite=True, nonempty=True)
+        y = check_labels(labels, label_name, num_classes=self.num_classes)
+        check_same_length([(name, emb), (label_name, y)])
+        y = y.to(emb.device)
+        num_classes = self.num_classes if self.num_classes is not None else int(y.max()) + 1
+        if require_all_classes:
+            counts = torch.bincount(y, minlength=num_classes)
+            missing = torch.nonzero(counts == 0).flatten().tolist()
+            if missing:
+                how = "given" if self.num_classes is not None else "inferred as max(label) + 1"
+                raise ValueError(
+                    f"{label_name}: class(es) {missing[:10]}{'...' if len(missing) > 10 else ''} of "
+                    f"num_classes={num_classes} ({how}) have no examples; a head cannot assign them "
+                    "a probability (relabel the classes to 0..C-1 or pass the matching num_classes)"
+                )
+        return emb, y, num_classes
+
+    def _check_val_inputs(self, val_embeddings, val_labels, dim: int, num_classes: int):
+        if (val_embeddings is None) != (val_labels is None):
+            raise ValueError("val_embeddings and val_labels: give both or neither")
+        if val_embeddings is None:
+            return None, None
+        emb = check_tensor(val_embeddings, "val_embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+        y = check_labels(val_labels, "val_labels", num_classes=num_classes)
+        check_same_length([("val_embeddings", emb), ("val_labels", y)])
+        if emb.shape[1] != dim:
+            raise ValueError(f"val_embeddings: expected {dim} features, got {emb.shape[1]}")
+        return emb, y.to(emb.device)
+
+    def _check_query(self, embeddings, dim: int, name: str = "embeddings") -> torch.Tensor:
+        self._check_is_fitted()
+        emb = check_tensor(embeddings, name, ndim=2, floating=True, finite=True)
+        if emb.shape[1] != dim:
+            raise ValueError(f"{name}: expected {dim} features (as in fit), got {emb.shape[1]}")
+        return emb
+
+    def _check_is_fitted(self) -> None:
+        if not hasattr(self, "num_classes_"):
+            raise NotFittedError(f"{type(self).__name__} is not fitted yet; call fit(...) first")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._param_names)
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,205 @@
+"""Exact k-nearest-neighbour search in squared Euclidean distance.
+
+``knn_search`` is the one place the library looks up neighbours (NED and the kNN baselines in
+004 Sec. 2, the retrieval metrics of 002 Sec. 5.3 and the R-AUROC of 003 Sec. 4.3). Two exact back
+ends return the same neighbours on tie-free data:
+
+- ``"torch"``: chunked ``||s||^2 - 2 q.s`` (the ranking part of ``||q - s||^2``) and ``topk``; the ``(chunk, N_support)``
+  distance block is the only large temporary, its size set by ``memory_budget_bytes``. Any device.
+- ``"faiss"``: ``faiss.IndexFlatL2`` (optional dependency ``faiss-cpu``, imported lazily), CPU only.
+
+The returned distances are recomputed exactly as ``||q - s_i||^2`` for the selected neighbours, so
+a duplicate of the query has distance exactly 0 (the matmul expansion suffers cancellation).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shiftguard._validation import check_positive, check_tensor
+
+__all__ = ["knn_search", "default_chunk_size"]
+
+#: Memory the torch back end may spend on one block of query-to-support distances (256 MiB).
+DEFAULT_MEMORY_BUDGET_BYTES = 256 * 2**20
+
+_BACKENDS = ("torch", "faiss", "auto")
+
+
+def default_chunk_size(n_support: int, dtype: torch.dtype = torch.float32,
+                       memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
+    """Number of query rows whose ``(rows, n_support)`` distance block fits the memory budget."""
+    bytes_per_row = max(1, n_support) * torch.empty((), dtype=dtype).element_size()
+    return max(1, int(memory_budget_bytes // bytes_per_row))
+
+
+def _import_faiss():
+    try:
+        import faiss  # noqa: PLC0415 - optional dependency, imported only when asked for
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "backend='faiss' needs the optional dependency faiss-cpu (pip install 'shiftguard[faiss]')"
+        ) from exc
+    return faiss
+
+
+def _faiss_available() -> bool:
+    try:
+        _import_faiss()
+    except ImportError:
+        return False
+    return True
+
+
+def _exact_sq_dist(query: torch.Tensor, support: torch.Tensor, idx: torch.Tensor,
+                   memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
+    """``||q_i - s_{idx[i, j]}||^2`` for the selected neighbours only, shape ``(Nq, k)``.
+
+    The gathered ``(rows, k, D)`` differences are built a few rows at a time within the budget.
+    """
+    n_q, k = idx.shape
+    row_bytes = max(1, k * support.shape[1] * support.element_size())
+    rows = max(1, int(memory_budget_bytes // row_bytes))
+    out = torch.empty((n_q, k), dtype=query.dtype, device=query.device)
+    for start in range(0, n_q, rows):
+        sl = slice(start, start + rows)
+        out[sl] = (query[sl].unsqueeze(1) - support[idx[sl]]).pow(2).sum(-1)
+    return out
+
+
+def _resort(dist: torch.Tensor, idx: torch.Tensor):
+    # Exact recomputation may swap two near-tied neighbours; keep rows sorted by the exact value.
+    dist, order = dist.sort(dim=1, stable=True)
+    return dist, idx.gather(1, order)
+
+
+def _torch_knn(query, support, k, self_index, chunk_size):
+    """Chunked exact kNN; ``self_index`` (Nq,) names a support row to exclude per query, or None."""
+    n_q = query.shape[0]
+    s_sq = support.pow(2).sum(1)
+    out_d = torch.empty((n_q, k), dtype=query.dtype, device=query.device)
+    out_i = torch.empty((n_q, k), dtype=torch.long, device=query.device)
+    for start in range(0, n_q, chunk_size):
+        q = query[start:start + chunk_size]
+        # ||s||^2 - 2 q.s ranks the support rows like ||q - s||^2 (||q||^2 is constant per row);
+        # the exact distances of the k winners are recomputed below.
+        block = torch.addmm(s_sq.unsqueeze(0), q, support.t(), alpha=-2.0)
+        if self_index is not None:
+            rows = torch.arange(q.shape[0], device=q.device)
+            block[rows, self_index[start:start + chunk_size]] = float("inf")
+        _, idx = torch.topk(block, k, dim=1, largest=False, sorted=True)
+        del block
+        d = _exact_sq_dist(q, support, idx)
+        d, idx = _resort(d, idx)
+        out_d[start:start + chunk_size] = d
+        out_i[start:start + chunk_size] = idx
+    return out_d, out_i
+
+
+def _faiss_knn(query, support, k, self_index):
+    faiss = _import_faiss()
+    import numpy as np  # noqa: PLC0415
+
+    s = np.ascontiguousarray(support.detach().cpu().numpy(), dtype=np.float32)
+    q = np.ascontiguousarray(query.detach().cpu().numpy(), dtype=np.float32)
+    index = faiss.IndexFlatL2(s.shape[1])
+    index.add(s)
+    extra = 1 if self_index is not None else 0
+    _, idx = index.search(q, k + extra)
+    idx = torch.from_numpy(idx).to(query.device)
+    if self_index is not None:
+        # Drop the query's own row where faiss returned it, else the farthest of the k+1.
+        is_self = idx == self_index.unsqueeze(1)
+        no_self = ~is_self.any(1)
+        is_self[no_self, -1] = True
+        keep = torch.argsort(is_self.to(torch.int8), dim=1, stable=True)[:, :k]
+        idx = idx.gather(1, keep)
+    d = _exact_sq_dist(query, support, idx)
+    return _resort(d, idx)
+
+
+def _validate(query, support, k, backend):
+    query = check_tensor(query, "query", ndim=2, floating=True, finite=True)
+    support = check_tensor(support, "support", ndim=2, floating=True, finite=True, nonempty=True)
+    if query.shape[1] != support.shape[1]:
+        raise ValueError(
+            f"query and support: embedding dimensions differ ({query.shape[1]} vs {support.shape[1]})"
+        )
+    if query.device != support.device:
+        raise ValueError(f"query and support: on different devices ({query.device} vs {support.device})")
+    if support.dtype != query.dtype:
+        support = support.to(query.dtype)
+    check_positive(k, "k", integer=True)
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    return query, support
+
+
+def _resolve_backend(backend: str, query: torch.Tensor, n_support: int) -> str:
+    if backend != "auto":
+        return backend
+    # FAISS pays a float32 copy to numpy; it wins only for large galleries on CPU.
+    if query.device.type == "cpu" and n_support >= 50_000 and _faiss_available():
+        return "faiss"
+    return "torch"
+
+
+def knn_search(
+    query: torch.Tensor,
+    support: torch.Tensor,
+    k: int,
+    backend: str = "torch",
+    exclude_self: bool = False,
+    chunk_size: Optional[int] = None,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` nearest support rows of every query row, in squared Euclidean distance.
+
+    Args:
+        query: ``(Nq, D)`` float tensor.
+        support: ``(Ns, D)`` float tensor on the same device (the gallery).
+        k: neighbours per query, ``1 <= k <= Ns`` (``Ns - 1`` with ``exclude_self``).
+        backend: ``"torch"`` (exact, chunked, any device), ``"faiss"`` (``IndexFlatL2``, CPU,
+            needs ``faiss-cpu``) or ``"auto"`` (faiss for CPU galleries of >= 50k rows when
+            installed, torch otherwise).
+        exclude_self: the query set *is* the support set (``query[i]`` is ``support[i]``);
+            every query's own row is left out (leave-one-out, retrieval evaluation).
+        chunk_size: query rows per distance block; default from ``memory_budget_bytes``.
+        memory_budget_bytes: bytes one ``(chunk, Ns)`` distance block may use (torch back end).
+
+    Returns:
+        ``(distances, indices)``, both ``(Nq, k)``, sorted by increasing distance; distances are
+        squared Euclidean (exact for the selected pairs), indices are ``int64`` rows of ``support``.
+    """
+    query, support = _validate(query, support, k, backend)
+    n_q, n_s = query.shape[0], support.shape[0]
+    if exclude_self and n_q != n_s:
+        raise ValueError(
+            f"exclude_self: query and support must be the same set, got {n_q} and {n_s} rows"
+        )
+    available = n_s - (1 if exclude_self else 0)
+    if k > available:
+        raise ValueError(
+            f"k: {k} neighbours requested but the support has only {available} candidate rows"
+            + (" (its own row excluded)" if exclude_self else "")
+        )
+    if chunk_size is None:
+        chunk_size = default_chunk_size(n_s, query.dtype, memory_budget_bytes)
+    else:
+        check_positive(chunk_size, "chunk_size", integer=True)
+    self_index = torch.arange(n_q, device=query.device) if exclude_self else None
+    return _knn_dispatch(query, support, k, backend, self_index, chunk_size)
+
+
+def _knn_dispatch(query, support, k, backend, self_index, chunk_size):
+    """Validated-input kNN; ``self_index`` (Nq,) or None. Used by the retrieval metrics' chunks."""
+    if query.shape[0] == 0:
+        empty = torch.empty((0, k), device=query.device)
+        return empty.to(query.dtype), empty.long()
+    if _resolve_backend(backend, query, support.shape[0]) == "faiss":
+        if query.device.type != "cpu":
+            raise ValueError("backend: 'faiss' (faiss-cpu) needs CPU tensors; use backend='torch' on GPU")
+        return _faiss_knn(query, support, k, self_index)
+    return _torch_knn(query, support, k, self_index, chunk_size)

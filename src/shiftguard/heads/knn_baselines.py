@@ -1,0 +1,121 @@
+"""kNN confidence baselines of 004 Sec. 2.1: 1-NN, vote share (eq. 4), distance-weighted kNN (eq. 5).
+
+- ``OneNN``: the label of the nearest support embedding with confidence 1 (004 Table 1 "1NN").
+- ``KNNVote``: ``p(c|z) = (1/k) sum_{i<=k} 1[y_i = c]`` (004 eq. (4)).
+- ``WeightedKNN``: ``p(c|z) = sum_i w_i 1[y_i = c] / sum_i w_i`` (004 eq. (5)) with the weights of
+  Dudani (1976, "The distance-weighted k-nearest-neighbor rule", IEEE SMC 6(4)), 004 ref. [9]:
+  ``w_i = (d_k - d_i) / (d_k - d_1)``, and of Gou et al. (2012, "A new distance-weighted k-nearest
+  neighbor classifier", J. Inf. Comput. Sci. 9(6)), 004 ref. [16]:
+  ``w_i = (d_k - d_i) / (d_k - d_1) * (d_k + d_1) / (d_k + d_i)``; both ``w_i = 1`` when
+  ``d_k = d_1``. ``d`` is the (not squared) Euclidean distance, ``d_1 <= ... <= d_k``. With these
+  weights the k-th neighbour gets weight 0 (as in both papers).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from shiftguard._validation import check_positive
+from shiftguard.heads.base import EmbeddingHead
+from shiftguard.heads.knn import knn_search
+
+__all__ = ["KNNHeadBase", "OneNN", "KNNVote", "WeightedKNN", "dudani_weights", "gou_weights"]
+
+
+def dudani_weights(dist: torch.Tensor) -> torch.Tensor:
+    """Dudani (1976) weights for sorted Euclidean distances ``(N, k)``; rows with d_k = d_1 get 1."""
+    d1, dk = dist[:, :1], dist[:, -1:]
+    span = dk - d1
+    w = (dk - dist) / torch.where(span > 0, span, torch.ones_like(span))
+    return torch.where(span > 0, w, torch.ones_like(w))
+
+
+def gou_weights(dist: torch.Tensor) -> torch.Tensor:
+    """Gou et al. (2012) dual weights for sorted Euclidean distances ``(N, k)``."""
+    d1, dk = dist[:, :1], dist[:, -1:]
+    denom = dk + dist
+    ratio = (dk + d1) / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return dudani_weights(dist) * torch.where(dk > d1, ratio, torch.ones_like(ratio))
+
+
+class KNNHeadBase(EmbeddingHead):
+    """Stores the support set; subclasses turn ``(sq. distances, neighbour labels)`` into weights."""
+
+    _param_names = ("k", "backend", "num_classes")
+
+    def __init__(self, k: int = 10, backend: str = "torch", num_classes: Optional[int] = None):
+        super().__init__(num_classes)
+        check_positive(k, "k", integer=True)
+        self.k = k
+        self.backend = backend
+
+    def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        """Store the support set (``val_*`` are unused: these heads have no fitted parameter)."""
+        emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
+        if self.k > emb.shape[0]:
+            raise ValueError(f"k: {self.k} neighbours requested but the support has {emb.shape[0]} rows")
+        self.support_embeddings_ = emb
+        self.support_labels_ = y
+        self.num_classes_ = num_classes
+        return self
+
+    def kneighbors(self, embeddings, k: Optional[int] = None):
+        """``(squared distances (N, k), support labels (N, k))`` of the nearest support rows."""
+        self._check_is_fitted()
+        emb = self._check_query(embeddings, self.support_embeddings_.shape[1])
+        support = self.support_embeddings_
+        if support.device != emb.device:
+            raise ValueError(f"embeddings: on {emb.device} but the head was fitted on {support.device}")
+        dist, idx = knn_search(emb, support.to(emb.dtype), k or self.k, backend=self.backend)
+        return dist, self.support_labels_[idx]
+
+    def _neighbour_weights(self, sq_dist: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def predict_proba(self, embeddings) -> torch.Tensor:
+        """Class probabilities ``(N, C)`` from the weighted labels of the k nearest neighbours."""
+        sq_dist, nbr_labels = self.kneighbors(embeddings)
+        w = self._neighbour_weights(sq_dist)
+        w = w / w.sum(dim=1, keepdim=True)
+        probs = torch.zeros(sq_dist.shape[0], self.num_classes_, dtype=w.dtype, device=w.device)
+        return probs.scatter_add_(1, nbr_labels, w)
+
+
+class OneNN(KNNHeadBase):
+    """Nearest-neighbour label with confidence 1 (004 Table 1, "1NN")."""
+
+    _param_names = ("backend", "num_classes")
+
+    def __init__(self, backend: str = "torch", num_classes: Optional[int] = None):
+        super().__init__(k=1, backend=backend, num_classes=num_classes)
+
+    def _neighbour_weights(self, sq_dist):
+        return torch.ones_like(sq_dist)
+
+
+class KNNVote(KNNHeadBase):
+    """Vote share of the k nearest neighbours as confidence (004 eq. (4))."""
+
+    def _neighbour_weights(self, sq_dist):
+        return torch.ones_like(sq_dist)
+
+
+class WeightedKNN(KNNHeadBase):
+    """Distance-weighted kNN (004 eq. (5)); ``kind="dudani"`` (004 ref. [9]) or ``"gou"`` ([16])."""
+
+    _param_names = ("k", "kind", "backend", "num_classes")
+
+    def __init__(self, k: int = 10, kind: str = "dudani", backend: str = "torch",
+                 num_classes: Optional[int] = None):
+        super().__init__(k=k, backend=backend, num_classes=num_classes)
+        if kind not in ("dudani", "gou"):
+            raise ValueError(f"kind: expected 'dudani' or 'gou', got {kind!r}")
+        self.kind = kind
+
+    def _neighbour_weights(self, sq_dist):
+        dist = sq_dist.clamp(min=0).sqrt()
+        w = dudani_weights(dist) if self.kind == "dudani" else gou_weights(dist)
+        # With k >= 2 all weights can vanish only if d_1 = ... < d_k is impossible; guard anyway.
+        return torch.where(w.sum(1, keepdim=True) > 0, w, torch.ones_like(w))

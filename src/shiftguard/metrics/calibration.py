@@ -1,0 +1,112 @@
+"""Expected calibration error, top-label and marginal (classwise), with equal-width or equal-mass bins.
+
+Definitions:
+- top-label ECE (Guo et al. 2017; 004 Sec. 3.1 eqs. (6)-(7)): bin the confidence ``max_c p_ic``,
+  ``ECE = sum_m |B_m|/N * |acc(B_m) - conf(B_m)|`` with acc the share of correct arg-max predictions.
+- marginal ECE (Kumar et al. 2019, "Verified uncertainty calibration", the definition 000 Sec. 4
+  refers to): for every class c, the binary calibration error of ``p_ic`` against ``1[y_i = c]``;
+  ``ECE_marginal = (mean_c CE_c^p)^(1/p)`` (their ``get_calibration_error(mode="marginal")``).
+- general ``p``: ``CE = (sum_m |B_m|/N |acc - conf|^p)^(1/p)``; ``p = 1`` is the usual ECE.
+- ``debiased=True`` (only ``p = 2``): Kumar et al.'s debiased estimator of the squared L2 error,
+  per bin ``(acc - conf)^2 - acc (1 - acc) / (|B_m| - 1)``, clipped at 0 before the square root.
+
+Binning (``binning=``):
+- ``"width"``: ``n_bins`` equal intervals of [0, 1], left-closed ``[e_m, e_{m+1})``, the last one
+  closed at 1 (torchmetrics uses the same intervals but gives a confidence of exactly 1.0 a bin of
+  its own; the two agree whenever no confidence equals 1.0).
+- ``"mass"``: Kumar et al.'s ``get_equal_bins``: sort the scores, split them into ``n_bins``
+  near-equal groups (``numpy.array_split`` sizes), place each boundary half-way between the last
+  score of a group and the first of the next, and assign a score ``s`` to the first boundary
+  ``>= s`` (``searchsorted``, left); duplicate boundaries are merged.
+
+Each function returns a Python float; empty bins contribute nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shiftguard._validation import check_positive
+from shiftguard.metrics.classification import check_probs_labels
+
+__all__ = ["ece", "calibration_error_1d", "bin_assignments", "binned_statistics"]
+
+_KINDS = ("top-label", "marginal")
+_BINNINGS = ("width", "mass")
+
+
+def bin_assignments(scores: torch.Tensor, n_bins: int, binning: str = "width"):
+    """Bin index of every score (``(N,)`` in [0, n_bins')) and the bin upper edges ``(n_bins',)``."""
+    if binning == "width":
+        edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=scores.device)
+        idx = torch.bucketize(scores.double().contiguous(), edges, right=True) - 1
+        return idx.clamp_(0, n_bins - 1), edges[1:]
+    s = scores.double().contiguous()
+    sorted_s, _ = torch.sort(s)
+    n = sorted_s.numel()
+    parts = min(n_bins, n)
+    # numpy.array_split sizes: the first n % parts groups hold one extra element.
+    sizes = torch.full((parts,), n // parts, dtype=torch.long)
+    sizes[: n % parts] += 1
+    ends = torch.cumsum(sizes, 0)[:-1].to(s.device)            # first index of groups 2..parts
+    bounds = (sorted_s[ends - 1] + sorted_s[ends]) / 2.0
+    bounds = torch.unique(torch.cat([bounds, torch.ones(1, dtype=s.dtype, device=s.device)]))
+    idx = torch.searchsorted(bounds, s, right=False).clamp_(max=bounds.numel() - 1)
+    return idx, bounds
+
+
+def binned_statistics(scores: torch.Tensor, hits: torch.Tensor, n_bins: int, binning: str = "width"):
+    """Per-bin ``(count, mean score, mean hit)`` as float64 tensors, plus the upper edges."""
+    idx, upper = bin_assignments(scores, n_bins, binning)
+    nb = upper.numel()
+    count = torch.zeros(nb, dtype=torch.float64, device=scores.device).index_add_(
+        0, idx, torch.ones_like(scores, dtype=torch.float64))
+    conf = torch.zeros_like(count).index_add_(0, idx, scores.double())
+    acc = torch.zeros_like(count).index_add_(0, idx, hits.double())
+    safe = count.clamp(min=1)
+    return count, conf / safe, acc / safe, upper
+
+
+def calibration_error_1d(scores: torch.Tensor, hits: torch.Tensor, n_bins: int = 15, binning: str = "width",
+                         p: int = 1, debiased: bool = False) -> float:
+    """Binned calibration error of scores in [0, 1] against 0/1 outcomes (the ``ce_1d`` of Kumar et al.)."""
+    count, conf, acc, _ = binned_statistics(scores, hits, n_bins, binning)
+    weight = count / count.sum()
+    err = (acc - conf).abs().pow(p)
+    if debiased:
+        var = acc * (1 - acc) / (count - 1).clamp(min=1)
+        err = torch.where(count >= 2, (acc - conf).pow(2) - var, torch.zeros_like(err))
+        return float((weight * err).sum().clamp(min=0).sqrt())
+    return float((weight * err).sum().pow(1.0 / p))
+
+
+def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str = "width",
+        p: int = 1, debiased: bool = False) -> float:
+    """Expected calibration error of ``probs (N, C)`` against ``labels (N,)`` (see module docstring).
+
+    Args:
+        n_bins: number of bins (default 15 as in Guo et al. 2017).
+        kind: ``"top-label"`` (004 eq. (6)) or ``"marginal"`` (Kumar et al. 2019, 000 Sec. 4).
+        binning: ``"width"`` (equal-width) or ``"mass"`` (equal-mass, Kumar et al.).
+        p: 1 (ECE) or 2 (L2 calibration error).
+        debiased: Kumar et al.'s debiased L2 estimator (needs ``p=2``).
+    """
+    prob, y = check_probs_labels(probs, labels)
+    check_positive(n_bins, "n_bins", integer=True)
+    if kind not in _KINDS:
+        raise ValueError(f"kind: expected one of {_KINDS}, got {kind!r}")
+    if binning not in _BINNINGS:
+        raise ValueError(f"binning: expected one of {_BINNINGS}, got {binning!r}")
+    if p not in (1, 2):
+        raise ValueError(f"p: expected 1 or 2, got {p!r}")
+    if debiased and p != 2:
+        raise ValueError("debiased: the debiased estimator of Kumar et al. is defined for p=2 only")
+    if kind == "top-label":
+        conf, pred = prob.max(dim=1)
+        return calibration_error_1d(conf, (pred == y), n_bins, binning, p, debiased)
+    onehot = torch.nn.functional.one_hot(y, prob.shape[1]).bool()
+    per_class = torch.tensor([
+        calibration_error_1d(prob[:, c], onehot[:, c], n_bins, binning, p, debiased) ** p
+        for c in range(prob.shape[1])
+    ], dtype=torch.float64)
+    return float(per_class.mean() ** (1.0 / p))

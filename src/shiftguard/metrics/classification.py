@@ -1,0 +1,39 @@
+"""Plain classification metrics on predicted probabilities: accuracy, NLL, Brier score."""
+
+from __future__ import annotations
+
+import torch
+
+from shiftguard._validation import check_labels, check_probabilities, check_same_length
+
+__all__ = ["accuracy", "nll", "brier", "check_probs_labels"]
+
+
+def check_probs_labels(probs, labels, probs_name: str = "probs", labels_name: str = "labels"):
+    """Validate ``probs (N, C)`` (rows on the simplex) and ``labels (N,)`` in ``[0, C)``."""
+    p = check_probabilities(probs, probs_name)
+    y = check_labels(labels, labels_name, num_classes=p.shape[1])
+    check_same_length([(probs_name, p), (labels_name, y)])
+    if p.shape[0] == 0:
+        raise ValueError(f"{probs_name}: expected at least one row")
+    return p, y.to(p.device)
+
+
+def accuracy(probs, labels) -> float:
+    """Share of rows whose arg-max class equals the label (000 Sec. 4 "ACC"; 004 Sec. 3.1)."""
+    p, y = check_probs_labels(probs, labels)
+    return float((p.argmax(1) == y).double().mean())
+
+
+def nll(probs, labels, eps: float = 1e-12) -> float:
+    """Mean negative log-likelihood ``-log p(y_i)`` (probabilities floored at ``eps``)."""
+    p, y = check_probs_labels(probs, labels)
+    py = p.gather(1, y.unsqueeze(1)).squeeze(1).double()
+    return float(-torch.log(py.clamp(min=eps)).mean())
+
+
+def brier(probs, labels) -> float:
+    """Multiclass Brier score ``mean_i sum_c (p_ic - 1[y_i = c])^2`` (Brier 1950), in [0, 2]."""
+    p, y = check_probs_labels(probs, labels)
+    onehot = torch.nn.functional.one_hot(y, p.shape[1]).to(torch.float64)
+    return float((p.double() - onehot).pow(2).sum(1).mean())

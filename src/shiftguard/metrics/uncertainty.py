@@ -1,0 +1,76 @@
+"""How well an uncertainty score ranks errors: AUROC for errors, R-AUROC (003), AURC.
+
+All take an ``uncertainty`` per sample where *higher means more uncertain*.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shiftguard._validation import check_labels, check_same_length, check_tensor
+
+__all__ = ["auroc_error", "r_auroc", "aurc"]
+
+
+def _check_scores_errors(uncertainty, is_error):
+    u = check_tensor(uncertainty, "uncertainty", ndim=1, finite=True, nonempty=True)
+    e = check_tensor(is_error, "is_error", ndim=1)
+    check_same_length([("uncertainty", u), ("is_error", e)])
+    if e.dtype != torch.bool:
+        if not bool(((e == 0) | (e == 1)).all()):
+            raise ValueError("is_error: expected booleans or 0/1 values")
+        e = e.bool()
+    return u, e.to(u.device)
+
+
+def auroc_error(uncertainty, is_error) -> float:
+    """AUROC of ``uncertainty`` for predicting ``is_error``: the probability that a random error gets a
+    higher uncertainty than a random correct prediction (ties count 1/2). Computed by
+    ``sklearn.metrics.roc_auc_score``. Raises ``ValueError`` unless both outcomes occur.
+    """
+    u, e = _check_scores_errors(uncertainty, is_error)
+    n_err = int(e.sum())
+    if n_err == 0 or n_err == e.numel():
+        raise ValueError("is_error: AUROC needs both errors and correct predictions, got only one kind")
+    from sklearn.metrics import roc_auc_score  # noqa: PLC0415
+
+    return float(roc_auc_score(e.cpu().numpy(), u.detach().double().cpu().numpy()))
+
+
+def r_auroc(embeddings, labels, uncertainty, backend: str = "torch") -> float:
+    """R-AUROC (003 Paper "URL" Sec. 3.1, Alg. 1): AUROC of ``uncertainty`` for predicting that a
+    sample's nearest other embedding (1-NN, itself excluded) has a different class (a Recall@1 miss).
+    """
+    from shiftguard.heads.knn import knn_search  # noqa: PLC0415
+
+    emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+    y = check_labels(labels, "labels")
+    u = check_tensor(uncertainty, "uncertainty", ndim=1, finite=True)
+    check_same_length([("embeddings", emb), ("labels", y), ("uncertainty", u)])
+    y = y.to(emb.device)
+    _, idx = knn_search(emb, emb, 1, backend=backend, exclude_self=True)
+    wrong = y[idx[:, 0]] != y
+    return auroc_error(u, wrong)
+
+
+def aurc(uncertainty, is_error) -> float:
+    """Area under the risk-coverage curve (Geifman & El-Yaniv 2017; Geifman et al. 2019).
+
+    Samples are accepted in order of increasing uncertainty; at coverage i/N the risk is the error
+    rate of the i accepted samples; AURC is the mean risk over i = 1..N (lower is better). Tied
+    uncertainties are accepted as a group: inside a tie group the expected error count over random
+    tie-breaking (linear in the position) is used, so the result does not depend on sort order.
+    """
+    u, e = _check_scores_errors(uncertainty, is_error)
+    order = torch.argsort(u.double(), stable=True)
+    us, es = u[order].double(), e[order].double()
+    n = us.numel()
+    _, inverse, counts = torch.unique_consecutive(us, return_inverse=True, return_counts=True)
+    group_err = torch.zeros(counts.numel(), dtype=torch.float64, device=us.device).index_add_(0, inverse, es)
+    group_end = torch.cumsum(counts, 0)
+    err_before = torch.cumsum(group_err, 0) - group_err                 # errors in earlier groups
+    start = group_end - counts                                           # accepted before the group
+    pos = torch.arange(1, n + 1, device=us.device, dtype=torch.float64)  # coverage count i
+    within = pos - start[inverse].double()                               # 1..size inside the group
+    expected_err = err_before[inverse] + group_err[inverse] * within / counts[inverse].double()
+    return float((expected_err / pos).mean())

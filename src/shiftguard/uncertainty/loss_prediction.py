@@ -1,0 +1,130 @@
+"""Loss-prediction uncertainty head on cached embeddings (003 Ch. 5, "pretrained uncertainties";
+URL benchmark App. B.9 "Losspred").
+
+003 Ch. 5 Sec. 3.3: an MLP ``u(e(x))`` on stop-gradient embeddings (1. StopGrad; 3. "cache
+everything": the backbone and classifier are frozen, so only ``e(x)`` and the detached task loss
+are needed) trained with the ranking objective of Yoo & Kweon (2019) (4. scale-free, eqs. (3)-(4)):
+for a pair (x1, x2) the sample with the larger task loss must get an uncertainty larger by a margin
+``m = 0.1``: ``L = max(0, m - s (u1 - u2))`` with ``s = +1`` if ``loss1 > loss2`` else ``-1``.
+(Eq. (3) of the thesis is typeset as ``max(0, 1_L (u1 - u2 + m))``; its text and Yoo & Kweon fix the
+sign used here: the higher-loss sample must be the more uncertain one.) Pairs are formed as in Yoo &
+Kweon: each shuffled mini-batch is split into halves and paired element-wise. Architecture:
+2 hidden layers of width 512 with ReLU (003 Ch. 5 App. C "By default it has 2 hidden layers of
+width 512"), AdamW (their default optimiser) with a cosine schedule.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shiftguard._validation import check_positive, check_same_length, check_tensor
+
+__all__ = ["LossPredictionHead", "loss_ranking_loss"]
+
+
+def loss_ranking_loss(u1: torch.Tensor, u2: torch.Tensor, loss1: torch.Tensor, loss2: torch.Tensor,
+                      margin: float = 0.1) -> torch.Tensor:
+    """Mean pairwise ranking loss of 003 Ch. 5 eqs. (3)-(4) (Yoo & Kweon 2019), see module doc."""
+    sign = torch.where(loss1 > loss2, 1.0, -1.0).to(u1.dtype)
+    return torch.clamp(margin - sign * (u1 - u2), min=0).mean()
+
+
+class LossPredictionHead(nn.Module):
+    """MLP predicting a per-sample uncertainty that ranks like the per-sample task loss.
+
+    Args:
+        in_features: embedding size.
+        hidden: hidden widths (default ``(512, 512)``).
+        margin: ranking margin m (default 0.1, 003 Ch. 5).
+        epochs, batch_size, lr, weight_decay: AdamW training on cached embeddings.
+        seed: seed for initialisation and batch order.
+
+    ``fit(embeddings, task_loss)`` trains on detached inputs; ``predict(embeddings)`` returns ``(N,)``
+    uncertainties (higher = larger expected loss), also available as ``forward``.
+    """
+
+    def __init__(self, in_features: int, hidden: tuple[int, ...] = (512, 512), margin: float = 0.1,
+                 epochs: int = 20, batch_size: int = 256, lr: float = 1e-3, weight_decay: float = 1e-2,
+                 seed: int = 0):
+        super().__init__()
+        check_positive(in_features, "in_features", integer=True)
+        check_positive(margin, "margin")
+        check_positive(epochs, "epochs", integer=True)
+        check_positive(batch_size, "batch_size", integer=True)
+        if batch_size < 2:
+            raise ValueError("batch_size: pairs need batches of at least 2 samples")
+        self.in_features = in_features
+        self.hidden = tuple(hidden)
+        self.margin = margin
+        self.epochs = epochs
+        self.batch_size = batch_size
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.seed = seed
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(seed)
+        layers: list[nn.Module] = []
+        width = in_features
+        for h in self.hidden:
+            layers += [nn.Linear(width, h), nn.ReLU()]
+            width = h
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+        torch.random.set_rng_state(gen_state)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, hidden={self.hidden}, margin={self.margin}"
+
+    def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        return self.mlp(embeddings).squeeze(-1)
+
+    def _check(self, embeddings, name="embeddings") -> torch.Tensor:
+        emb = check_tensor(embeddings, name, ndim=2, floating=True, finite=True)
+        if emb.shape[1] != self.in_features:
+            raise ValueError(f"{name}: expected {self.in_features} features, got {emb.shape[1]}")
+        return emb
+
+    def fit(self, embeddings, task_loss) -> "LossPredictionHead":
+        """Train on cached ``embeddings (N, D)`` and detached per-sample ``task_loss (N,)``."""
+        emb = self._check(embeddings).detach()
+        target = check_tensor(task_loss, "task_loss", ndim=1, floating=True, finite=True).detach()
+        n = check_same_length([("embeddings", emb), ("task_loss", target)])
+        if n < 2:
+            raise ValueError("embeddings: need at least 2 samples to form pairs")
+        target = target.to(emb.device)
+        self.to(emb.device, emb.dtype)
+        gen = torch.Generator().manual_seed(self.seed)
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        steps_per_epoch = max(1, n // self.batch_size)
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=self.epochs * steps_per_epoch)
+        bs = min(self.batch_size, n) // 2 * 2
+        self.train()
+        history = []
+        for _ in range(self.epochs):
+            perm = torch.randperm(n, generator=gen).to(emb.device)
+            total = 0.0
+            for s in range(steps_per_epoch):
+                idx = perm[s * bs:(s + 1) * bs]
+                if idx.numel() < 2:
+                    continue
+                half = idx.numel() // 2
+                i1, i2 = idx[:half], idx[half:2 * half]
+                u = self(emb[torch.cat([i1, i2])])
+                loss = loss_ranking_loss(u[:half], u[half:], target[i1], target[i2], self.margin)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sched.step()
+                total += float(loss.detach())
+            history.append(total / steps_per_epoch)
+        self.eval()
+        self.history_ = history
+        return self
+
+    @torch.no_grad()
+    def predict(self, embeddings) -> torch.Tensor:
+        """Uncertainty ``(N,)``; higher = the model expects a larger task loss."""
+        emb = self._check(embeddings)
+        p = next(self.parameters())
+        return self(emb.to(p.device, p.dtype)).to(emb.dtype)

@@ -1,0 +1,113 @@
+"""Retrieval metrics against pytorch-metric-learning's AccuracyCalculator and a slow reference."""
+
+import pytest
+import torch
+
+from shiftguard.metrics import retrieval_metrics
+
+
+def slow_reference(x, y, ks):
+    """Per query: sort all other samples by distance and apply the textbook formulas."""
+    n = len(y)
+    acc = {f"recall@{k}": [] for k in ks} | {f"map@{k}": [] for k in ks} | {"map@r": [], "r_precision": [], "precision@1": []}
+    for q in range(n):
+        d = ((x - x[q]) ** 2).sum(1)
+        d[q] = float("inf")
+        order = torch.argsort(d)[: n - 1]
+        rel = (y[order] == y[q]).double()
+        r = int(rel.sum())
+        if r == 0:
+            continue
+        prec = torch.cumsum(rel, 0) / torch.arange(1, n, dtype=torch.float64)
+        acc["precision@1"].append(float(rel[0]))
+        acc["r_precision"].append(float(rel[:r].sum() / r))
+        acc["map@r"].append(float((prec[:r] * rel[:r]).sum() / r))
+        for k in ks:
+            acc[f"recall@{k}"].append(float(rel[:k].max()))
+            acc[f"map@{k}"].append(float((prec[:k] * rel[:k]).sum() / min(k, r)))
+    return {key: sum(v) / len(v) for key, v in acc.items()}
+
+
+@pytest.fixture
+def data():
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 6, (300,), generator=g)
+    x = torch.randn(300, 5, generator=g, dtype=torch.float64) + 0.8 * torch.nn.functional.one_hot(y, 6)[:, :5]
+    return x, y
+
+
+def test_matches_a_slow_reference(data):
+    x, y = data
+    got = retrieval_metrics(x, y, ks=(1, 3, 10))
+    ref = slow_reference(x, y, (1, 3, 10))
+    for key, val in ref.items():
+        assert got[key] == pytest.approx(val, abs=1e-12), key
+
+
+def test_map_r_r_precision_and_precision_at_1_equal_pytorch_metric_learning(data):
+    calc_mod = pytest.importorskip("pytorch_metric_learning.utils.accuracy_calculator")
+    x, y = data
+    x = x.float()
+    calc = calc_mod.AccuracyCalculator(
+        include=("mean_average_precision_at_r", "r_precision", "precision_at_1"), k="max_bin_count"
+    )
+    theirs = calc.get_accuracy(x, y, x, y, ref_includes_query=True)
+    ours = retrieval_metrics(x, y)
+    assert ours["map@r"] == pytest.approx(theirs["mean_average_precision_at_r"], abs=1e-6)
+    assert ours["r_precision"] == pytest.approx(theirs["r_precision"], abs=1e-6)
+    assert ours["precision@1"] == pytest.approx(theirs["precision_at_1"], abs=1e-6)
+
+
+def test_a_tiny_memory_budget_gives_identical_results(data):
+    x, y = data
+    small, full = retrieval_metrics(x, y, memory_budget_bytes=2048), retrieval_metrics(x, y)
+    assert small.keys() == full.keys()
+    for key in full:  # summation order differs between chunkings: equal up to rounding
+        assert small[key] == pytest.approx(full[key], rel=1e-12), key
+
+
+def test_faiss_backend_gives_the_same_metrics(data):
+    pytest.importorskip("faiss")
+    x, y = data
+    a = retrieval_metrics(x.float(), y, backend="faiss")
+    b = retrieval_metrics(x.float(), y, backend="torch")
+    for key in a:
+        assert a[key] == pytest.approx(b[key], abs=1e-9)
+
+
+def test_lone_queries_are_skipped_and_counted():
+    x = torch.tensor([[0.0], [0.1], [5.0], [9.0]])
+    y = torch.tensor([0, 0, 1, 2])
+    m = retrieval_metrics(x, y, ks=(1,))
+    assert m["n_queries"] == 2 and m["n_lone_queries"] == 2
+    assert m["precision@1"] == 1.0 and m["map@r"] == 1.0
+
+
+def test_map_at_k_equals_map_at_r_when_every_class_has_k_plus_one_members():
+    g = torch.Generator().manual_seed(2)
+    y = torch.arange(60) % 12  # 5 per class: R = 4 for everyone
+    x = torch.randn(60, 3, generator=g, dtype=torch.float64)
+    m = retrieval_metrics(x, y, ks=(4,))
+    assert m["map@4"] == pytest.approx(m["map@r"])
+
+
+def test_perfectly_separated_classes_score_one_everywhere():
+    y = torch.arange(40) % 4
+    x = 100.0 * torch.nn.functional.one_hot(y, 4).double() + 0.01 * torch.randn(40, 4, dtype=torch.float64)
+    m = retrieval_metrics(x, y)
+    assert all(v == pytest.approx(1.0) for k, v in m.items() if not k.startswith("n_"))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(embeddings=torch.randn(5, 2), labels=torch.zeros(4, dtype=torch.long)), "mismatched"),
+        (dict(embeddings=torch.randn(5, 2), labels=torch.zeros(5, dtype=torch.long), ks=(5,)), "ks"),
+        (dict(embeddings=torch.randn(5, 2), labels=torch.zeros(5, dtype=torch.long), ks=(0,)), "ks"),
+        (dict(embeddings=torch.randn(3, 2), labels=torch.arange(3), ks=(1,)), "labels"),
+        (dict(embeddings=torch.full((3, 2), float("nan")), labels=torch.zeros(3, dtype=torch.long)), "embeddings"),
+    ],
+)
+def test_bad_input_raises_value_error(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        retrieval_metrics(**kwargs)
