@@ -1,0 +1,104 @@
+"""Shared pieces of every ``shiftguard.losses`` module.
+
+All losses are ``nn.Module`` s called as ``loss(embeddings, labels) -> scalar`` with
+``embeddings`` a float tensor ``(N, D)`` and ``labels`` an integer tensor ``(N,)``, in the style of
+pytorch-metric-learning: a user swaps a loss by changing one line.
+
+Bad-input policy (the same for every loss, tested in ``tests/test_losses_bad_input.py``):
+
+* NaN / inf embeddings, wrong shapes, non-integer labels, length mismatch -> ``ValueError`` /
+  ``TypeError`` naming the argument (validated here, once, at the public boundary).
+* A batch in which no anchor has the pairs the loss needs (a single class for pair-based losses, every
+  class a singleton) is not an error: the loss returns an exact ``0`` that is still connected to the
+  autograd graph (so ``backward()`` works and gives zero gradients) -- never a silent NaN.
+* Anchors without a positive (a class with one sample in the batch) are skipped by pair-based losses and
+  averaged over the remaining anchors.
+* Zero-norm embeddings: every distance below is computed as ``sqrt(d^2 + eps)`` (the ``1e-10`` of
+  001, Paper II, Sec. 3.1) and every normalisation divides by ``max(||x||, eps)``, so gradients stay
+  finite; the behaviour of each loss at zero norm is stated in its docstring.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shiftguard._validation import check_labels, check_tensor
+
+__all__ = [
+    "EmbeddingLoss",
+    "validate_batch",
+    "zero_loss",
+    "safe_euclidean",
+    "pair_masks",
+]
+
+#: Added to squared Euclidean distances before the square root (001, Paper II, Sec. 3.1: "we add a small
+#: positive value 1e-10 before taking square root").
+DIST_EPS = 1e-10
+
+
+def validate_batch(embeddings, labels, *, min_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``(embeddings (N, D) float finite, labels (N,) int)``; return them (labels as int64)."""
+    emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+    if emb.shape[1] < min_dim:
+        raise ValueError(f"embeddings: expected at least {min_dim} feature dimensions, got shape {tuple(emb.shape)}")
+    lab = check_labels(labels, "labels", n=emb.shape[0])
+    if lab.device != emb.device:
+        raise ValueError(f"labels: expected device {emb.device} (that of embeddings), got {lab.device}")
+    return emb, lab
+
+
+def zero_loss(*tensors: torch.Tensor) -> torch.Tensor:
+    """An exact scalar 0 that stays attached to the graph of ``tensors`` (so ``backward`` works)."""
+    out = None
+    for t in tensors:
+        if t is None:
+            continue
+        term = t.sum() * 0.0
+        out = term if out is None else out + term
+    return out
+
+
+#: Above this many ``N * M * D`` elements, :func:`safe_euclidean` switches to the Gram-matrix expansion.
+EXPLICIT_DIFF_LIMIT = 1 << 22
+
+
+def safe_euclidean(a: torch.Tensor, b: torch.Tensor, eps: float = DIST_EPS) -> torch.Tensor:
+    """Pairwise Euclidean distances ``(N, M)`` as ``sqrt(||a_i - b_j||^2 + eps)``.
+
+    Small problems use the explicit differences (the distance of a point to itself is exactly
+    ``sqrt(eps)``, float64 gradchecks are exact); above ``EXPLICIT_DIFF_LIMIT`` elements the
+    ``|a|^2 + |b|^2 - 2 a.b`` expansion (clamped at 0) keeps memory at ``O(N * M)``.
+    """
+    if a.shape[0] * b.shape[0] * a.shape[1] <= EXPLICIT_DIFF_LIMIT:
+        diff = a.unsqueeze(1) - b.unsqueeze(0)
+        return (diff.pow(2).sum(-1) + eps).sqrt()
+    sq = a.pow(2).sum(1, keepdim=True) + b.pow(2).sum(1).unsqueeze(0) - 2.0 * a @ b.t()
+    return (sq.clamp_min(0.0) + eps).sqrt()
+
+
+def pair_masks(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Boolean ``(N, N)`` masks of positive pairs (same label, not self) and negative pairs."""
+    same = labels.unsqueeze(0) == labels.unsqueeze(1)
+    eye = torch.eye(labels.shape[0], dtype=torch.bool, device=labels.device)
+    return same & ~eye, ~same
+
+
+class EmbeddingLoss(nn.Module):
+    """Base class: validates ``(embeddings, labels)`` then calls ``compute(embeddings, labels)``."""
+
+    #: Minimal embedding dimension the loss supports.
+    min_dim: int = 1
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        emb, lab = validate_batch(embeddings, labels, min_dim=self.min_dim)
+        if emb.dtype in (torch.float16, torch.bfloat16):
+            # Losses are computed in float32 (as autocast does): DIST_EPS underflows in half precision
+            # (NaN gradients at d = 0) and some CPU kernels (cdist) lack bfloat16. Gradients flow
+            # back to the half-precision input through the cast.
+            emb = emb.float()
+        return self.compute(emb, lab)
+
+    def compute(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError

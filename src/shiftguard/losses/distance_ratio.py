@@ -1,0 +1,275 @@
+"""Distance-ratio (DR) softmax losses: prototypical DR loss (001, Paper II) and ProxyDR (001, Paper III).
+
+Formulas (001 = "On the Significance of Distance in Machine Learning"):
+
+* SD softmax (Paper II, eq. (4)):  p(c|x) = exp(-d_c^2) / sum_y exp(-d_y^2).
+* DR formulation (Paper II, eq. (5); Paper III, eq. (8)):  p(c|x) = d_c^{-rho} / sum_y d_y^{-rho},
+  i.e. a softmax over the logits ``-rho * ln(d_c)``.  rho > 0 is learnable and parametrised as
+  ``rho = exp(log_rho)`` with initial ``log_rho = 2.0`` (Paper II, Sec. 3.1).
+* The loss is the mean cross-entropy of the query points (Paper II, eq. (3)).
+
+Numerics at d = 0: the thesis defines p(c|x) = 1 when d_c = 0 and every other d > 0 (Paper II, after eq.
+(5)) and implements it by adding 1e-10 before the square root of the Euclidean distance (Sec. 3.1). We do
+the same (``sqrt(d^2 + 1e-10)``), so a query on its prototype gets p = 1 - O(1e-5^rho) and finite gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shiftguard._validation import check_positive
+from shiftguard.losses.base import DIST_EPS, EmbeddingLoss, safe_euclidean, zero_loss
+
+__all__ = [
+    "dr_log_probs",
+    "sd_softmax_log_probs",
+    "leave_one_out_prototype_distances",
+    "DRLoss",
+    "ProxyDRLoss",
+    "proxydr_initial_scale",
+]
+
+
+def dr_log_probs(distances: torch.Tensor, rho) -> torch.Tensor:
+    """Log of the DR probabilities (001, Paper II, eq. (5)) from distances ``(N, C)`` (all > 0).
+
+    ``log p(c|x) = log_softmax_c(-rho * ln d_c)``.  Masked classes may be passed as ``+inf``
+    distances (their probability is exactly 0).
+    """
+    return torch.log_softmax(-rho * torch.log(distances), dim=-1)
+
+
+def sd_softmax_log_probs(distances: torch.Tensor) -> torch.Tensor:
+    """Log of the squared-distance softmax (001, Paper II, eq. (4)) from distances ``(N, C)``."""
+    return torch.log_softmax(-distances.pow(2), dim=-1)
+
+
+def leave_one_out_prototype_distances(embeddings: torch.Tensor, labels: torch.Tensor, eps: float = DIST_EPS):
+    """Distances of every sample to every in-batch class prototype (001, Paper II, eq. (1)-(2)).
+
+    The batch plays the role of an episode: prototypes are the class means of the batch, except that the
+    prototype of a query's *own* class is the mean of the *other* members of that class (leave-one-out),
+    so a query is never part of its own support set (as in prototypical-network episodes).
+
+    Returns ``(dist (N, C), target (N,), valid (N,))`` where ``C`` is the number of classes present, and
+    ``valid`` marks queries whose own class has at least one other member.
+    """
+    classes, target = torch.unique(labels, return_inverse=True)
+    n_cls = classes.shape[0]
+    onehot = F.one_hot(target, n_cls).to(embeddings.dtype)  # (N, C)
+    counts = onehot.sum(0)  # (C,)
+    sums = onehot.t() @ embeddings  # (C, D)
+    means = sums / counts.unsqueeze(1)
+    dist = safe_euclidean(embeddings, means, eps)  # (N, C)
+    own_count = counts[target] - 1.0
+    valid = own_count > 0
+    loo = (sums[target] - embeddings) / own_count.clamp_min(1.0).unsqueeze(1)  # (N, D)
+    own_dist = ((embeddings - loo).pow(2).sum(-1) + eps).sqrt()
+    dist = torch.where(onehot.bool(), own_dist.unsqueeze(1), dist)
+    return dist, target, valid
+
+
+class DRLoss(EmbeddingLoss):
+    """Distance-ratio softmax cross-entropy for prototypes or proxies (001, Paper II, eq. (3) + (5)).
+
+    Args:
+        mode: ``"prototypes"`` -- each batch is an episode, class representatives are the leave-one-out
+            in-batch class means (:func:`leave_one_out_prototype_distances`); ``"proxies"`` -- one
+            learnable proxy per class in the (unnormalised) Euclidean embedding space (needs
+            ``num_classes`` and ``embedding_dim``).
+        formulation: ``"dr"`` (eq. (5)) or ``"sd"`` (the squared-distance softmax of eq. (4), the ProtoNet_S
+            baseline of Paper II).
+        init_log_rho: initial ``ln(rho)``; 2.0 in Paper II, Sec. 3.1.
+        learn_rho: train ``log_rho`` with the network (Paper II does).
+
+    Behaviour on bad batches: queries whose class has no other member in the batch are skipped (prototype
+    mode); a batch with one class gives p = 1 and an exact zero loss.  Zero-norm embeddings are fine
+    (distances are ``sqrt(d^2 + 1e-10)``).  Scaling every embedding by ``a > 0`` leaves the DR loss
+    unchanged (Paper II, eq. (6)), up to the ``1e-10`` guard.
+    """
+
+    def __init__(
+        self,
+        mode: str = "prototypes",
+        formulation: str = "dr",
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        init_log_rho: float = 2.0,
+        learn_rho: bool = True,
+    ):
+        super().__init__()
+        if mode not in ("prototypes", "proxies"):
+            raise ValueError(f"mode: expected 'prototypes' or 'proxies', got {mode!r}")
+        if formulation not in ("dr", "sd"):
+            raise ValueError(f"formulation: expected 'dr' or 'sd', got {formulation!r}")
+        self.mode = mode
+        self.formulation = formulation
+        log_rho = torch.tensor(float(init_log_rho))
+        if learn_rho:
+            self.log_rho = nn.Parameter(log_rho)
+        else:
+            self.register_buffer("log_rho", log_rho)
+        if mode == "proxies":
+            if num_classes is None or embedding_dim is None:
+                raise ValueError("num_classes and embedding_dim: both are required when mode='proxies'")
+            check_positive(num_classes, "num_classes", integer=True)
+            check_positive(embedding_dim, "embedding_dim", integer=True)
+            self.proxies = nn.Parameter(torch.randn(num_classes, embedding_dim) / math.sqrt(embedding_dim))
+        else:
+            self.register_parameter("proxies", None)
+
+    @property
+    def rho(self) -> torch.Tensor:
+        return self.log_rho.exp()
+
+    def extra_repr(self) -> str:
+        s = f"mode={self.mode!r}, formulation={self.formulation!r}, rho={float(self.rho):.4g}"
+        if self.proxies is not None:
+            s += f", num_classes={self.proxies.shape[0]}, embedding_dim={self.proxies.shape[1]}"
+        return s
+
+    def log_probs(self, distances: torch.Tensor) -> torch.Tensor:
+        if self.formulation == "dr":
+            return dr_log_probs(distances, self.rho.to(distances.dtype))
+        return sd_softmax_log_probs(distances)
+
+    def compute(self, embeddings, labels):
+        if self.mode == "prototypes":
+            dist, target, valid = leave_one_out_prototype_distances(embeddings, labels)
+            if not bool(valid.any()):
+                return zero_loss(embeddings, self.log_rho)
+            logp = self.log_probs(dist[valid])
+            return -logp.gather(1, target[valid].unsqueeze(1)).mean()
+        if labels.max() >= self.proxies.shape[0]:
+            raise ValueError(f"labels: must be < num_classes={self.proxies.shape[0]}, got {int(labels.max())}")
+        if embeddings.shape[1] != self.proxies.shape[1]:
+            raise ValueError(f"embeddings: expected {self.proxies.shape[1]} features, got {embeddings.shape[1]}")
+        dist = safe_euclidean(embeddings, self.proxies.to(embeddings.dtype))
+        logp = self.log_probs(dist)
+        return -logp.gather(1, labels.unsqueeze(1)).mean()
+
+
+def _psi_proxydr(s: float, b: float, theta: float) -> float:
+    """psi_ProxyDR(s, theta) = B (s + 1) theta^s - s + 1 (001, Paper III, S1 Appendix)."""
+    return b * (s + 1.0) * theta**s - s + 1.0
+
+
+def proxydr_initial_scale(num_classes: int) -> float:
+    """Initial dynamic scale: the root of psi_ProxyDR with B = (C-1)(pi/2)^{-s}, theta = pi/4 (001, Paper III, S1).
+
+    Solved by bisection on ``s in (1, 1000]`` (psi > 0 near s = 1 and < 0 for large s).
+    """
+    c = int(num_classes)
+
+    def f(s):
+        return _psi_proxydr(s, (c - 1) * (math.pi / 2) ** (-s), math.pi / 4)
+
+    lo, hi = 1.0 + 1e-9, 1000.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if f(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+class ProxyDRLoss(EmbeddingLoss):
+    """ProxyDR (001, Paper III, "Methods" + eq. (8)): DR softmax on the unit hypersphere with learnable proxies.
+
+    ``f~ = f / ||f||``, ``W~_y = W_y / ||W_y||``, ``d_{x,y} = ||f~(x) - W~_y||`` and
+    ``p(c|x) = d_c^{-s} / sum_y d_y^{-s}``, trained with cross-entropy (Paper III, eq. (3)).
+
+    Args:
+        num_classes, embedding_dim: proxy table shape.
+        scale: the fixed scale factor ``s``; 10.0 in Paper III ("Training settings").
+        dynamic: use the dynamic scale of Paper III, S1 Appendix: ``s`` is initialised at the root of
+            ``psi_ProxyDR`` with ``B = (C-1)(pi/2)^{-s}`` and ``theta = pi/4``, and during training (module in
+            ``train()`` mode) each forward pass takes one Adam step on ``psi_ProxyDR(s, theta_med)^2`` with
+            ``B = B_avg`` (batch mean of ``B_x = sum_{y != c} d_{x,y}^{-s}``, treated as a constant for the
+            step, as AdaCos does) and ``theta_med`` the batch median angle to the true proxy, clipped to
+            ``[0, pi/4]`` (AdaCos).  ``s`` is never trained by the main loss gradient.
+        dynamic_lr: Adam step size for ``s`` (not given in the thesis; 0.01 here).
+
+    Zero-norm embeddings normalise to the zero vector (``F.normalize``), which is at distance 1 from
+    every proxy: uniform probabilities, finite gradients.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        scale: float = 10.0,
+        dynamic: bool = False,
+        dynamic_lr: float = 0.01,
+    ):
+        super().__init__()
+        check_positive(num_classes, "num_classes", integer=True)
+        check_positive(embedding_dim, "embedding_dim", integer=True)
+        check_positive(scale, "scale")
+        check_positive(dynamic_lr, "dynamic_lr")
+        if dynamic and num_classes < 2:
+            raise ValueError(f"num_classes: the dynamic scale needs at least 2 classes, got {num_classes}")
+        self.dynamic = bool(dynamic)
+        self.dynamic_lr = float(dynamic_lr)
+        self.proxies = nn.Parameter(torch.randn(num_classes, embedding_dim))
+        s0 = proxydr_initial_scale(num_classes) if dynamic else float(scale)
+        self.register_buffer("scale", torch.tensor(s0, dtype=torch.float64))
+        # Adam state for the dynamic scale (first/second moments, step count).
+        self.register_buffer("_adam_m", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("_adam_v", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("_adam_t", torch.zeros((), dtype=torch.float64))
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_classes={self.proxies.shape[0]}, embedding_dim={self.proxies.shape[1]}, "
+            f"scale={float(self.scale):.4g}, dynamic={self.dynamic}"
+        )
+
+    def distances(self, embeddings: torch.Tensor) -> torch.Tensor:
+        """Chord distances ``(N, C)`` between normalised embeddings and normalised proxies."""
+        f = F.normalize(embeddings, dim=1)
+        w = F.normalize(self.proxies.to(embeddings.dtype), dim=1)
+        return safe_euclidean(f, w)
+
+    def compute(self, embeddings, labels):
+        if labels.max() >= self.proxies.shape[0]:
+            raise ValueError(f"labels: must be < num_classes={self.proxies.shape[0]}, got {int(labels.max())}")
+        if embeddings.shape[1] != self.proxies.shape[1]:
+            raise ValueError(f"embeddings: expected {self.proxies.shape[1]} features, got {embeddings.shape[1]}")
+        dist = self.distances(embeddings)
+        s = self.scale.to(embeddings.dtype)
+        logp = dr_log_probs(dist, s)
+        loss = -logp.gather(1, labels.unsqueeze(1)).mean()
+        if self.dynamic and self.training:
+            self._update_scale(dist.detach(), embeddings.detach(), labels)
+        return loss
+
+    @torch.no_grad()
+    def _update_scale(self, dist, embeddings, labels):
+        s = float(self.scale)
+        d = dist.double()
+        neg = torch.ones_like(d, dtype=torch.bool)
+        neg[torch.arange(d.shape[0], device=d.device), labels] = False
+        b_avg = float((d.pow(-s) * neg).sum(1).mean())
+        cos = (F.normalize(embeddings.double(), dim=1) * F.normalize(self.proxies.double(), dim=1)[labels]).sum(1)
+        theta = float(torch.arccos(cos.clamp(-1.0, 1.0)).median().clamp(1e-6, math.pi / 4))
+        psi = _psi_proxydr(s, b_avg, theta)
+        # d psi / d s with B held fixed
+        dpsi = b_avg * theta**s * (1.0 + (s + 1.0) * math.log(theta)) - 1.0
+        grad = 2.0 * psi * dpsi
+        if not math.isfinite(grad):
+            return
+        beta1, beta2, eps = 0.9, 0.999, 1e-8
+        self._adam_t += 1
+        self._adam_m.mul_(beta1).add_((1 - beta1) * grad)
+        self._adam_v.mul_(beta2).add_((1 - beta2) * grad * grad)
+        m_hat = self._adam_m / (1 - beta1 ** self._adam_t)
+        v_hat = self._adam_v / (1 - beta2 ** self._adam_t)
+        new_s = self.scale - self.dynamic_lr * m_hat / (v_hat.sqrt() + eps)
+        self.scale.copy_(new_s.clamp_min(1e-3))

@@ -1,0 +1,106 @@
+"""Standard metric-learning losses from pytorch-metric-learning behind the ``(embeddings, labels)`` interface.
+
+Thin wrappers: the maths is pytorch-metric-learning's (v2.9); we only add input validation and a uniform
+constructor.  Proxy/classifier parameters live inside the wrapped module, so ``loss.parameters()`` must be
+given to the optimiser (as for every loss with learnable parameters in :mod:`shiftguard.losses`).
+
+* ``cross_entropy`` -- a linear classifier ``nn.Linear(embedding_dim, num_classes)`` on top of the
+  embeddings followed by ``F.cross_entropy``; the classifier is part of the loss module.
+* ``triplet`` -- ``TripletMarginLoss(margin)`` on triplets mined by ``TripletMarginMiner`` (semihard by
+  default).
+* ``proxy_nca`` -- ``ProxyNCALoss`` (pytorch-metric-learning has no ProxyNCA++; its NormFace /
+  ``NormalizedSoftmaxLoss`` is the closest normalised-proxy softmax).
+* ``proxy_anchor`` -- ``ProxyAnchorLoss(margin=0.1, alpha=32)``.
+* ``normface`` -- ``NormalizedSoftmaxLoss(temperature=0.05)``.
+* ``supcon`` -- ``SupConLoss(temperature=0.1)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch.nn.functional as F
+from pytorch_metric_learning import losses as pml_losses
+from pytorch_metric_learning import miners as pml_miners
+from torch import nn
+
+from shiftguard._validation import check_positive
+from shiftguard.losses.base import EmbeddingLoss
+
+__all__ = ["PMLLoss", "CrossEntropyLoss", "make_pml_loss", "PML_LOSSES"]
+
+
+class PMLLoss(EmbeddingLoss):
+    """Wrap a pytorch-metric-learning loss (and optional miner) as ``loss(embeddings, labels) -> scalar``."""
+
+    def __init__(self, loss: nn.Module, miner: Optional[nn.Module] = None, num_classes: Optional[int] = None,
+                 embedding_dim: Optional[int] = None):
+        super().__init__()
+        self.loss = loss
+        self.miner = miner
+        self.num_classes = num_classes
+        self.embedding_dim = embedding_dim
+
+    def compute(self, embeddings, labels):
+        if self.embedding_dim is not None and embeddings.shape[1] != self.embedding_dim:
+            raise ValueError(f"embeddings: expected {self.embedding_dim} features (embedding_dim), got {embeddings.shape[1]}")
+        if self.num_classes is not None and int(labels.max()) >= self.num_classes:
+            raise ValueError(f"labels: must be < num_classes={self.num_classes}, got {int(labels.max())}")
+        if self.miner is not None:
+            return self.loss(embeddings, labels, self.miner(embeddings, labels))
+        return self.loss(embeddings, labels)
+
+
+class CrossEntropyLoss(EmbeddingLoss):
+    """Softmax cross-entropy through a linear classifier over the embeddings (owned by the loss)."""
+
+    def __init__(self, embedding_dim: int, num_classes: int):
+        super().__init__()
+        self.classifier = nn.Linear(embedding_dim, num_classes)
+
+    def extra_repr(self) -> str:
+        return f"embedding_dim={self.classifier.in_features}, num_classes={self.classifier.out_features}"
+
+    def compute(self, embeddings, labels):
+        if embeddings.shape[1] != self.classifier.in_features:
+            raise ValueError(f"embeddings: expected {self.classifier.in_features} features (embedding_dim), "
+                             f"got {embeddings.shape[1]}")
+        if int(labels.max()) >= self.classifier.out_features:
+            raise ValueError(f"labels: must be < num_classes={self.classifier.out_features}, got {int(labels.max())}")
+        w = self.classifier.weight.to(embeddings.dtype)
+        b = self.classifier.bias.to(embeddings.dtype)
+        return F.cross_entropy(F.linear(embeddings, w, b), labels)
+
+
+def _need(embedding_dim, num_classes, name):
+    if embedding_dim is None or num_classes is None:
+        raise ValueError(f"embedding_dim and num_classes: both are required for loss {name!r}")
+    check_positive(embedding_dim, "embedding_dim", integer=True)
+    check_positive(num_classes, "num_classes", integer=True)
+
+
+def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None, **kw):
+    """Build one of :data:`PML_LOSSES` by name."""
+    if name == "cross_entropy":
+        _need(embedding_dim, num_classes, name)
+        return CrossEntropyLoss(embedding_dim, num_classes)
+    if name == "triplet":
+        margin = kw.pop("margin", 0.1)
+        miner = pml_miners.TripletMarginMiner(margin=margin, type_of_triplets=kw.pop("type_of_triplets", "semihard"))
+        return PMLLoss(pml_losses.TripletMarginLoss(margin=margin, **kw), miner)
+    if name == "supcon":
+        return PMLLoss(pml_losses.SupConLoss(temperature=kw.pop("temperature", 0.1), **kw))
+    _need(embedding_dim, num_classes, name)
+    if name == "proxy_nca":
+        loss = pml_losses.ProxyNCALoss(num_classes, embedding_dim, **kw)
+    elif name == "proxy_anchor":
+        loss = pml_losses.ProxyAnchorLoss(num_classes, embedding_dim, margin=kw.pop("margin", 0.1),
+                                          alpha=kw.pop("alpha", 32), **kw)
+    elif name == "normface":
+        loss = pml_losses.NormalizedSoftmaxLoss(num_classes, embedding_dim, temperature=kw.pop("temperature", 0.05), **kw)
+    else:  # pragma: no cover - guarded by the registry
+        raise ValueError(f"name: unknown pytorch-metric-learning loss {name!r}")
+    return PMLLoss(loss, num_classes=num_classes, embedding_dim=embedding_dim)
+
+
+PML_LOSSES = ("cross_entropy", "triplet", "proxy_nca", "proxy_anchor", "normface", "supcon")
