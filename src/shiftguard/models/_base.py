@@ -1,0 +1,89 @@
+"""Shared pieces of every architecture: the embed()/classifier contract and activation blocks.
+
+Every model is an :class:`EmbeddingClassifier`: ``embed(x)`` maps images ``(N, C, H, W)`` to
+embeddings ``(N, D)`` and ``classifier`` (an ``nn.Linear(D, num_classes)``) maps embeddings to
+logits, so ``forward(x) == classifier(embed(x))``. Heads (logistic refit, quantile classifier,
+NED, kNN) and embedding losses (watershed, ...) attach to ``embed``; cross-entropy uses
+``forward``.
+
+Activations are built by name through :func:`shiftguard.nn.make_activation` so that swapping
+ReLU for QACT is one keyword (000, Sec. 4: "replace the usual ReLU activation with QACT").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ACTIVATIONS = ("relu", "prelu", "selu", "qact")
+
+__all__ = ["ACTIVATIONS", "EmbeddingClassifier", "activation", "norm_activation", "check_activation"]
+
+
+def check_activation(name: str) -> str:
+    if not isinstance(name, str) or name.lower() not in ACTIVATIONS:
+        raise ValueError(f"activation: expected one of {', '.join(ACTIVATIONS)}, got {name!r}")
+    return name.lower()
+
+
+def activation(name: str, num_features: int) -> nn.Module:
+    """The activation ``name`` for ``num_features`` channels/features.
+
+    ``qact`` gives the BN-QACT-BN block of 000 (Remark after Alg. 2: "we prepend and append the
+    quantile activation with BatchNorm layers"), built by ``shiftguard.nn.make_activation``.
+    """
+    name = check_activation(name)
+    try:
+        from shiftguard.nn import make_activation
+    except ImportError:
+        # shiftguard.nn is the one place activations are defined; the plain ones are rebuilt here
+        # only so that models stay usable in a partial install where nn failed to import.
+        if name == "qact":
+            raise
+        return {"relu": lambda: nn.ReLU(), "prelu": lambda: nn.PReLU(num_features), "selu": lambda: nn.SELU()}[name]()
+    return make_activation(name, num_features)
+
+
+def norm_activation(name: str, num_features: int, dim: int = 2) -> nn.Module:
+    """BatchNorm followed by the activation, as in conv-BN-act stacks.
+
+    For ``qact`` the block from :func:`activation` already starts with a BatchNorm, so no extra
+    one is prepended (BN-BN would be a no-op pair that only costs time).
+    """
+    name = check_activation(name)
+    if name == "qact":
+        return activation(name, num_features)
+    bn = nn.BatchNorm2d(num_features) if dim == 2 else nn.BatchNorm1d(num_features)
+    return nn.Sequential(bn, activation(name, num_features))
+
+
+class EmbeddingClassifier(nn.Module):
+    """Base class: ``forward(x) = classifier(embed(x))``.
+
+    Subclasses set ``self.embedding_dim`` and ``self.classifier`` and implement :meth:`embed`.
+    """
+
+    embedding_dim: int
+    classifier: nn.Linear
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.embed(x))
+
+    @staticmethod
+    def _projection(in_dim: int, embedding_dim: int | None) -> tuple[nn.Module, int]:
+        """Optional linear projection of the pooled features to ``embedding_dim``."""
+        if embedding_dim is None or embedding_dim == in_dim:
+            return nn.Identity(), in_dim
+        if int(embedding_dim) <= 0:
+            raise ValueError(f"embedding_dim: expected a positive integer, got {embedding_dim}")
+        return nn.Linear(in_dim, int(embedding_dim)), int(embedding_dim)
+
+
+def check_channels(in_channels: int, num_classes: int) -> None:
+    if not isinstance(in_channels, int) or in_channels <= 0:
+        raise ValueError(f"in_channels: expected a positive integer, got {in_channels!r}")
+    if not isinstance(num_classes, int) or num_classes < 2:
+        raise ValueError(f"num_classes: expected an integer >= 2, got {num_classes!r}")
