@@ -1,0 +1,376 @@
+"""A plain PyTorch training loop following 000, App. B.
+
+- Adam with initial learning rate 1e-3;
+- ReduceLROnPlateau(factor=0.1, patience=50, cooldown=10, threshold=0.01, threshold_mode="abs",
+  min_lr=1e-6) on the validation accuracy;
+- early stopping when the validation accuracy does not improve by 0.001 (for
+  ``early_stopping_patience`` epochs), keeping the best weights;
+- an 80:20 train/validation split with seed 42 (:func:`train_val_split`).
+
+Any loss works: ``loss_on="logits"`` (cross-entropy on ``model(x)``) or ``loss_on="embeddings"``
+(watershed and other embedding losses on ``model.embed(x)``). For embedding losses the
+validation metric is the accuracy of a nearest-class-mean head whose means are accumulated from
+the epoch's training embeddings (no extra pass).
+
+Resumability: a checkpoint is written after every epoch (``train/checkpoint.py``) holding the
+model, optimiser, scheduler, early-stopping state, metric history and the global RNG states.
+The batch order of epoch ``e`` is drawn from a generator seeded with ``(seed, e)``, so
+``fit(epochs=2)`` and ``fit(epochs=1)`` + ``fit(epochs=2, resume=True)`` end with identical
+weights.
+
+Distributed training (later): only the process with ``is_main_process=True`` writes files or
+shows progress, and :meth:`Trainer.batches` is the single place that decides which indices a
+process sees (override it to shard, e.g. with a ``DistributedSampler``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from shiftguard._validation import check_labels, check_tensor
+from shiftguard.io import atomic_write_text
+
+from .checkpoint import load_latest_checkpoint, save_checkpoint
+
+__all__ = ["Trainer", "train_val_split", "to_model_input"]
+
+
+def to_model_input(images: torch.Tensor, device=None) -> torch.Tensor:
+    """Images as the models see them: float in [-1, 1].
+
+    ``uint8`` images ``(N, C, H, W)`` are scaled by 1/255; floating images are taken to be in
+    [0, 1] already (as the corruption engine returns them for float input).
+    """
+    x = images.to(device) if device is not None else images
+    x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+    return x.mul(2.0).sub_(1.0)
+
+
+def train_val_split(n: int, val_fraction: float = 0.2, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ``(train_idx, val_idx)`` split of ``range(n)``; 000 App. B uses 80:20, seed 42."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction: expected a value in (0, 1), got {val_fraction}")
+    if n < 2:
+        raise ValueError(f"n: need at least 2 samples to split, got {n}")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = min(n - 1, max(1, int(round(n * val_fraction))))
+    return perm[n_val:].sort().values, perm[:n_val].sort().values
+
+
+class Trainer:
+    """Train ``model`` with ``loss``; see the module docstring for the protocol.
+
+    Parameters mirror ``experiments.config.TrainConfig``. ``checkpoint_dir`` enables per-epoch
+    checkpoints and ``resume``; ``metrics_log`` is a JSONL file with one line per epoch.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: nn.Module | str = "cross_entropy",
+        *,
+        loss_on: Optional[str] = None,
+        epochs: int = 10,
+        batch_size: int = 128,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        lr_factor: float = 0.1,
+        lr_patience: int = 50,
+        lr_cooldown: int = 10,
+        lr_threshold: float = 0.01,
+        min_lr: float = 1e-6,
+        early_stopping_patience: int = 5,
+        early_stopping_min_delta: float = 0.001,
+        class_balanced: bool = False,
+        samples_per_class: int = 4,
+        chunk_size: int = 0,
+        max_val: int = 0,
+        val_batch_size: int = 1000,
+        device: str | torch.device = "cpu",
+        seed: int = 0,
+        checkpoint_dir: Optional[str | Path] = None,
+        metrics_log: Optional[str | Path] = None,
+        progress: bool = True,
+        desc: str = "train",
+        is_main_process: bool = True,
+    ):
+        if isinstance(loss, str):
+            if loss != "cross_entropy":
+                raise ValueError(f"loss: a string loss must be 'cross_entropy'; build others with shiftguard.losses.build_loss, got {loss!r}")
+            loss = nn.CrossEntropyLoss()
+        if loss_on is None:
+            loss_on = "logits" if isinstance(loss, nn.CrossEntropyLoss) else "embeddings"
+        if loss_on not in ("logits", "embeddings"):
+            raise ValueError(f"loss_on: expected 'logits' or 'embeddings', got {loss_on!r}")
+        if not hasattr(model, "embed") and loss_on == "embeddings":
+            raise TypeError("model: an embedding loss needs a model with an embed() method")
+        for name, v in (("epochs", epochs), ("batch_size", batch_size), ("val_batch_size", val_batch_size)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        self.device = torch.device(device)
+        self.model = model.to(self.device)
+        self.loss_fn = loss.to(self.device) if isinstance(loss, nn.Module) else loss
+        self.loss_on = loss_on
+        self.epochs, self.batch_size, self.val_batch_size = epochs, batch_size, val_batch_size
+        self.early_stopping_patience = early_stopping_patience
+        self.early_stopping_min_delta = early_stopping_min_delta
+        self.class_balanced, self.samples_per_class, self.max_val = class_balanced, samples_per_class, max_val
+        if chunk_size and loss_on != "embeddings":
+            raise ValueError("chunk_size: multistage steps (002, Sec. 5.3.2) need an embedding loss")
+        self.chunk_size = int(chunk_size)
+        self.seed = int(seed)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.metrics_log = Path(metrics_log) if metrics_log is not None else None
+        self.progress, self.desc, self.is_main_process = progress, desc, is_main_process
+        params = list(self.model.parameters()) + [p for p in getattr(self.loss_fn, "parameters", lambda: [])()]
+        self.optimizer = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
+            self.optimizer, mode="max", factor=lr_factor, patience=lr_patience, cooldown=lr_cooldown,
+            threshold=lr_threshold, threshold_mode="abs", min_lr=min_lr,
+        )
+        self.history: list[dict] = []
+
+    # ----------------------------------------------------------------- batching (sampler hook)
+    def batches(self, labels: torch.Tensor, epoch: int) -> Iterator[torch.Tensor]:
+        """Index tensors of the training batches of ``epoch`` (deterministic in ``seed``, ``epoch``).
+
+        The single hook a distributed trainer overrides to shard the data across processes.
+        """
+        gen = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+        n = labels.numel()
+        if self.class_balanced:
+            from .samplers import ClassBalancedBatchSampler
+
+            sampler = ClassBalancedBatchSampler(labels, m=self.samples_per_class, batch_size=self.batch_size,
+                                                seed=self.seed * 100_003)
+            sampler.set_epoch(epoch)
+            for batch in sampler:
+                yield torch.as_tensor(batch, dtype=torch.long)
+            return
+        perm = torch.randperm(n, generator=gen)
+        # Drop a last batch smaller than 2: BatchNorm and QACT need a context of at least 2.
+        for i in range(0, n, self.batch_size):
+            idx = perm[i : i + self.batch_size]
+            if idx.numel() >= 2:
+                yield idx
+
+    def num_batches(self, labels: torch.Tensor) -> int:
+        if self.class_balanced:
+            return max(1, labels.numel() // self.batch_size)
+        n = labels.numel()
+        return n // self.batch_size + (1 if n % self.batch_size >= 2 else 0)
+
+    # ----------------------------------------------------------------- one epoch
+    def _train_epoch(self, images, labels, epoch: int, num_classes: int) -> dict:
+        self.model.train()
+        total_loss, n_seen, n_correct = 0.0, 0, 0
+        self._emb_sum: Optional[torch.Tensor] = None
+        self._emb_cnt = torch.zeros(num_classes, device=self.device)
+        bar = None
+        it = self.batches(labels, epoch)
+        if self.progress and self.is_main_process:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(it, total=self.num_batches(labels), desc=f"{self.desc} epoch {epoch}/{self.epochs}",
+                       leave=False, dynamic_ncols=True)
+            it = bar
+        for idx in it:
+            x = to_model_input(images[idx], self.device)
+            y = labels[idx].to(self.device)
+            if self.chunk_size and y.numel() > self.chunk_size:
+                # Large batch: multistage back-propagation (002, Sec. 5.3.2) accumulates .grad itself.
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = self._multistage_step(x, y)
+                self.optimizer.step()
+                total_loss += loss.item() * y.numel()
+                n_seen += y.numel()
+                with torch.no_grad():  # class means for the validation head
+                    self._accumulate_means(self.model.embed(x).float(), y, num_classes)
+                continue
+            emb = self.model.embed(x) if hasattr(self.model, "embed") else None
+            if self.loss_on == "logits":
+                out = self.model.classifier(emb) if emb is not None else self.model(x)
+                loss = self.loss_fn(out, y)
+                n_correct += int((out.argmax(1) == y).sum())
+            else:
+                loss = self.loss_fn(emb, y)
+                self._accumulate_means(emb.detach().float(), y, num_classes)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"{self.desc}: loss became {loss.item()} at epoch {epoch}")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            total_loss += loss.item() * y.numel()
+            n_seen += y.numel()
+            if bar is not None:
+                post = {"loss": f"{total_loss / n_seen:.4f}"}
+                if self.loss_on == "logits":
+                    post["acc"] = f"{n_correct / n_seen:.3f}"
+                bar.set_postfix(post)
+        if bar is not None:
+            bar.close()
+        out = {"train_loss": total_loss / max(n_seen, 1)}
+        if self.loss_on == "logits":
+            out["train_acc"] = n_correct / max(n_seen, 1)
+        else:
+            self._class_means = self._emb_sum / self._emb_cnt.clamp_min(1).unsqueeze(1)
+            self._class_present = self._emb_cnt > 0
+        return out
+
+    def _multistage_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One multistage step on batch ``(x, y)``; the DDP trainer overrides it (train/distributed.py)."""
+        from .multistage import multistage_step
+
+        return multistage_step(self.model, self.loss_fn, x, y, self.chunk_size)
+
+    def _accumulate_means(self, e: torch.Tensor, y: torch.Tensor, num_classes: int) -> None:
+        """Running per-class sums of training embeddings (the nearest-class-mean validation head)."""
+        if self._emb_sum is None:
+            self._emb_sum = torch.zeros(num_classes, e.shape[1], device=e.device)
+        self._emb_sum.index_add_(0, y, e)
+        self._emb_cnt += torch.bincount(y, minlength=num_classes).float()
+
+    @torch.no_grad()
+    def validate(self, images: torch.Tensor, labels: torch.Tensor) -> float:
+        """Validation accuracy: the model's classifier (logit losses) or nearest class mean."""
+        self.model.eval()
+        if self.max_val and labels.numel() > self.max_val:
+            images, labels = images[: self.max_val], labels[: self.max_val]
+        correct = 0
+        for i in range(0, labels.numel(), self.val_batch_size):
+            x = to_model_input(images[i : i + self.val_batch_size], self.device)
+            y = labels[i : i + self.val_batch_size].to(self.device)
+            if self.loss_on == "logits":
+                pred = self.model(x).argmax(1)
+            else:
+                d = torch.cdist(self.model.embed(x).float(), self._class_means)
+                d[:, ~self._class_present] = math.inf
+                pred = d.argmin(1)
+            correct += int((pred == y).sum())
+        return correct / max(labels.numel(), 1)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self, epoch: int) -> dict:
+        s = {
+            "epoch": epoch,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "best_metric": self.best_metric,
+            "best_epoch": self.best_epoch,
+            "best_model": self.best_model,
+            "bad_epochs": self.bad_epochs,
+            "stopped": self.stopped,
+            "history": self.history,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        if isinstance(self.loss_fn, nn.Module):
+            s["loss"] = self.loss_fn.state_dict()
+        if self.loss_on == "embeddings":
+            s["class_means"], s["class_present"] = self._class_means, self._class_present
+        return s
+
+    def load_state_dict(self, s: dict) -> int:
+        self.model.load_state_dict(s["model"])
+        self.optimizer.load_state_dict(s["optimizer"])
+        self.scheduler.load_state_dict(s["scheduler"])
+        if "loss" in s and isinstance(self.loss_fn, nn.Module):
+            self.loss_fn.load_state_dict(s["loss"])
+        self.best_metric, self.best_epoch = s["best_metric"], s["best_epoch"]
+        self.best_model, self.bad_epochs, self.stopped = s["best_model"], s["bad_epochs"], s["stopped"]
+        self.history = list(s["history"])
+        if "class_means" in s:
+            self._class_means = s["class_means"].to(self.device)
+            self._class_present = s["class_present"].to(self.device)
+        torch.set_rng_state(s["torch_rng"])
+        if s["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(s["cuda_rng"])
+        return int(s["epoch"])
+
+    def _write_log(self) -> None:
+        if self.metrics_log is not None and self.is_main_process:
+            atomic_write_text(self.metrics_log, "".join(json.dumps(h) + "\n" for h in self.history))
+
+    # ----------------------------------------------------------------- fit
+    def fit(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        val_images: torch.Tensor,
+        val_labels: torch.Tensor,
+        *,
+        num_classes: Optional[int] = None,
+        resume: bool = False,
+    ) -> dict:
+        """Train on ``(images, labels)``, validate on ``(val_images, val_labels)`` each epoch.
+
+        Images are ``(N, C, H, W)`` uint8 (or float in [0, 1]); labels int64 ``(N,)``. Returns a
+        summary dict (history, best epoch and validation accuracy, epochs run, early stop flag,
+        seconds); the model ends with its best validation weights.
+        """
+        images = check_tensor(images, "images", ndim=(2, 4), nonempty=True)
+        val_images = check_tensor(val_images, "val_images", ndim=images.dim(), nonempty=True)
+        num_classes = int(num_classes or int(labels.max()) + 1)
+        labels = check_labels(labels, "labels", num_classes=num_classes, n=images.shape[0])
+        val_labels = check_labels(val_labels, "val_labels", num_classes=num_classes, n=val_images.shape[0])
+        t0 = time.perf_counter()
+        start = 0
+        self.best_metric, self.best_epoch, self.best_model = -math.inf, 0, None
+        self.bad_epochs, self.stopped, self.history = 0, False, []
+        if resume:
+            if self.checkpoint_dir is None:
+                raise ValueError("resume: needs a checkpoint_dir")
+            state = load_latest_checkpoint(self.checkpoint_dir, map_location=self.device)
+            if state is not None:
+                start = self.load_state_dict(state)
+            else:  # killed before the first checkpoint: start exactly as a fresh run would
+                torch.manual_seed(self.seed)
+        else:
+            torch.manual_seed(self.seed)
+        for epoch in range(start + 1, self.epochs + 1):
+            if self.stopped:
+                break
+            te = time.perf_counter()
+            stats = self._train_epoch(images, labels, epoch, num_classes)
+            val_acc = self.validate(val_images, val_labels)
+            self.scheduler.step(val_acc)
+            improved = val_acc > self.best_metric + self.early_stopping_min_delta
+            if improved or self.best_model is None:
+                self.best_metric, self.best_epoch = val_acc, epoch
+                self.best_model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+                self.bad_epochs = 0
+            else:
+                self.bad_epochs += 1
+                if self.early_stopping_patience > 0 and self.bad_epochs >= self.early_stopping_patience:
+                    self.stopped = True
+            self.history.append({
+                "epoch": epoch, **stats, "val_acc": val_acc,
+                "lr": self.optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - te,
+            })
+            if self.progress and self.is_main_process:
+                from tqdm.auto import tqdm
+
+                extra = f" train_acc={stats['train_acc']:.4f}" if "train_acc" in stats else ""
+                tqdm.write(f"{self.desc} epoch {epoch}/{self.epochs}: loss={stats['train_loss']:.4f}{extra} "
+                           f"val_acc={val_acc:.4f}{' (early stop)' if self.stopped else ''}")
+            if self.checkpoint_dir is not None and self.is_main_process:
+                save_checkpoint(self.checkpoint_dir, epoch, self.state_dict(epoch))
+            self._write_log()
+        if self.best_model is not None:
+            self.model.load_state_dict(self.best_model)
+        return {
+            "history": self.history,
+            "best_epoch": self.best_epoch,
+            "best_val_acc": self.best_metric,
+            "epochs_run": len(self.history),
+            "stopped_early": self.stopped,
+            "seconds": time.perf_counter() - t0,
+        }

@@ -1,0 +1,206 @@
+"""shiftguard.train: the 000 App. B training loop, determinism, checkpoints and resume."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from shiftguard.models import build_model
+from shiftguard.train import (
+    CheckpointError, Trainer, load_checkpoint, load_latest_checkpoint, save_checkpoint, train_val_split,
+)
+from shiftguard.train.checkpoint import list_checkpoints
+
+
+def patch_images(n: int = 240, num_classes: int = 4, seed: int = 0):
+    """Learnable synthetic images: class c lights up the c-th 7x7 quadrant patch, plus noise."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % num_classes
+    x = torch.randint(0, 60, (n, 1, 28, 28), generator=g)
+    for c in range(num_classes):
+        r, col = divmod(c, 2)
+        x[y == c, :, r * 14 + 3 : r * 14 + 10, col * 14 + 3 : col * 14 + 10] += 180
+    return x.clamp(0, 255).to(torch.uint8), y
+
+
+def small_mlp():
+    return build_model("mlp", num_classes=4, hidden=(32, 16))
+
+
+def make_trainer(model, tmp_path=None, **kw):
+    kw.setdefault("epochs", 2)
+    kw.setdefault("batch_size", 32)
+    kw.setdefault("progress", False)
+    kw.setdefault("seed", 3)
+    if tmp_path is not None:
+        kw.setdefault("checkpoint_dir", tmp_path / "ckpt")
+    return Trainer(model, **kw)
+
+
+def fit(trainer, data):
+    x, y = data
+    tr, va = train_val_split(len(y))
+    return trainer.fit(x[tr], y[tr], x[va], y[va], num_classes=4)
+
+
+def weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def assert_same_weights(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_split_is_80_20_seed_42_and_disjoint():
+    tr, va = train_val_split(100)
+    assert len(tr) == 80 and len(va) == 20
+    assert set(tr.tolist()).isdisjoint(va.tolist()) and len(set(tr.tolist()) | set(va.tolist())) == 100
+    tr2, va2 = train_val_split(100, seed=42)
+    assert torch.equal(va, va2) and not torch.equal(va, train_val_split(100, seed=1)[1])
+
+
+def test_cross_entropy_training_learns_a_separable_task():
+    data = patch_images()
+    torch.manual_seed(0)
+    m = small_mlp()
+    out = fit(make_trainer(m, epochs=6), data)
+    assert out["best_val_acc"] > 0.9
+    assert out["epochs_run"] == len(out["history"]) <= 6
+    assert {"train_loss", "train_acc", "val_acc", "lr"} <= set(out["history"][0])
+
+
+def test_embedding_loss_uses_nearest_class_mean_validation():
+    watershed = pytest.importorskip("shiftguard.losses.watershed")
+    data = patch_images()
+    torch.manual_seed(0)
+    m = small_mlp()
+    tr = make_trainer(m, loss=watershed.WatershedLoss(), epochs=4)
+    assert tr.loss_on == "embeddings"
+    out = fit(tr, data)
+    assert out["best_val_acc"] > 0.8
+    assert "train_acc" not in out["history"][0]
+
+
+def test_training_is_deterministic_given_the_seed():
+    data = patch_images()
+    results = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = small_mlp()
+        fit(make_trainer(m), data)
+        results.append(weights(m))
+    assert_same_weights(*results)
+
+
+def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    data = patch_images()
+    torch.manual_seed(0)
+    full = small_mlp()
+    fit(make_trainer(full, tmp_path / "a", epochs=3, early_stopping_patience=0), data)
+
+    torch.manual_seed(0)
+    part = small_mlp()
+    fit(make_trainer(part, tmp_path / "b", epochs=1, early_stopping_patience=0), data)
+    # a fresh process: different global RNG state and a fresh model before resuming
+    torch.manual_seed(123)
+    resumed = small_mlp()
+    out = make_trainer(resumed, tmp_path / "b", epochs=3, early_stopping_patience=0)
+    x, y = data
+    tr, va = train_val_split(len(y))
+    res = out.fit(x[tr], y[tr], x[va], y[va], num_classes=4, resume=True)
+    assert [h["epoch"] for h in res["history"]] == [1, 2, 3]
+    assert_same_weights(weights(full), weights(resumed))
+
+
+def test_resume_with_an_embedding_loss_matches_too(tmp_path):
+    watershed = pytest.importorskip("shiftguard.losses.watershed")
+    data = patch_images(120)
+    torch.manual_seed(0)
+    full = small_mlp()
+    fit(make_trainer(full, tmp_path / "a", loss=watershed.WatershedLoss(), early_stopping_patience=0), data)
+    torch.manual_seed(0)
+    part = small_mlp()
+    fit(make_trainer(part, tmp_path / "b", loss=watershed.WatershedLoss(), epochs=1, early_stopping_patience=0), data)
+    torch.manual_seed(7)
+    resumed = small_mlp()
+    x, y = data
+    tr, va = train_val_split(len(y))
+    make_trainer(resumed, tmp_path / "b", loss=watershed.WatershedLoss(), early_stopping_patience=0).fit(
+        x[tr], y[tr], x[va], y[va], num_classes=4, resume=True)
+    assert_same_weights(weights(full), weights(resumed))
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    data = patch_images(120)
+    torch.manual_seed(0)
+    fit(make_trainer(small_mlp(), tmp_path, epochs=2, early_stopping_patience=0), data)
+    ckpts = list_checkpoints(tmp_path / "ckpt")
+    assert [e for e, _ in ckpts] == [1, 2]
+    last = ckpts[-1][1]
+    last.write_bytes(last.read_bytes()[:100])  # truncated by a crash
+    with pytest.raises(CheckpointError, match="checksum"):
+        load_checkpoint(last)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        state = load_latest_checkpoint(tmp_path / "ckpt")
+    assert state["epoch"] == 1
+    assert any("epoch-0002" in str(x.message) for x in w)
+
+
+def test_checkpoint_without_checksum_is_treated_as_incomplete(tmp_path):
+    p = save_checkpoint(tmp_path, 1, {"a": torch.ones(2)})
+    p.with_name(p.name + ".sha256").unlink()
+    with pytest.raises(CheckpointError, match="no checksum"):
+        load_checkpoint(p)
+    with pytest.warns(RuntimeWarning, match="no checksum"):
+        assert load_latest_checkpoint(tmp_path) is None
+
+
+def test_checkpoints_keep_only_the_newest_two(tmp_path):
+    for e in range(1, 5):
+        save_checkpoint(tmp_path, e, {"e": e})
+    assert [e for e, _ in list_checkpoints(tmp_path)] == [3, 4]
+    assert load_latest_checkpoint(tmp_path)["e"] == 4
+
+
+def test_early_stopping_stops_and_keeps_the_best_weights():
+    x, y = patch_images(80)
+    y = y[torch.randperm(len(y))]  # labels unrelated to images: validation cannot improve
+    torch.manual_seed(0)
+    m = small_mlp()
+    tr = make_trainer(m, epochs=30, early_stopping_patience=2, lr=1e-4)
+    out = fit(tr, (x, y))
+    assert out["stopped_early"] and out["epochs_run"] < 30
+    assert_same_weights(weights(m), tr.best_model)
+
+
+def test_metrics_log_has_one_json_line_per_epoch(tmp_path):
+    data = patch_images(120)
+    log = tmp_path / "metrics.jsonl"
+    fit(make_trainer(small_mlp(), epochs=2, early_stopping_patience=0, metrics_log=log), data)
+    lines = [json.loads(s) for s in log.read_text().splitlines()]
+    assert [d["epoch"] for d in lines] == [1, 2] and all("val_acc" in d for d in lines)
+
+
+def test_non_main_process_writes_nothing(tmp_path):
+    fit(make_trainer(small_mlp(), tmp_path, epochs=1, metrics_log=tmp_path / "m.jsonl", is_main_process=False),
+        patch_images(60))
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "m.jsonl").exists()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="loss"):
+        Trainer(small_mlp(), loss="hinge")
+    with pytest.raises(ValueError, match="epochs"):
+        Trainer(small_mlp(), epochs=0)
+    with pytest.raises(ValueError, match="resume"):
+        x, y = patch_images(40)
+        Trainer(small_mlp(), progress=False).fit(x, y, x, y, resume=True)
+    with pytest.raises(TypeError, match="embed"):
+        Trainer(nn.Linear(3, 2), loss=nn.MSELoss())
