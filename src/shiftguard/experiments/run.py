@@ -1,0 +1,490 @@
+"""``shiftguard run``: train, shift, evaluate, report.
+
+Without arguments: the embedded real-MNIST subset, LeNet ReLU + cross-entropy vs LeNet QACT +
+watershed (000, Sec. 4), all 15 MNIST-C corruptions x 5 severities, several heads; writes
+``runs/<name>/`` with ``results.json``, ``results.csv``, PNG plots, a self-contained
+``report.html`` and a ``COMPLETE`` marker (written last). ``--config FILE`` runs any grid
+described by a TOML file (see ``experiments/config.py`` and ``docs/run.md``).
+
+Run directory layout::
+
+    config.json                 the resolved configuration (checked again on --resume)
+    models/<model>/checkpoints/ per-epoch checkpoints (train/checkpoint.py)
+    models/<model>/metrics.jsonl one line per epoch
+    models/<model>/model.pt     final (best-validation) weights + model.json training summary
+    cache/<model>/<context>/    embeddings per corruption x severity (resumable evaluation)
+    results.json results.csv plots/*.png report.html COMPLETE
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from shiftguard.io import atomic_write, atomic_write_json, atomic_write_text
+
+from . import config as C
+
+__all__ = ["add_arguments", "main", "execute", "COMPLETE_MARKER"]
+
+COMPLETE_MARKER = "COMPLETE"
+#: Official pre-corrupted set of each clean dataset (``shiftguard.data.load`` names).
+CORRUPTED_SETS = {"cifar10": "cifar10-c", "cifar100": "cifar100-c", "tinyimagenet": "tinyimagenet-c", "mnist": "mnist-c"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="TOML config (default: the built-in MNIST LeNet comparison); "
+                   "a bare name picks a shipped config, e.g. --config cifar10-c-resnet18")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
+    p.add_argument("--epochs", type=int, help="override the number of epochs of every model")
+    p.add_argument("--seed", type=int, help="override the training seed")
+    p.add_argument("--name", help="run name (default: the config's name, else a timestamp)")
+    p.add_argument("--out", default="runs", help="parent folder of run directories (default: runs)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an interrupted run (--name NAME): training from its last good checkpoint, "
+                        "evaluation from its cached embeddings")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (subsets, 1 epoch, 3 corruptions x 2 severities)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is faster "
+                   "when other processes compete for the cores")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--list-configs", action="store_true", help="list the shipped configs and exit")
+    p.add_argument("--nproc", type=int, default=0, metavar="N",
+                   help="train with N processes (DistributedDataParallel; re-launches itself through torchrun). "
+                        "Not needed under torchrun (docs/distributed.md)")
+
+
+# --------------------------------------------------------------------------- config
+def resolve_config(args) -> C.RunConfig:
+    if args.config:
+        shipped = C.shipped_configs()
+        path = Path(args.config)
+        if not path.exists() and args.config in shipped:
+            path = shipped[args.config]
+        cfg = C.load_config(path)
+        if args.quick:
+            cfg = _shrink(cfg)
+    else:
+        cfg = C.quick_config() if args.quick else C.default_config()
+    if args.epochs is not None:
+        if args.epochs < 1:
+            raise ValueError(f"--epochs: expected >= 1, got {args.epochs}")
+        cfg.train.epochs = args.epochs
+        for m in cfg.models:
+            m.train.pop("epochs", None)
+    if args.seed is not None:
+        cfg.seed = args.seed
+    return cfg
+
+
+def _shrink(cfg: C.RunConfig) -> C.RunConfig:
+    """``--quick`` on a config: same models, tiny data and grid."""
+    q = C.quick_config()
+    cfg.data.train_subset = min(cfg.data.train_subset or 10**9, q.data.train_subset)
+    cfg.data.test_subset = min(cfg.data.test_subset or 10**9, q.data.test_subset)
+    cfg.data.corruptions = cfg.data.corruptions[:2] if cfg.data.corruptions else []
+    cfg.data.severities = [5]
+    cfg.train.epochs, cfg.train.batch_size = 1, q.train.batch_size
+    cfg.eval.batch_size = q.eval.batch_size
+    for m in cfg.models:
+        m.train = {}
+    return cfg
+
+
+def check_device(device: str) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device: not a torch device: {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: CUDA is not available on this machine")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available on this machine")
+    return dev
+
+
+# --------------------------------------------------------------------------- data
+def _subset(ds, n: int, seed: int):
+    """The first ``n`` images of a fixed random permutation (all when ``n`` is 0 or too big)."""
+    if not n or n >= len(ds):
+        return ds.images, ds.labels, None
+    idx = torch.randperm(len(ds), generator=torch.Generator().manual_seed(seed))[:n].sort().values
+    return ds.images[idx], ds.labels[idx], idx
+
+
+def load_data(cfg: C.RunConfig) -> dict:
+    from shiftguard import data as D
+
+    d = cfg.data
+    root = d.root or None
+    if d.dataset in ("mnist-default", "default"):
+        train, test = D.load_default("train"), D.load_default("test")
+    else:
+        try:
+            train, test = D.load(d.dataset, "train", root), D.load(d.dataset, "test", root)
+        except FileNotFoundError as exc:  # the loader's message spans lines; the CLI prints one
+            raise FileNotFoundError(" ".join(str(exc).split())) from None
+    if train.images.shape[1:] != test.images.shape[1:]:
+        raise ValueError(f"data.dataset {d.dataset!r}: train and test images differ in shape")
+    x, y, _ = _subset(train, d.train_subset, d.split_seed)
+    tx, ty, test_idx = _subset(test, d.test_subset, d.split_seed + 1)
+    from shiftguard.train import train_val_split
+
+    tr, va = train_val_split(len(y), d.val_fraction, d.split_seed)
+    return {
+        "train": (x[tr], y[tr]), "val": (x[va], y[va]), "test": (tx, ty), "test_idx": test_idx,
+        "num_classes": len(train.classes), "in_channels": int(x.shape[1]), "image_size": int(x.shape[-1]),
+        "classes": list(train.classes), "name": train.name,
+    }
+
+
+def corruption_list(cfg: C.RunConfig) -> list[str]:
+    from shiftguard import corruptions
+
+    available = list(corruptions.names(cfg.data.suite))
+    if not cfg.data.corruptions:
+        return available
+    for c in cfg.data.corruptions:
+        if c not in available:
+            raise ValueError(f"{cfg.source}: data.corruptions has unknown corruption {c!r} for suite "
+                             f"{cfg.data.suite!r}; expected one of {', '.join(available)}")
+    return list(cfg.data.corruptions)
+
+
+def make_shift_source(cfg: C.RunConfig, data: dict, corruptions: list[str]) -> tuple[Callable[[str, int], torch.Tensor], str]:
+    """``(shifted(corruption, severity) -> uint8 images, source)``; source is "official" or "engine"."""
+    from shiftguard import corruptions as K
+    from shiftguard import data as D
+
+    d = cfg.data
+    test_x, test_y = data["test"]
+    test_idx = data["test_idx"]
+    official = CORRUPTED_SETS.get(data["name"]) if d.dataset not in ("mnist-default", "default") else None
+
+    def from_official(c: str, s: int) -> torch.Tensor:
+        ds = D.load(official, "test", d.root or None, corruption=c, severity=s)
+        labels = ds.labels if test_idx is None else ds.labels[test_idx]
+        images = ds.images if test_idx is None else ds.images[test_idx]
+        if not torch.equal(labels, test_y):
+            raise ValueError(f"{official} ({c}, severity {s}): its labels do not match the clean test set's")
+        return images
+
+    def from_engine(c: str, s: int) -> torch.Tensor:
+        return K.corrupt(test_x, c, s, seed=d.corruption_seed)
+
+    if d.corrupted_source == "engine" or (official is None and d.corrupted_source == "auto"):
+        return from_engine, "engine"
+    if official is None:
+        raise ValueError(f"{cfg.source}: data.corrupted_source = 'official' but {d.dataset!r} has no official corrupted set")
+    try:
+        from_official(corruptions[0], max(d.severities))
+    except FileNotFoundError:
+        if d.corrupted_source == "official":
+            raise
+        return from_engine, "engine"
+    return from_official, "official"
+
+
+# --------------------------------------------------------------------------- training
+def build_loss_for(m: C.ModelConfig, model, num_classes: int):
+    if m.loss in C.LOGIT_LOSSES:
+        if m.loss_kwargs:
+            raise ValueError(f"models {m.name!r}: loss_kwargs are not used by {m.loss!r}")
+        return torch.nn.CrossEntropyLoss(), "logits"
+    from shiftguard.losses import build_loss
+
+    return build_loss(m.loss, embedding_dim=model.embedding_dim, num_classes=num_classes, **m.loss_kwargs), "embeddings"
+
+
+def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, device, resume: bool, progress: bool,
+                distributed: bool = False):
+    """Train one model (or load it when a finished run dir already has it); return (model, summary).
+
+    ``distributed``: every process of a torch.distributed job trains (DistributedTrainer); rank 0 writes."""
+    from shiftguard.models import build_model
+    from shiftguard.train import Trainer
+    from shiftguard.train.distributed import DistributedTrainer, barrier, is_main_process
+
+    mdir = run_dir / "models" / m.name
+    torch.manual_seed(cfg.seed)
+    kw = dict(m.model_kwargs)
+    if m.arch == "mlp":
+        kw.setdefault("input_size", data["image_size"])
+    model = build_model(m.arch, activation=m.activation, num_classes=data["num_classes"],
+                        in_channels=data["in_channels"], **kw)
+    loss, loss_on = build_loss_for(m, model, data["num_classes"])
+    final, summary_path = mdir / "model.pt", mdir / "model.json"
+    if resume and final.is_file() and summary_path.is_file():
+        hint = "delete it and --resume rebuilds it from the checkpoints"
+        try:
+            model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True))
+        except Exception as exc:  # damaged zip, unpickling refused, missing keys: many types
+            raise ValueError(f"{final}: damaged final weights ({type(exc).__name__}); {hint}") from None
+        try:
+            summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{summary_path}: damaged training summary ({exc}); {hint}") from None
+        return model.to(device), {**summary, "loaded_from_run_dir": True}
+    t = cfg.model_train_config(m)
+    trainer = (DistributedTrainer if distributed else Trainer)(
+        model, loss, loss_on=loss_on, epochs=t.epochs, batch_size=t.batch_size, lr=t.lr,
+        weight_decay=t.weight_decay, lr_factor=t.lr_factor, lr_patience=t.lr_patience,
+        lr_cooldown=t.lr_cooldown, lr_threshold=t.lr_threshold, min_lr=t.min_lr,
+        early_stopping_patience=t.early_stopping_patience, early_stopping_min_delta=t.early_stopping_min_delta,
+        class_balanced=t.class_balanced, samples_per_class=t.samples_per_class, chunk_size=t.chunk_size,
+        max_val=t.max_val, val_batch_size=cfg.eval.batch_size, device=device, seed=cfg.seed,
+        checkpoint_dir=mdir / "checkpoints", metrics_log=mdir / "metrics.jsonl", progress=progress, desc=m.name,
+    )
+    summary = trainer.fit(*data["train"], *data["val"], num_classes=data["num_classes"], resume=resume)
+    summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": loss_on})
+    if is_main_process():
+        atomic_write(final, lambda fh: torch.save(model.state_dict(), fh))
+        atomic_write_json(summary_path, summary)
+    barrier()
+    return model, summary
+
+
+def preflight(cfg: C.RunConfig) -> None:
+    """Check every name in the config (dataset, corruptions, models, losses) before anything is
+    written or trained, so a typo costs one clear line, not a half-made run directory."""
+    from shiftguard import data as D
+    from shiftguard.losses import LOSS_NAMES
+    from shiftguard.models import build_model
+
+    src = cfg.source
+    if cfg.data.dataset not in ("mnist-default", "default"):
+        canon = lambda n: n.lower().replace("_", "-")  # noqa: E731
+        if canon(cfg.data.dataset) not in {canon(n) for n in D.names()}:
+            raise ValueError(f"{src}: data.dataset: unknown dataset {cfg.data.dataset!r}; expected mnist-default or one of "
+                             f"{', '.join(D.names())}")
+    corruption_list(cfg)
+    for m in cfg.models:
+        try:  # a 2-class dummy build checks the arch, activation and model_kwargs at no cost
+            build_model(m.arch, activation=m.activation, num_classes=2, in_channels=1, **m.model_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"{src}: models {m.name!r}: {exc}") from None
+        if m.loss not in C.LOGIT_LOSSES and m.loss not in LOSS_NAMES:
+            raise ValueError(f"{src}: models {m.name!r}: unknown loss {m.loss!r}; expected one of "
+                             f"{', '.join(sorted({*C.LOGIT_LOSSES, *LOSS_NAMES}))}")
+
+
+# --------------------------------------------------------------------------- run dir
+def prepare_run_dir(cfg: C.RunConfig, args) -> Path:
+    name = args.name or cfg.name or datetime.now().strftime("%Y%m%d-%H%M%S")
+    if not C._NAME_RE.match(name):
+        raise ValueError(f"--name: use letters, digits and _.+- only, got {name!r}")
+    if args.resume and not (args.name or cfg.name):
+        raise ValueError("--resume: give the run's --name")
+    run_dir = Path(args.out) / name
+    stored = run_dir / "config.json"
+    if args.resume:
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"--resume: run directory {run_dir} does not exist")
+        if not stored.is_file():
+            raise ValueError(f"--resume: {run_dir} is not a shiftguard run directory (no config.json)")
+        try:
+            old = json.loads(stored.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--resume: {stored} is damaged ({exc})") from None
+        if not isinstance(old, dict) or old.get("config") != _jsonable(cfg.to_dict()):
+            raise ValueError(f"--resume: {run_dir} was started with a different configuration (see {stored}; "
+                             "same --config/--quick/--epochs/--seed are needed to resume)")
+        try:
+            (run_dir / COMPLETE_MARKER).unlink()
+        except FileNotFoundError:
+            pass
+        return run_dir
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ValueError(f"run directory {run_dir} already exists; use --resume to continue it or another --name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(stored, {"config": _jsonable(cfg.to_dict()), "source": cfg.source})
+    return run_dir
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj))
+
+
+def versions() -> dict:
+    import numpy
+    import sklearn
+
+    from shiftguard import __version__
+
+    return {"shiftguard": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "numpy": numpy.__version__, "scikit-learn": sklearn.__version__, "platform": platform.platform()}
+
+
+# --------------------------------------------------------------------------- main
+def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str], cfg: C.RunConfig, source: str, shifted) -> Path:
+    """The corruption gallery: one test image under every corruption x severity."""
+    from . import plots as P
+
+    sevs = sorted(cfg.data.severities)
+    if source == "engine":
+        return P.corruption_gallery(test_images[:1], corruptions, sevs, path, seed=cfg.data.corruption_seed)
+    # official sets: show their images (first test image), not the engine's
+    import io as _io
+
+    plt = P._plt()
+    fig, axes = plt.subplots(len(corruptions), len(sevs) + 1, figsize=(1.1 * (len(sevs) + 1), 1.1 * len(corruptions)), squeeze=False)
+    for i, c in enumerate(corruptions):
+        for j, s in enumerate([0, *sevs]):
+            img = (test_images if s == 0 else shifted(c, s))[0].permute(1, 2, 0).numpy()
+            axes[i, j].imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
+            axes[i, j].set_xticks([]); axes[i, j].set_yticks([])
+            if j == 0:
+                axes[i, j].set_ylabel(c, fontsize=6, rotation=0, ha="right")
+    return P._save(fig, path)
+
+
+def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool = False, progress: bool = True,
+            log: Callable[[str], None] = print) -> dict:
+    """Run the whole pipeline into ``run_dir`` and return the results dict.
+
+    Under torch.distributed every process trains; rank 0 alone evaluates and writes, the others
+    return ``{}`` after waiting for it at a barrier (docs/distributed.md)."""
+    from shiftguard.train.distributed import barrier, is_distributed, is_main_process
+
+    from . import evaluate as E
+    from .report import build_report, summary_rows, format_summary
+
+    distributed = is_distributed()
+    if not is_main_process():
+        log = lambda s: None  # noqa: E731
+
+    t_start = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    data = load_data(cfg)
+    corruptions = corruption_list(cfg)
+    shifted, source = make_shift_source(cfg, data, corruptions)
+    log(f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / {len(data['val'][1])} val / "
+        f"{len(data['test'][1])} test; {len(corruptions)} corruptions x severities {cfg.data.severities}, {source}; device {device})")
+
+    trained, timings = [], {"train_s": {}, "evaluate_s": 0.0}
+    training = {}
+    for m in cfg.models:
+        t0 = time.perf_counter()
+        model, summary = train_model(cfg, m, data, run_dir, device, resume, progress, distributed)
+        timings["train_s"][m.name] = time.perf_counter() - t0
+        training[m.name] = summary
+        log(f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
+            f"({summary['epochs_run']} epochs, {timings['train_s'][m.name]:.1f} s)")
+        trained.append({"name": m.name, "model": model, "heads": list(m.heads)})
+
+    if not is_main_process():
+        barrier()  # rank 0 evaluates and writes the report
+        return {}
+    t0 = time.perf_counter()
+    e = cfg.eval
+    rows, extra = E.evaluate_models(
+        models=trained, support=data["train"], validation=data["val"], test=data["test"], shifted=shifted,
+        corruptions=corruptions, severities=sorted(cfg.data.severities), num_classes=data["num_classes"],
+        cache_root=run_dir / "cache", batch_size=e.batch_size, device=device, frozen_context=e.frozen_context,
+        k=e.k, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins, max_support=e.max_support, progress=progress,
+    )
+    timings["evaluate_s"] = time.perf_counter() - t0
+    timings["evaluate_detail"] = extra["timings"]
+    aggregates = E.aggregate(rows)
+    drops = E.accuracy_drops(rows)
+    timings["total_s"] = time.perf_counter() - t_start
+    results = {
+        "status": "complete",
+        "name": run_dir.name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": _jsonable(cfg.to_dict()),
+        "config_source": cfg.source,
+        "seed": cfg.seed,
+        "device": str(device),
+        "versions": versions(),
+        "command": " ".join(["shiftguard", *sys.argv[1:]]) if sys.argv and "shiftguard" in sys.argv[0] else None,
+        "data": {"dataset": data["name"], "n_train": len(data["train"][1]), "n_val": len(data["val"][1]),
+                 "n_test": len(data["test"][1]), "num_classes": data["num_classes"],
+                 "corruptions": corruptions, "severities": sorted(cfg.data.severities), "corruption_source": source},
+        "training": training,
+        "timings": timings,
+        "rows": rows,
+        "aggregates": aggregates,
+        "drops": drops,
+        "reliability": extra["reliability"],
+    }
+    results["summary"] = summary_rows(results)
+    write_gallery(run_dir / "plots" / "corruption_gallery.png", data["test"][0], corruptions, cfg, source, shifted)
+    build_report(run_dir, results, progress=progress)
+    # results.json says "complete" only once every artefact exists; COMPLETE is the very last write.
+    atomic_write_json(run_dir / "results.json", results)
+    atomic_write_text(run_dir / COMPLETE_MARKER, results["created"] + "\n")
+    log("")
+    log(format_summary(results))
+    log(f"\nwrote {run_dir}/ (results.json, results.csv, plots/, report.html) in {timings['total_s']:.0f} s")
+    if distributed:
+        barrier()
+    return results
+
+
+def main(args) -> int:
+    if getattr(args, "list_configs", False):
+        for name, path in C.shipped_configs().items():
+            print(f"{name:<28} {path}")
+        return 0
+    cfg = resolve_config(args)
+    device = check_device(args.device)
+    preflight(cfg)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads: expected >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    from shiftguard.train import distributed as D
+
+    nproc = getattr(args, "nproc", 0) or 0
+    if nproc < 0:
+        raise ValueError(f"--nproc: expected a positive number of processes, got {nproc}")
+    if nproc > 1 and not D.launched_by_torchrun():
+        # Re-launch through torchrun; every worker gets the same run name.
+        args.name = args.name or cfg.name or datetime.now().strftime("%Y%m%d-%H%M%S")
+        return D.launch(["run", *relaunch_argv(args)], nproc)
+    info = D.init_distributed(device)
+    try:
+        # Rank 0 creates (or checks) the run directory; the others take its path or its error.
+        outcome = None
+        if info.is_main:
+            try:
+                outcome = ("ok", str(prepare_run_dir(cfg, args)))
+            except (ValueError, FileNotFoundError) as exc:
+                outcome = ("error", str(exc))
+        status, value = D.broadcast_object(outcome)
+        if status == "error":
+            raise ValueError(value)
+        progress = not args.no_progress and info.is_main
+        log = lambda s: print(s, flush=True)  # noqa: E731
+        execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log)
+    finally:
+        if info.distributed:
+            D.cleanup_distributed()
+    return 0
+
+
+def relaunch_argv(args) -> list[str]:
+    """The options in ``args`` that differ from their defaults, as ``shiftguard run`` arguments
+    (without ``--nproc``): what each torchrun worker is started with."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in ("help", "nproc"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default or value is None:
+            continue
+        flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
+        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    return argv

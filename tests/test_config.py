@@ -1,0 +1,118 @@
+"""experiments.config: the strict TOML schema of ``shiftguard run --config``."""
+
+from __future__ import annotations
+
+import pytest
+
+from shiftguard.experiments.config import (
+    HEAD_NAMES, config_from_dict, default_config, load_config, quick_config, shipped_configs,
+)
+
+MINIMAL = """
+[[models]]
+arch = "lenet"
+activation = "qact"
+loss = "watershed"
+heads = ["quantile", "ned"]
+"""
+
+
+def write(tmp_path, text, name="c.toml"):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_minimal_file_gets_the_documented_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL))
+    assert cfg.train.lr == 1e-3 and cfg.data.val_fraction == 0.2 and cfg.data.split_seed == 42  # 000 App. B
+    assert cfg.train.lr_patience == 50 and cfg.train.lr_cooldown == 10 and cfg.train.min_lr == 1e-6
+    assert cfg.models[0].name == "lenet-qact-watershed"
+    assert cfg.data.severities == [1, 2, 3, 4, 5]
+
+
+def test_unknown_top_level_key_names_key_and_file(tmp_path):
+    p = write(tmp_path, "epochz = 3\n" + MINIMAL)
+    with pytest.raises(ValueError, match=r"c\.toml.*unknown key 'epochz'"):
+        load_config(p)
+
+
+@pytest.mark.parametrize("section, key", [("train", "learning_rate"), ("data", "datset"), ("eval", "kk")])
+def test_unknown_key_in_a_table_names_table_key_and_file(tmp_path, section, key):
+    p = write(tmp_path, f"[{section}]\n{key} = 1\n" + MINIMAL)
+    with pytest.raises(ValueError, match=rf"c\.toml.*unknown key {section}\.'{key}'"):
+        load_config(p)
+
+
+def test_unknown_key_in_a_model_table(tmp_path):
+    p = write(tmp_path, MINIMAL + "activaton = 'relu'\n")
+    with pytest.raises(ValueError, match=r"unknown key models\[0\]\.'activaton'"):
+        load_config(p)
+
+
+def test_wrong_types_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="train.epochs must be int"):
+        load_config(write(tmp_path, "[train]\nepochs = 'ten'\n" + MINIMAL))
+    with pytest.raises(ValueError, match="train.class_balanced must be bool"):
+        load_config(write(tmp_path, "[train]\nclass_balanced = 1\n" + MINIMAL))
+
+
+def test_floats_accept_integers(tmp_path):
+    assert load_config(write(tmp_path, "[train]\nlr = 1\n" + MINIMAL)).train.lr == 1.0
+
+
+def test_bad_values_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="data.severities"):
+        load_config(write(tmp_path, "[data]\nseverities = [0, 6]\n" + MINIMAL))
+    with pytest.raises(ValueError, match="data.val_fraction"):
+        load_config(write(tmp_path, "[data]\nval_fraction = 1.5\n" + MINIMAL))
+    with pytest.raises(ValueError, match="unknown head 'bayes'"):
+        load_config(write(tmp_path, MINIMAL.replace('"ned"', '"bayes"')))
+    with pytest.raises(ValueError, match="softmax"):
+        load_config(write(tmp_path, MINIMAL.replace('"ned"', '"softmax"')))
+
+
+def test_per_model_train_overrides_are_checked(tmp_path):
+    cfg = load_config(write(tmp_path, MINIMAL + "[models.train]\nepochs = 3\n"))
+    assert cfg.model_train_config(cfg.models[0]).epochs == 3 and cfg.train.epochs == 10
+    with pytest.raises(ValueError, match=r"models\[0\]\.train\.epoch"):
+        load_config(write(tmp_path, MINIMAL + "[models.train]\nepoch = 3\n"))
+
+
+def test_duplicate_model_names_are_errors(tmp_path):
+    with pytest.raises(ValueError, match="used twice"):
+        load_config(write(tmp_path, MINIMAL + MINIMAL))
+
+
+def test_no_models_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no \\[\\[models\\]\\]"):
+        load_config(write(tmp_path, "seed = 1\n"))
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(write(tmp_path, "[train\n"))
+    with pytest.raises(FileNotFoundError, match="nope.toml"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_default_and_quick_configs_compare_relu_ce_with_qact_watershed():
+    for cfg in (default_config(), quick_config()):
+        kinds = {(m.activation, m.loss) for m in cfg.models}
+        assert {("relu", "cross_entropy"), ("qact", "watershed")} <= kinds
+        assert all(set(m.heads) <= set(HEAD_NAMES) for m in cfg.models)
+    assert default_config().data.corruptions == []  # all 15 corruptions
+
+
+def test_every_shipped_config_is_valid():
+    shipped = shipped_configs()
+    assert {"mnist-c-lenet", "cifar10-c-resnet18", "cifar100-c-resnet18", "tinyimagenet-c-resnet18"} <= set(shipped)
+    for name, path in shipped.items():
+        cfg = load_config(path)
+        assert cfg.models, name
+
+
+def test_to_dict_roundtrips():
+    cfg = default_config()
+    again = config_from_dict(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict()
