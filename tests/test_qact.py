@@ -126,6 +126,22 @@ def test_corner_cases_match_reference(name, values):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_forward_from_the_sort_equals_searching_every_value(dtype):
+    """The batch-context forward reads each value's count off the context sort; it must equal the
+    per-value binary search of qact_apply (ties, zeros, values equal to a quantile, beyond +-c)."""
+    from shiftguard.functional.quantile import qact_apply, qact_statistics
+
+    g = _gen(3)
+    x = torch.randint(-4, 5, (64, 5, 3, 3), generator=g).to(dtype) / 2  # heavy ties on a grid
+    x[:, 0] = 0.0
+    x[0, 1, 0, 0] = 500.0
+    for inp in (x, torch.randn(33, 7, generator=g, dtype=dtype)):
+        fast = quantile_activation(inp, generator=_gen(5))
+        stats = qact_statistics(inp.transpose(0, 1).reshape(inp.shape[1], -1), generator=_gen(5))
+        torch.testing.assert_close(fast, qact_apply(inp, stats), rtol=0, atol=0)
+
+
 def test_quantiles_match_reference_and_general_weighted_quantiles():
     x = torch.randn(40, 4, dtype=torch.float64)
     stats = qact_statistics(channel_values(x), generator=_gen())

@@ -38,6 +38,8 @@ from shiftguard.functional.quantile import (
     channel_values,
     default_statistics,
     qact_apply,
+    _apply,
+    _batch_context,
     _qact_statistics,
 )
 
@@ -183,12 +185,13 @@ class QuantileActivation(nn.Module):
         self._ensure_buffers(x)
         if self._context == "batch":
             need_samples = self.training or (torch.is_grad_enabled() and x.requires_grad)
-            stats = self.batch_statistics(x, with_samples=need_samples)
+            s = self.n_samples if need_samples else 0
+            # The forward counts come from the same sort as the quantiles (no per-value search).
+            stats, counts = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device))
             if self.training:
                 self._update_running(stats)
-        else:
-            stats = self.statistics()
-        return qact_apply(x, stats)
+            return _apply(x, stats, counts)
+        return qact_apply(x, self.statistics())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Lazily-sized buffers take the stored shape (like nn.LazyModule).
