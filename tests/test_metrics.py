@@ -89,6 +89,22 @@ def test_marginal_ece_is_the_mean_of_classwise_binary_errors():
     assert ece(p, y, kind="marginal", p=2) == pytest.approx(np.sqrt(np.mean(per_class2)), abs=1e-12)
 
 
+def test_one_vs_rest_ece_uses_per_class_probabilities_without_renormalising():
+    """000 Sec. 3-4: the quantile classifier's one-vs-rest probabilities are calibrated as they are."""
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(300, 5, generator=g, dtype=torch.float64)  # rows do not sum to 1
+    y = torch.randint(0, 5, (300,), generator=g)
+    edges = np.linspace(0, 1, 16)[1:]
+    conf, pred = p.max(1)
+    assert ece(p, y, one_vs_rest=True) == pytest.approx(reference_ce_1d(conf, pred == y, edges), abs=1e-12)
+    per_class = [reference_ce_1d(p[:, c], y == c, edges) for c in range(5)]
+    assert ece(p, y, kind="marginal", one_vs_rest=True) == pytest.approx(np.mean(per_class), abs=1e-12)
+    with pytest.raises(ValueError, match="rows must sum to 1"):
+        ece(p, y)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        ece(p + 1.0, y, one_vs_rest=True)
+
+
 def test_debiased_l2_error_subtracts_the_binomial_variance():
     p, y = random_probs(n=300)
     conf, pred = p.max(1)

@@ -127,12 +127,17 @@ def check_positive(value, name: str, *, strict: bool = True, integer: bool = Fal
     return value
 
 
-def check_probabilities(p, name: str, *, atol: float = 1e-4) -> torch.Tensor:
-    """Validate an ``(N, C)`` probability matrix: finite, in [0, 1], rows summing to 1."""
+def check_probabilities(p, name: str, *, atol: float = 1e-4, simplex: bool = True) -> torch.Tensor:
+    """Validate an ``(N, C)`` probability matrix: finite, in [0, 1], rows summing to 1.
+
+    ``simplex=False`` drops the row-sum check (one-vs-rest probabilities, one per class).
+    """
     t = check_tensor(p, name, ndim=2, floating=True, finite=True)
     if t.numel():
         if float(t.min()) < -atol or float(t.max()) > 1 + atol:
             raise ValueError(f"{name}: probabilities must lie in [0, 1]")
+        if not simplex:
+            return t
         s = t.sum(dim=1)
         if not torch.allclose(s, torch.ones_like(s), atol=max(atol, 1e-3)):
             raise ValueError(f"{name}: rows must sum to 1 (max deviation {float((s - 1).abs().max()):.3g})")

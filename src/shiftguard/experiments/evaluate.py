@@ -204,24 +204,31 @@ def nn_miss(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return labels[idx[:, 0]] != labels
 
 
-def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: torch.Tensor, n_bins: int = 15) -> dict:
+def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: torch.Tensor, n_bins: int = 15,
+               one_vs_rest: Optional[torch.Tensor] = None) -> dict:
     """Classification, calibration and uncertainty metrics of one head on one test set.
 
     The head's uncertainty is ``1 - max probability``. ``r_auroc`` (003, URL benchmark, Alg. 1) is
     its AUROC for predicting a Recall@1 miss of the embedding (``miss`` from :func:`nn_miss`,
     computed once per cell: it is ``metrics.r_auroc`` without repeating the kNN search per head);
     ``auroc_error`` its AUROC for predicting the head's own errors.
+
+    ``one_vs_rest``: the head's one-vs-rest probabilities (quantile classifier). When given, the
+    ECEs and the confidence are computed on them, as 000 Sec. 4 reports the quantile classifier
+    (``metrics.ece(one_vs_rest=True)``); accuracy and NLL use the normalised ``probs``.
     """
     from shiftguard import metrics as M
 
     probs = probs.float().clamp_min(0)
     probs = probs / probs.sum(1, keepdim=True).clamp_min(1e-12)
-    conf, pred = probs.max(1)
+    calib = probs if one_vs_rest is None else one_vs_rest.float().clamp(0, 1)
+    ovr = one_vs_rest is not None
+    conf, pred = calib.max(1)
     uncertainty = 1.0 - conf
     return {
         "accuracy": float(M.accuracy(probs, labels)),
-        "ece_top_label": float(M.ece(probs, labels, n_bins=n_bins, kind="top-label")),
-        "ece_marginal": float(M.ece(probs, labels, n_bins=n_bins, kind="marginal")),
+        "ece_top_label": float(M.ece(calib, labels, n_bins=n_bins, kind="top-label", one_vs_rest=ovr)),
+        "ece_marginal": float(M.ece(calib, labels, n_bins=n_bins, kind="marginal", one_vs_rest=ovr)),
         "nll": float(M.nll(probs, labels)),
         "r_auroc": _or_none(lambda: M.auroc_error(uncertainty, miss)),
         "auroc_error": _or_none(lambda: M.auroc_error(uncertainty, pred != labels)),
@@ -357,15 +364,19 @@ def evaluate_models(
             retrieval = score_retrieval(out["embeddings"], test_y, retrieval_ks)
             miss = nn_miss(out["embeddings"], test_y)
             for h in m["heads"]:
+                head = fitted[m["name"], ctx, h]
+                ovr = None
                 with _seeded():
-                    probs = torch.as_tensor(fitted[m["name"], ctx, h].predict_proba(out["embeddings"]))
+                    probs = torch.as_tensor(head.predict_proba(out["embeddings"]))
+                    if hasattr(head, "predict_one_vs_rest"):
+                        ovr = torch.as_tensor(head.predict_one_vs_rest(out["embeddings"]))
                 if severity in (0, top):
-                    conf, pred = probs.float().max(1)
+                    conf, pred = (probs if ovr is None else ovr).float().max(1)
                     pooled.setdefault((m["name"], ctx, h, severity), []).append((conf, pred == test_y))
                 rows.append({
                     "model": m["name"], "context": ctx, "head": h, "corruption": corruption,
                     "severity": severity, "n": int(test_y.numel()),
-                    **score_cell(probs, test_y, miss, n_bins=ece_bins), **retrieval,
+                    **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr), **retrieval,
                 })
             timings["score_s"] += time.perf_counter() - t0
     if bar is not None:

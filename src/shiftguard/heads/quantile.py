@@ -55,6 +55,8 @@ class QuantileClassifierHead(EmbeddingHead):
         return self
 
     def predict_proba(self, embeddings) -> torch.Tensor:
+        """``(N, C)`` rows on the simplex: the one-vs-rest probabilities renormalised to sum 1
+        (for NLL and other metrics that need a distribution; the arg-max is unchanged)."""
         self._check_is_fitted()
         emb = self._check_query(embeddings, self.in_features_)
         if emb.shape[0] == 0:  # an empty query has an empty answer (QACT needs a non-empty context)
@@ -62,3 +64,14 @@ class QuantileClassifierHead(EmbeddingHead):
         with torch.no_grad():
             probs = self.classifier_.predict_proba(emb)
         return probs
+
+    def predict_one_vs_rest(self, embeddings) -> torch.Tensor:
+        """``(N, C)`` one-vs-rest probabilities, one per class, as the quantile classifier outputs
+        them (000 Sec. 3; rows need not sum to 1). These are what 000 calibrates and reports:
+        measure them with ``metrics.ece(..., one_vs_rest=True)``."""
+        self._check_is_fitted()
+        emb = self._check_query(embeddings, self.in_features_)
+        if emb.shape[0] == 0:
+            return torch.zeros(0, self.num_classes_, dtype=emb.dtype, device=emb.device)
+        with torch.no_grad():
+            return self.classifier_.class_scores(emb)

@@ -19,6 +19,14 @@ Binning (``binning=``):
   score of a group and the first of the next, and assign a score ``s`` to the first boundary
   ``>= s`` (``searchsorted``, left); duplicate boundaries are merged.
 
+One-vs-rest probabilities (``one_vs_rest=True``): a classifier trained with one binary
+cross-entropy per class (the quantile classifier of 000 Sec. 3) outputs one probability per class
+whose row need not sum to 1. Kumar et al.'s definitions apply to them unchanged -- top-label uses
+``max_c p_ic`` as the confidence of the arg-max prediction, marginal calibrates each ``p_ic``
+against ``1[y_i = c]`` -- and this is how 000 reports the quantile classifier ("We do not perform
+any additional calibration and use the probabilities", Sec. 4). Renormalising such rows to sum 1
+first would measure a different, mis-scaled quantity.
+
 Each function returns a Python float; empty bins contribute nothing.
 """
 
@@ -81,7 +89,7 @@ def calibration_error_1d(scores: torch.Tensor, hits: torch.Tensor, n_bins: int =
 
 
 def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str = "width",
-        p: int = 1, debiased: bool = False) -> float:
+        p: int = 1, debiased: bool = False, one_vs_rest: bool = False) -> float:
     """Expected calibration error of ``probs (N, C)`` against ``labels (N,)`` (see module docstring).
 
     Args:
@@ -90,8 +98,10 @@ def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str =
         binning: ``"width"`` (equal-width) or ``"mass"`` (equal-mass, Kumar et al.).
         p: 1 (ECE) or 2 (L2 calibration error).
         debiased: Kumar et al.'s debiased L2 estimator (needs ``p=2``).
+        one_vs_rest: ``probs`` holds one-vs-rest probabilities (entries in [0, 1], rows need not
+            sum to 1; module docstring).
     """
-    prob, y = check_probs_labels(probs, labels)
+    prob, y = check_probs_labels(probs, labels, simplex=not one_vs_rest)
     check_positive(n_bins, "n_bins", integer=True)
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {_KINDS}, got {kind!r}")

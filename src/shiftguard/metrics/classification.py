@@ -9,9 +9,9 @@ from shiftguard._validation import check_labels, check_probabilities, check_same
 __all__ = ["accuracy", "nll", "brier", "check_probs_labels"]
 
 
-def check_probs_labels(probs, labels, probs_name: str = "probs", labels_name: str = "labels"):
-    """Validate ``probs (N, C)`` (rows on the simplex) and ``labels (N,)`` in ``[0, C)``."""
-    p = check_probabilities(probs, probs_name)
+def check_probs_labels(probs, labels, probs_name: str = "probs", labels_name: str = "labels", simplex: bool = True):
+    """Validate ``probs (N, C)`` (rows on the simplex unless ``simplex=False``) and ``labels (N,)`` in ``[0, C)``."""
+    p = check_probabilities(probs, probs_name, simplex=simplex)
     y = check_labels(labels, labels_name, num_classes=p.shape[1])
     check_same_length([(probs_name, p), (labels_name, y)])
     if p.shape[0] == 0:
