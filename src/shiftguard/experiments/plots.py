@@ -138,7 +138,7 @@ def reliability_diagrams(results: dict, path: Path) -> Path:
     top = max(results["data"]["severities"])
     ncol = min(4, len(keys)) or 1
     nrow = (len(keys) + ncol - 1) // ncol or 1
-    fig, axes = plt.subplots(nrow, ncol, figsize=(3.3 * ncol, 3.3 * nrow), squeeze=False)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(3.4 * ncol, 3.6 * nrow), squeeze=False, layout="constrained")
     for ax, (model, ctx, head) in zip(axes.flat, keys):
         for sev, color in ((0, "tab:blue"), (top, "tab:red")):
             r = next((r for r in results["reliability"] if (r["model"], r["context"], r["head"], r["severity"]) == (model, ctx, head, sev)), None)
