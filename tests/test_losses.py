@@ -395,7 +395,7 @@ def test_build_loss_requires_dims_for_proxy_losses():
 
 
 @pytest.mark.parametrize("name", ["watershed", "dr", "proxydr", "recall_at_k", "smooth_ap", "cross_entropy",
-                                  "triplet", "proxy_nca", "proxy_anchor", "normface", "supcon", "mcinfonce", "hib",
+                                  "triplet", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "normface", "supcon", "mcinfonce", "hib",
                                   "elk", "nivmf_proxy", "Recall@k"])
 def test_build_loss_every_name_gives_a_finite_differentiable_scalar(name):
     emb = torch.randn(12, 6, requires_grad=True)
@@ -405,6 +405,23 @@ def test_build_loss_every_name_gives_a_finite_differentiable_scalar(name):
     assert out.dim() == 0 and torch.isfinite(out)
     out.backward()
     assert torch.isfinite(emb.grad).all()
+
+
+def test_proxy_nca_pp_is_the_temperature_scaled_normalised_proxy_softmax():
+    """ProxyNCA++ (Teh et al. 2020): -log softmax_c(-||x^ - p^_c||^2 / T)[y], T = 1/9, positive in the denominator."""
+    torch.manual_seed(0)
+    emb = torch.randn(10, 5, dtype=D64)
+    y = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
+    loss = build_loss("proxy_nca_pp", embedding_dim=5, num_classes=4).double()
+    proxies = loss.loss.proxies.detach()
+    x, p = F.normalize(emb, dim=1), F.normalize(proxies, dim=1)
+    ref = 0.0
+    for i in range(10):
+        logits = torch.tensor([-9.0 * float(((x[i] - p[c]) ** 2).sum()) for c in range(4)], dtype=D64)
+        ref += -float(torch.log_softmax(logits, 0)[y[i]]) / 10
+    assert float(loss(emb, y)) == pytest.approx(ref, rel=1e-9)
+    with pytest.raises(ValueError, match="temperature"):
+        build_loss("proxy_nca_pp", embedding_dim=5, num_classes=4, temperature=0.0)
 
 
 def test_safe_euclidean_large_path_matches_small_path(monkeypatch):

@@ -11,7 +11,7 @@ smooth_ap           :class:`SmoothAPLoss`                                       
 mcinfonce           :class:`MCInfoNCELoss`                                      003, appendix B, eq. (7)
 nivmf_proxy         :class:`NivMFProxyLoss` (EL-nivMF)                          003, appendix A, eq. (4)-(6)
 hib / elk           :class:`HIBLoss` / :class:`ELKLoss`                         003, appendix B, eq. (54)/(55)
-cross_entropy, triplet, proxy_nca, proxy_anchor, normface, supcon   pytorch-metric-learning wrappers
+cross_entropy, triplet, proxy_nca, proxy_nca_pp, proxy_anchor, normface, supcon   pytorch-metric-learning wrappers
 ==================  ==========================================================  =========================
 
 Losses with learnable parameters (proxies, rho, temperatures, a classifier) own them: pass

@@ -8,8 +8,15 @@ given to the optimiser (as for every loss with learnable parameters in :mod:`shi
   embeddings followed by ``F.cross_entropy``; the classifier is part of the loss module.
 * ``triplet`` -- ``TripletMarginLoss(margin)`` on triplets mined by ``TripletMarginMiner`` (semihard by
   default).
-* ``proxy_nca`` -- ``ProxyNCALoss`` (pytorch-metric-learning has no ProxyNCA++; its NormFace /
-  ``NormalizedSoftmaxLoss`` is the closest normalised-proxy softmax).
+* ``proxy_nca`` -- ``ProxyNCALoss`` (default ``softmax_scale=1``).
+* ``proxy_nca_pp`` -- the ProxyNCA++ loss (Teh et al. 2020, Sec. 3-4): L2-normalised embeddings and
+  proxies, squared Euclidean distance, the positive proxy *in* the softmax denominator and
+  temperature ``T = 1/9``: ``-log softmax_c(-||x^ - p^_c||^2 / T)[y]``. That is exactly
+  pytorch-metric-learning's ``ProxyNCALoss(softmax_scale=1/T)`` (its NCA softmax includes the
+  positive; its ``LpDistance(power=2)`` normalises both sides), so the maths stays PML's. ProxyNCA++'s
+  other ingredients are training choices, not loss terms: fast-moving proxies (give
+  ``loss.parameters()`` a much larger learning rate than the network; the authors use 4e2 vs 4e-3),
+  global max pooling and layer norm in the backbone.
 * ``proxy_anchor`` -- ``ProxyAnchorLoss(margin=0.1, alpha=32)``.
 * ``normface`` -- ``NormalizedSoftmaxLoss(temperature=0.05)``.
 * ``supcon`` -- ``SupConLoss(temperature=0.1)``.
@@ -93,6 +100,10 @@ def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: O
     _need(embedding_dim, num_classes, name)
     if name == "proxy_nca":
         loss = pml_losses.ProxyNCALoss(num_classes, embedding_dim, **kw)
+    elif name == "proxy_nca_pp":
+        temperature = kw.pop("temperature", 1.0 / 9.0)
+        check_positive(temperature, "temperature")
+        loss = pml_losses.ProxyNCALoss(num_classes, embedding_dim, softmax_scale=1.0 / temperature, **kw)
     elif name == "proxy_anchor":
         loss = pml_losses.ProxyAnchorLoss(num_classes, embedding_dim, margin=kw.pop("margin", 0.1),
                                           alpha=kw.pop("alpha", 32), **kw)
@@ -103,4 +114,4 @@ def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: O
     return PMLLoss(loss, num_classes=num_classes, embedding_dim=embedding_dim)
 
 
-PML_LOSSES = ("cross_entropy", "triplet", "proxy_nca", "proxy_anchor", "normface", "supcon")
+PML_LOSSES = ("cross_entropy", "triplet", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "normface", "supcon")
