@@ -419,7 +419,7 @@ def test_proxy_nca_pp_is_the_temperature_scaled_normalised_proxy_softmax():
     for i in range(10):
         logits = torch.tensor([-9.0 * float(((x[i] - p[c]) ** 2).sum()) for c in range(4)], dtype=D64)
         ref += -float(torch.log_softmax(logits, 0)[y[i]]) / 10
-    assert float(loss(emb, y)) == pytest.approx(ref, rel=1e-9)
+    assert float(loss(emb, y).detach()) == pytest.approx(ref, rel=1e-9)
     with pytest.raises(ValueError, match="temperature"):
         build_loss("proxy_nca_pp", embedding_dim=5, num_classes=4, temperature=0.0)
 
