@@ -1,8 +1,8 @@
 """Reliability summary (issue #8): run the fault-injection, fuzz, hardening and memory tests and
 tabulate what was tried and what held.
 
-    python benchmarks/reliability_summary.py            # the default test set (< 2 min on 2 cores)
-    python benchmarks/reliability_summary.py --slow     # plus the end-to-end `shiftguard run` kill test
+    python benchmarks/reliability_summary.py            # the default test set (about 2 min on 2 cores)
+    python benchmarks/reliability_summary.py --slow     # plus any tests of these files marked slow
 
 Every number comes from the tests themselves: each test appends the cases it tried and their
 outcome to ``$SHIFTGUARD_RELIABILITY_LOG`` (a JSON-lines file); this script sets that variable,
@@ -99,7 +99,7 @@ def markdown(rows: list[dict], status: dict, seconds: float, slow: bool) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slow", action="store_true", help="also run the end-to-end `shiftguard run` kill test")
+    ap.add_argument("--slow", action="store_true", help="also run the tests of these files marked slow")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "reliability_summary.json"))
     args = ap.parse_args()
     rows, status, seconds = run_tests(args.slow)
