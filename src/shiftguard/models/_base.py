@@ -60,17 +60,22 @@ def norm_activation(name: str, num_features: int, dim: int = 2) -> nn.Module:
 class EmbeddingClassifier(nn.Module):
     """Base class: ``forward(x) = classifier(embed(x))``.
 
-    Subclasses set ``self.embedding_dim`` and ``self.classifier`` and implement :meth:`embed`.
+    Subclasses set ``self.activation``, ``self.embedding_dim`` and ``self.classifier``; the default
+    :meth:`embed` is ``projection(features(x))`` (VGG, DenseNet), others override it.
     """
 
+    activation: str
     embedding_dim: int
     classifier: nn.Linear
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
-        raise NotImplementedError
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(self.features(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.embed(x))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, embedding_dim={self.embedding_dim}"
 
     @staticmethod
     def _projection(in_dim: int, embedding_dim: int | None) -> tuple[nn.Module, int]:

@@ -64,12 +64,6 @@ class DenseNet(EmbeddingClassifier):
         self.projection, self.embedding_dim = self._projection(c, embedding_dim)
         self.classifier = nn.Linear(self.embedding_dim, num_classes)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        return self.projection(self.features(x))
-
-    def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, embedding_dim={self.embedding_dim}"
-
 
 def densenet121(**kw) -> DenseNet:
     return DenseNet((6, 12, 24, 16), **kw)

@@ -49,6 +49,3 @@ class LeNet5(EmbeddingClassifier):
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.features(x))
-
-    def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, embedding_dim={self.embedding_dim}"

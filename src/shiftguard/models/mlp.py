@@ -53,6 +53,3 @@ class MLP(EmbeddingClassifier):
                 f"x: expected {self.in_features} values per sample, got shape {tuple(x.shape)}"
             )
         return self.body(x)
-
-    def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, embedding_dim={self.embedding_dim}"

@@ -65,9 +65,6 @@ class ResNet(EmbeddingClassifier):
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection(self.pool(self.stages(self.stem(x))))
 
-    def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, embedding_dim={self.embedding_dim}"
-
 
 def resnet18(**kw) -> ResNet:
     return ResNet((2, 2, 2, 2), **kw)

@@ -46,12 +46,6 @@ class VGG(EmbeddingClassifier):
         self.projection, self.embedding_dim = self._projection(c, embedding_dim)
         self.classifier = nn.Linear(self.embedding_dim, num_classes)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        return self.projection(self.features(x))
-
-    def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, embedding_dim={self.embedding_dim}"
-
 
 def vgg11(**kw) -> VGG:
     return VGG("vgg11", **kw)

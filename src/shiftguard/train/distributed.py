@@ -56,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from shiftguard._validation import check_positive, check_tensor
 
+from .multistage import _set_rng_state, embed_chunks_without_grad
 from .trainer import Trainer
 
 __all__ = [
@@ -387,16 +388,6 @@ class GlobalBatchLoss(nn.Module):
         return self.loss.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
-def _rng_state(device: torch.device):
-    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-
-
-def _set_rng_state(state, device: torch.device) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
-
-
 def distributed_multistage_step(
     ddp_model: DistributedDataParallel,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -452,18 +443,7 @@ def distributed_multistage_step(
     chunks = torch.tensor_split(inputs, n_chunks)
 
     module = ddp_model.module if isinstance(ddp_model, DistributedDataParallel) else ddp_model
-    saved = [b.detach().clone() for b in module.buffers()]
-    states = []
-    with torch.no_grad():
-        outs = []
-        for x in chunks:
-            states.append(_rng_state(device))
-            outs.append(embed_fn(x))
-        for b, s in zip(module.buffers(), saved):
-            b.copy_(s)
-    after_pass1 = _rng_state(device)
-
-    local = torch.cat(outs)
+    local, states, after_pass1 = embed_chunks_without_grad(module, embed_fn, chunks, device)
     if world > 1:
         emb_all = _gather_rows(local, sizes, process_group)
         labels_all = _gather_rows(labels, sizes, process_group)

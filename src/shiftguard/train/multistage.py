@@ -55,6 +55,27 @@ def _set_rng_state(state, device: torch.device):
         torch.cuda.set_rng_state(cuda, device)
 
 
+def embed_chunks_without_grad(model: nn.Module, embed_fn: Callable[[torch.Tensor], torch.Tensor], chunks,
+                              device: torch.device, restore_buffers: bool = True):
+    """Pass 1 of a multistage step: embed every chunk without gradients.
+
+    Records the RNG state before each chunk (pass 2 replays it, so dropout / QACT's KDE sampling see
+    the same random numbers) and, with ``restore_buffers``, undoes the pass's buffer updates
+    (BatchNorm running statistics). Returns ``(embeddings, per-chunk RNG states, RNG state after)``.
+    """
+    saved = [b.detach().clone() for b in model.buffers()] if restore_buffers else None
+    states, outs = [], []
+    with torch.no_grad():
+        for x in chunks:
+            states.append(_rng_state(device))
+            outs.append(embed_fn(x))
+        after = _rng_state(device)
+        if saved is not None:
+            for b, v in zip(model.buffers(), saved):
+                b.copy_(v)
+    return torch.cat(outs, 0), states, after
+
+
 def multistage_step(
     model: nn.Module,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -88,20 +109,8 @@ def multistage_step(
     chunks = inputs.split(chunk_size)
     device = inputs.device
 
-    saved_buffers = [b.detach().clone() for b in model.buffers()] if restore_buffers else None
-    states = []
-    with torch.no_grad():
-        outs = []
-        for x in chunks:
-            states.append(_rng_state(device))
-            outs.append(embed_fn(x))
-    after_pass1 = _rng_state(device)
-    if saved_buffers is not None:
-        with torch.no_grad():
-            for b, s in zip(model.buffers(), saved_buffers):
-                b.copy_(s)
-
-    emb = torch.cat(outs, 0).detach().requires_grad_(True)
+    emb, states, after_pass1 = embed_chunks_without_grad(model, embed_fn, chunks, device, restore_buffers)
+    emb = emb.requires_grad_(True)
     loss = loss_fn(emb, labels)
     if loss.dim() != 0:
         raise ValueError(f"loss_fn: expected a scalar loss, got shape {tuple(loss.shape)}")
