@@ -44,3 +44,13 @@ def fashion_mnist_dir() -> Path:
 def _seed_and_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Run a module's tests with one torch thread (small-image tensor ops are fastest that way,
+    above all on a shared CPU); use with ``pytestmark = pytest.mark.usefixtures("torch_one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -16,13 +16,7 @@ CIFAR_C = C.names("cifar-c")
 CIFAR_EXTRA = C.names("cifar-c-extra")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Small-image tensor ops run fastest single-threaded, above all on a shared CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py
 
 
 @pytest.fixture(scope="module")

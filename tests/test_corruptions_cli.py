@@ -17,12 +17,7 @@ from shiftguard.experiments.corrupt import sub_seed, write_corrupted
 from shiftguard.io import sha256_file
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py
 
 
 def _digits(n=24):

@@ -45,12 +45,7 @@ def images():
     return synthetic_scene(48, 32, seed=21)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py
 
 
 def _theirs(ic, x: torch.Tensor, name: str, severity: int) -> np.ndarray:

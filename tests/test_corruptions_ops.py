@@ -20,12 +20,7 @@ from shiftguard.corruptions._jpeg import jpeg_roundtrip
 from shiftguard.corruptions.figures import synthetic_scene
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py
 
 
 @pytest.mark.parametrize("mode", ["nearest", "reflect", "mirror", "constant", "wrap"])
