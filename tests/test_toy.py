@@ -57,9 +57,8 @@ def test_cli_rejects_bad_arguments():
         toy.main(parser.parse_args(["--steps", "0"]))
 
 
-@pytest.mark.slow
 def test_qact_beats_relu_by_a_wide_margin():
-    # 000, Figure 1b: ReLU stays at chance, QACT infers the context. ~30 s on a loaded 2-core box.
+    # 000, Figure 1b: ReLU stays at chance, QACT infers the context. ~13 s on an idle 2-core box.
     relu = toy.train_and_evaluate("relu", n_test=100, seed=0)
     qact = toy.train_and_evaluate("qact", n_test=100, seed=0)
     assert abs(relu["accuracy"] - 0.5) < 0.05
