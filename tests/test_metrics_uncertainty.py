@@ -17,6 +17,17 @@ def test_auroc_error_equals_scikit_learn_including_ties():
     assert auroc_error(u, e) == pytest.approx(roc_auc_score(e.numpy(), u.numpy()))
 
 
+@pytest.mark.parametrize("seed, n, levels", [(1, 1000, None), (2, 57, 3), (3, 2, None), (4, 500, 2)])
+def test_auroc_error_equals_scikit_learn_on_random_and_heavily_tied_scores(seed, n, levels):
+    from sklearn.metrics import roc_auc_score
+
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=g, dtype=torch.float64) if levels is None else torch.randint(0, levels, (n,), generator=g).float()
+    e = torch.rand(n, generator=g) < 0.4
+    e[0], e[1] = True, False  # both outcomes
+    assert auroc_error(u, e) == pytest.approx(roc_auc_score(e.numpy(), u.double().numpy()), abs=1e-12)
+
+
 def test_auroc_error_is_the_probability_an_error_outranks_a_correct_prediction():
     u = torch.tensor([0.1, 0.4, 0.35, 0.8])
     e = torch.tensor([0, 0, 1, 1])

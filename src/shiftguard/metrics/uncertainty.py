@@ -25,16 +25,27 @@ def _check_scores_errors(uncertainty, is_error):
 
 def auroc_error(uncertainty, is_error) -> float:
     """AUROC of ``uncertainty`` for predicting ``is_error``: the probability that a random error gets a
-    higher uncertainty than a random correct prediction (ties count 1/2). Computed by
-    ``sklearn.metrics.roc_auc_score``. Raises ``ValueError`` unless both outcomes occur.
+    higher uncertainty than a random correct prediction (ties count 1/2). Raises ``ValueError`` unless
+    both outcomes occur.
+
+    Computed as the Mann-Whitney statistic (Hanley & McNeil 1982): with ``R`` the sum of the
+    mid-ranks (ties share their average rank) of the errors' uncertainties among all ``N``,
+    ``AUROC = (R - n_err (n_err + 1) / 2) / (n_err n_correct)`` -- the same number as
+    ``sklearn.metrics.roc_auc_score``'s trapezoidal ROC area, ties included (tested), in one sort on
+    the tensor's device. (``roc_auc_score`` itself spent ~9 ms per call in input validation,
+    a quarter of `shiftguard run`'s evaluation, which calls it twice per head and cell.)
     """
     u, e = _check_scores_errors(uncertainty, is_error)
     n_err = int(e.sum())
-    if n_err == 0 or n_err == e.numel():
+    n = e.numel()
+    if n_err == 0 or n_err == n:
         raise ValueError("is_error: AUROC needs both errors and correct predictions, got only one kind")
-    from sklearn.metrics import roc_auc_score  # noqa: PLC0415
-
-    return float(roc_auc_score(e.cpu().numpy(), u.detach().double().cpu().numpy()))
+    order = torch.argsort(u.detach().double(), stable=True)
+    _, inverse, counts = torch.unique_consecutive(u.detach().double()[order], return_inverse=True, return_counts=True)
+    counts = counts.double()
+    midrank = torch.cumsum(counts, 0) - (counts - 1.0) / 2.0  # 1-based average rank of each tie group
+    rank_sum = float(midrank[inverse][e[order]].sum())
+    return (rank_sum - n_err * (n_err + 1) / 2.0) / (n_err * (n - n_err))
 
 
 def r_auroc(embeddings, labels, uncertainty, backend: str = "torch") -> float:
