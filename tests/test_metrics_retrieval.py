@@ -44,6 +44,15 @@ def test_matches_a_slow_reference(data):
         assert got[key] == pytest.approx(val, abs=1e-12), key
 
 
+def test_without_r_metrics_the_k_metrics_are_unchanged(data):
+    x, y = data
+    full = retrieval_metrics(x, y, ks=(1, 3, 10))
+    short = retrieval_metrics(x, y, ks=(1, 3, 10), r_metrics=False)
+    assert set(full) - set(short) == {"map@r", "r_precision"}
+    for key in short:
+        assert short[key] == pytest.approx(full[key], abs=1e-12), key
+
+
 def test_map_r_r_precision_and_precision_at_1_equal_pytorch_metric_learning(data):
     calc_mod = pytest.importorskip("pytorch_metric_learning.utils.accuracy_calculator")
     x, y = data

@@ -35,20 +35,20 @@ from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES, _knn_dispatch, def
 __all__ = ["retrieval_metrics"]
 
 
-def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int]) -> dict[str, torch.Tensor]:
-    """Per-query metric values from the relevance matrix ``rel (Q, L)`` (bool) and ``R_q (Q,)``."""
+def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int], r_metrics: bool = True) -> dict[str, torch.Tensor]:
+    """Per-query metric values from the relevance matrix ``rel (Q, L)`` (bool) and ``R_q (Q,)``;
+    ``r_metrics=False`` leaves out MAP@R and R-precision (``L`` may then be just ``max(ks)``)."""
     q, length = rel.shape
     relf = rel.double()
     pos = torch.arange(1, length + 1, device=rel.device, dtype=torch.float64)
     cum = relf.cumsum(1)
     prec_at_j = cum / pos
-    within_r = pos.unsqueeze(0) <= r.unsqueeze(1)
     rd = r.double()
-    out = {
-        "precision@1": relf[:, 0],
-        "r_precision": (relf * within_r).sum(1) / rd,
-        "map@r": (prec_at_j * relf * within_r).sum(1) / rd,
-    }
+    out = {"precision@1": relf[:, 0]}
+    if r_metrics:
+        within_r = pos.unsqueeze(0) <= r.unsqueeze(1)
+        out["r_precision"] = (relf * within_r).sum(1) / rd
+        out["map@r"] = (prec_at_j * relf * within_r).sum(1) / rd
     for k in ks:
         out[f"recall@{k}"] = (cum[:, k - 1] > 0).double()
         out[f"map@{k}"] = (prec_at_j[:, :k] * relf[:, :k]).sum(1) / torch.clamp(rd, max=k)
@@ -56,7 +56,7 @@ def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int]) -> dict[st
 
 
 def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), backend: str = "torch",
-                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> dict:
+                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, r_metrics: bool = True) -> dict:
     """Recall@K, MAP@K, MAP@R, R-precision and precision@1 of ``embeddings (N, D)`` (see module doc).
 
     Args:
@@ -65,10 +65,15 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         ks: cut-offs for recall@K and map@K.
         backend: kNN back end for ``knn_search`` (``"torch"``, ``"faiss"``, ``"auto"``).
         memory_budget_bytes: bound on each chunk's distance block and neighbour list.
+        r_metrics: also MAP@R and R-precision, which need every query's neighbour list up to its
+            class size R_q (~N / classes); without them the lists stop at ``max(ks)``, far cheaper
+            when classes are large. The K metrics are the same either way, except where neighbours
+            at exactly the same distance straddle a cut-off (the search may break such ties
+            differently for different list lengths).
 
     Returns:
-        dict of floats: ``recall@K`` and ``map@K`` for every K, ``map@r``, ``r_precision``,
-        ``precision@1``, plus ``n_queries`` (used) and ``n_lone_queries`` (skipped).
+        dict of floats: ``recall@K`` and ``map@K`` for every K, ``map@r`` and ``r_precision`` (with
+        ``r_metrics``), ``precision@1``, plus ``n_queries`` (used) and ``n_lone_queries`` (skipped).
     """
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
@@ -92,7 +97,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         # 64 bytes per entry) also fit the budget.
         rows = min(block_rows, n - start)
         while True:
-            length = max(max(ks), int(r_all[start:start + rows].max()))
+            length = max(max(ks), int(r_all[start:start + rows].max())) if r_metrics else max(ks)
             if rows == 1 or rows * length * 64 <= memory_budget_bytes:
                 break
             rows = max(1, rows // 2)
@@ -103,14 +108,14 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         r = r_all[sl]
         keep = r > 0
         if bool(keep.any()):
-            vals = _per_query(rel[keep], r[keep], ks)
+            vals = _per_query(rel[keep], r[keep], ks, r_metrics)
             for key, v in vals.items():
                 sums[key] = sums.get(key, 0.0) + float(v.sum())
             n_used += int(keep.sum())
         start += rows
     if n_used == 0:
         raise ValueError("labels: every class has a single sample; no query has a relevant neighbour")
-    order = [f"recall@{k}" for k in ks] + [f"map@{k}" for k in ks] + ["map@r", "r_precision", "precision@1"]
+    order = [f"recall@{k}" for k in ks] + [f"map@{k}" for k in ks] + (["map@r", "r_precision"] if r_metrics else []) + ["precision@1"]
     out = {key: sums[key] / n_used for key in order}
     out["n_queries"] = n_used
     out["n_lone_queries"] = n - n_used
