@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["file_error", "read_bytes", "load_npy", "missing_files_error", "check_split"]
+__all__ = ["file_error", "read_bytes", "text_lines", "load_npy", "missing_files_error", "check_split"]
 
 
 def file_error(path: os.PathLike | str, message: str) -> ValueError:
@@ -39,6 +39,16 @@ def read_bytes(path: Path) -> bytes:
         return gzip.decompress(raw)
     except (EOFError, OSError, zlib.error) as exc:  # truncated stream, bad CRC, garbage
         raise file_error(path, f"corrupt or truncated gzip data ({type(exc).__name__}: {exc})") from None
+
+
+def text_lines(path: Path) -> list[tuple[int, str]]:
+    """The non-blank lines of a UTF-8 text file with their 1-based line numbers; a file that is not
+    UTF-8 text is a ``ValueError`` naming it (index files such as ``wnids.txt``)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise file_error(path, f"not a text file ({exc})") from None
+    return [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
 
 
 def load_npy(path: Path, *, mmap: bool = False) -> np.ndarray:

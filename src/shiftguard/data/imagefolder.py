@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from shiftguard.data._files import check_split, file_error
+from shiftguard.data._files import check_split, file_error, text_lines
 from shiftguard.data.base import ImageDataset
 from shiftguard.data.download import base_dir, locate
 
@@ -197,10 +197,7 @@ def load_imagefolder(split: str = "train", root=None, image_size=None, mode: Opt
 
 
 def read_wnids(path: Path) -> list[str]:
-    try:
-        wnids = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    except UnicodeDecodeError as exc:
-        raise file_error(path, f"not a text file ({exc})") from None
+    wnids = [line.strip() for _, line in text_lines(path)]
     if len(set(wnids)) != len(wnids):
         raise file_error(path, "holds duplicate wnids")
     return sorted(wnids)
@@ -211,13 +208,7 @@ def read_words(path: Path) -> dict[str, str]:
     out = {}
     if not path.is_file():
         return out
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise file_error(path, f"not a text file ({exc})") from None
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for i, line in text_lines(path):
         parts = line.split("\t", 1)
         if len(parts) != 2:
             raise file_error(path, f"line {i}: expected 'wnid<TAB>names', got {line!r}")
@@ -244,13 +235,7 @@ def _tiny_files(folder: Path, split: str, wnids: list[str]) -> tuple[list[Path],
             labels += [index[w]] * len(found)
         return files, labels
     ann = folder / "val" / "val_annotations.txt"
-    try:
-        ann_text = ann.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise file_error(ann, f"not a text file ({exc})") from None
-    for i, line in enumerate(ann_text.splitlines(), 1):
-        if not line.strip():
-            continue
+    for i, line in text_lines(ann):
         parts = line.split("\t")
         if len(parts) < 2:
             raise file_error(ann, f"line {i}: expected 'file<TAB>wnid<TAB>box', got {line!r}")
