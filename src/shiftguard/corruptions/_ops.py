@@ -375,6 +375,32 @@ def affine_warp(x: Tensor, matrix: Tensor, padding: str = "zeros") -> Tensor:
 # ----------------------------------------------------------------------------- plasma fractal
 
 
+def _jitter(t: Tensor, wibble: float, gen: torch.Generator) -> Tensor:
+    """Diamond-square midpoint: the mean of four parents ``t / 4`` plus ``wibble * U(-wibble, wibble)``."""
+    u = torch.rand(t.shape, generator=gen, device=t.device, dtype=t.dtype) * 2 - 1
+    return t / 4 + wibble * wibble * u
+
+
+def _diamond_square_levels(m: Tensor, wibble: float, wibbledecay: float, gen: torch.Generator) -> float:
+    """Run every level of the periodic diamond-square recursion on ``m`` ``(n, S, S)`` in place,
+    from step ``S`` down to 2 (square step, then the two diamond steps, wibble divided by
+    ``wibbledecay`` per level); return the wibble of the next, finer level."""
+    step = m.shape[1]
+    while step >= 2:
+        h = step // 2
+        corner = m[:, 0::step, 0::step]
+        sq = corner + torch.roll(corner, -1, dims=1)
+        sq = sq + torch.roll(sq, -1, dims=2)
+        m[:, h::step, h::step] = _jitter(sq, wibble, gen)
+        dr = m[:, h::step, h::step]
+        ul = m[:, 0::step, 0::step]
+        m[:, 0::step, h::step] = _jitter(dr + torch.roll(dr, 1, dims=1) + ul + torch.roll(ul, -1, dims=2), wibble, gen)
+        m[:, h::step, 0::step] = _jitter(dr + torch.roll(dr, 1, dims=2) + ul + torch.roll(ul, -1, dims=1), wibble, gen)
+        step //= 2
+        wibble /= wibbledecay
+    return wibble
+
+
 def plasma_fractal(n: int, mapsize: int, wibbledecay: float, gen: torch.Generator, like: Tensor) -> Tensor:
     """Diamond-square height maps ``(n, mapsize, mapsize)`` in [0, 1], one per image.
 
@@ -387,27 +413,7 @@ def plasma_fractal(n: int, mapsize: int, wibbledecay: float, gen: torch.Generato
         raise ValueError(f"mapsize: must be a power of two, got {mapsize}")
     dt = torch.float64 if like.dtype == torch.float64 else torch.float32
     m = torch.zeros(n, mapsize, mapsize, device=like.device, dtype=dt)
-    step = mapsize
-    wibble = 100.0
-
-    def jitter(t: Tensor) -> Tensor:
-        u = torch.rand(t.shape, generator=gen, device=t.device, dtype=dt) * 2 - 1
-        return t / 4 + wibble * wibble * u
-
-    while step >= 2:
-        h = step // 2
-        corner = m[:, 0::step, 0::step]
-        sq = corner + torch.roll(corner, -1, dims=1)
-        sq = sq + torch.roll(sq, -1, dims=2)
-        m[:, h::step, h::step] = jitter(sq)
-        dr = m[:, h::step, h::step]
-        ul = m[:, 0::step, 0::step]
-        lt = dr + torch.roll(dr, 1, dims=1) + ul + torch.roll(ul, -1, dims=2)
-        m[:, 0::step, h::step] = jitter(lt)
-        tt = dr + torch.roll(dr, 1, dims=2) + ul + torch.roll(ul, -1, dims=1)
-        m[:, h::step, 0::step] = jitter(tt)
-        step //= 2
-        wibble /= wibbledecay
+    _diamond_square_levels(m, 100.0, wibbledecay, gen)
     flat = m.reshape(n, -1)
     flat = flat - flat.min(dim=1, keepdim=True).values
     flat = flat / flat.max(dim=1, keepdim=True).values.clamp_min(1e-12)
@@ -434,24 +440,7 @@ def plasma_fractal_corner(
     # Coarse: the reduced map of side mapsize/4 runs exactly the first levels - 2 levels.
     reduced = mapsize // 4
     m = torch.zeros(n, reduced, reduced, device=like.device, dtype=dt)
-    step, wibble = reduced, 100.0
-
-    def jitter(t: Tensor, w: float) -> Tensor:
-        u = torch.rand(t.shape, generator=gen, device=t.device, dtype=dt) * 2 - 1
-        return t / 4 + w * w * u
-
-    while step >= 2:
-        h = step // 2
-        corner = m[:, 0::step, 0::step]
-        sq = corner + torch.roll(corner, -1, dims=1)
-        sq = sq + torch.roll(sq, -1, dims=2)
-        m[:, h::step, h::step] = jitter(sq, wibble)
-        dr = m[:, h::step, h::step]
-        ul = m[:, 0::step, 0::step]
-        m[:, 0::step, h::step] = jitter(dr + torch.roll(dr, 1, dims=1) + ul + torch.roll(ul, -1, dims=2), wibble)
-        m[:, h::step, 0::step] = jitter(dr + torch.roll(dr, 1, dims=2) + ul + torch.roll(ul, -1, dims=1), wibble)
-        step //= 2
-        wibble /= wibbledecay
+    wibble = _diamond_square_levels(m, 100.0, wibbledecay, gen)
     lo = m.reshape(n, -1).amin(1).view(n, 1, 1)
     hi = m.reshape(n, -1).amax(1).view(n, 1, 1)
     # Window: full-resolution coordinates -4 .. 4K-4 (K + 1 coarse points per side).
@@ -463,14 +452,14 @@ def plasma_fractal_corner(
     for step in (4, 2):
         h = step // 2
         cg = win[:, 0::step, 0::step]
-        win[:, h::step, h::step] = jitter(cg[:, :-1, :-1] + cg[:, 1:, :-1] + cg[:, :-1, 1:] + cg[:, 1:, 1:], wibble)
+        win[:, h::step, h::step] = _jitter(cg[:, :-1, :-1] + cg[:, 1:, :-1] + cg[:, :-1, 1:] + cg[:, 1:, 1:], wibble, gen)
         dr = win[:, h::step, h::step]
         ul = win[:, 0::step, 0::step]
         # rows on the corner grid, columns between: dr above/below, ul left/right
         a = dr[:, 1:, :] + dr[:, :-1, :] + ul[:, 1:-1, :-1] + ul[:, 1:-1, 1:]
-        win[:, step:-step:step, h::step] = jitter(a, wibble)
+        win[:, step:-step:step, h::step] = _jitter(a, wibble, gen)
         b = dr[:, :, 1:] + dr[:, :, :-1] + ul[:, :-1, 1:-1] + ul[:, 1:, 1:-1]
-        win[:, h::step, step:-step:step] = jitter(b, wibble)
+        win[:, h::step, step:-step:step] = _jitter(b, wibble, gen)
         wibble /= wibbledecay
     out = (win[:, 4 : 4 + crop, 4 : 4 + crop] - lo) / (hi - lo).clamp_min(1e-12)
     return out.clamp(0, 1).to(like.dtype)
