@@ -295,7 +295,7 @@ def test_stacked_subset_of_severities_follows_the_manifest(tmp_path):
 
 
 def test_round_trip_with_the_corrupt_command_writer(tmp_path):
-    corrupt_cmd = pytest.importorskip("shiftguard.experiments.corrupt")
+    from shiftguard.experiments import corrupt as corrupt_cmd
     from shiftguard.data import load_default
 
     clean = load_default("test").subset(range(8))

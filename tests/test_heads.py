@@ -293,9 +293,6 @@ def test_ned_subsampled_leave_one_out_is_nearly_optimal_for_the_full_leave_one_o
 
 
 def test_quantile_classifier_head_adapts_the_quantile_classifier():
-    nn_mod = pytest.importorskip("shiftguard.nn")
-    if not hasattr(nn_mod, "QuantileClassifier"):
-        pytest.skip("shiftguard.nn.QuantileClassifier is not available")
     from shiftguard.heads import QuantileClassifierHead
 
     x, y = blobs(n=400, spread=1.0, dtype=torch.float32)

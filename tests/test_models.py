@@ -9,15 +9,7 @@ from torch import nn
 from shiftguard.models import DenseNet, EmbeddingClassifier, build_model, model_names
 
 
-def _has_qact() -> bool:
-    try:
-        from shiftguard.nn import make_activation  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-ACTS = ["relu", "prelu", "selu", pytest.param("qact", marks=pytest.mark.skipif(not _has_qact(), reason="shiftguard.nn.make_activation not available"))]
+ACTS = ["relu", "prelu", "selu", "qact"]
 # Small constructors keep the big architectures fast enough to run every activation.
 SMALL = {
     "lenet": {},
@@ -64,9 +56,6 @@ def test_every_activation_builds_and_backpropagates(arch, act):
 
 
 def test_qact_models_contain_quantile_activation():
-    pytest.importorskip("shiftguard.nn")
-    if not _has_qact():
-        pytest.skip("shiftguard.nn.make_activation not available")
     from shiftguard.nn import QuantileActivation
 
     m = build_model("lenet", activation="qact")

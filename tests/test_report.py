@@ -9,7 +9,6 @@ import pytest
 
 from shiftguard.cli import main as cli
 
-pytest.importorskip("shiftguard.metrics.calibration", reason="shiftguard.metrics not available")
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):

@@ -10,7 +10,6 @@ import pytest
 
 from shiftguard.cli import main as cli
 
-pytest.importorskip("shiftguard.metrics.calibration", reason="shiftguard.metrics not available")
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):

@@ -76,7 +76,7 @@ def test_cross_entropy_training_learns_a_separable_task():
 
 
 def test_embedding_loss_uses_nearest_class_mean_validation():
-    watershed = pytest.importorskip("shiftguard.losses.watershed")
+    from shiftguard.losses import watershed
     data = patch_images()
     torch.manual_seed(0)
     m = small_mlp()
@@ -119,7 +119,7 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
 
 
 def test_resume_with_an_embedding_loss_matches_too(tmp_path):
-    watershed = pytest.importorskip("shiftguard.losses.watershed")
+    from shiftguard.losses import watershed
     data = patch_images(120)
     torch.manual_seed(0)
     full = small_mlp()

@@ -47,10 +47,8 @@ CLEAN = "clean"
 
 # --------------------------------------------------------------------------- QACT context
 def _qact_modules(model: nn.Module) -> list[nn.Module]:
-    try:
-        from shiftguard.nn import QuantileActivation
-    except ImportError:
-        return []
+    from shiftguard.nn import QuantileActivation
+
     return [m for m in model.modules() if isinstance(m, QuantileActivation)]
 
 

@@ -1,8 +1,5 @@
 """Adapter exposing ``shiftguard.nn.QuantileClassifier`` (000 Sec. 3, the calibrated quantile
 classifier fitted "on the train embedding") through the head interface.
-
-``shiftguard.nn`` is imported when the head is fitted, so this module imports cleanly even where
-the quantile classifier is unavailable; ``fit`` then raises an ``ImportError`` saying so.
 """
 
 from __future__ import annotations
@@ -12,17 +9,9 @@ from typing import Any, Optional
 import torch
 
 from shiftguard.heads.base import EmbeddingHead
+from shiftguard.nn import QuantileClassifier
 
 __all__ = ["QuantileClassifierHead"]
-
-
-def _quantile_classifier_cls():
-    try:
-        from shiftguard.nn import QuantileClassifier  # noqa: PLC0415
-    except ImportError as exc:
-        raise ImportError("QuantileClassifierHead needs shiftguard.nn.QuantileClassifier, "
-                          "which could not be imported") from exc
-    return QuantileClassifier
 
 
 class QuantileClassifierHead(EmbeddingHead):
@@ -46,8 +35,7 @@ class QuantileClassifierHead(EmbeddingHead):
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
-        cls = _quantile_classifier_cls()
-        clf = cls(emb.shape[1], num_classes, **self.classifier_kwargs).to(emb.device)
+        clf = QuantileClassifier(emb.shape[1], num_classes, **self.classifier_kwargs).to(emb.device)
         clf.fit_embeddings(emb, y, **self.fit_kwargs)
         self.classifier_ = clf
         self.in_features_ = emb.shape[1]

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-ACTIVATIONS = ("relu", "prelu", "selu", "qact")
+from shiftguard.nn import ACTIVATION_NAMES, make_activation
+
+ACTIVATIONS = ACTIVATION_NAMES  # the names shiftguard.nn.make_activation builds
 
 __all__ = ["ACTIVATIONS", "EmbeddingClassifier", "activation", "norm_activation", "check_activation"]
 
@@ -32,16 +34,7 @@ def activation(name: str, num_features: int) -> nn.Module:
     ``qact`` gives the BN-QACT-BN block of 000 (Remark after Alg. 2: "we prepend and append the
     quantile activation with BatchNorm layers"), built by ``shiftguard.nn.make_activation``.
     """
-    name = check_activation(name)
-    try:
-        from shiftguard.nn import make_activation
-    except ImportError:
-        # shiftguard.nn is the one place activations are defined; the plain ones are rebuilt here
-        # only so that models stay usable in a partial install where nn failed to import.
-        if name == "qact":
-            raise
-        return {"relu": lambda: nn.ReLU(), "prelu": lambda: nn.PReLU(num_features), "selu": lambda: nn.SELU()}[name]()
-    return make_activation(name, num_features)
+    return make_activation(check_activation(name), num_features)
 
 
 def norm_activation(name: str, num_features: int, dim: int = 2) -> nn.Module:

@@ -508,10 +508,6 @@ class DistributedTrainer(Trainer):
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)
         trainer_kwargs.setdefault("is_main_process", self.rank == 0)
         super().__init__(model, loss, **trainer_kwargs)
-        if self.world_size > 1 and self.chunk_size and not hasattr(Trainer, "_multistage_step"):
-            # The global-batch multistage step needs the Trainer._multistage_step hook.
-            raise ValueError("chunk_size: this Trainer has no _multistage_step hook, so multistage steps "
-                             "cannot run over the global batch under DDP")
         self.ddp = None
         if self.world_size > 1:
             self.ddp = wrap_ddp(self.model, self.device, find_unused_parameters=self.loss_on == "embeddings",
