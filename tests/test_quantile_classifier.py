@@ -77,7 +77,9 @@ def test_evaluation_batch_size_defines_the_context():
 
 def test_frozen_context_scores_single_samples_against_the_training_set():
     x, y = _separable(n=300)
-    clf = QuantileClassifier(8, 4, n_samples=100, context="frozen").fit_embeddings(x, y, epochs=10, batch_size=100)
+    # 40 epochs: at 10 the accuracy still depends on the KDE draws (0.80-0.96 over seeds);
+    # at 40 it is 0.97-0.99 on every seed tried, with either QACT implementation
+    clf = QuantileClassifier(8, 4, n_samples=100, context="frozen").fit_embeddings(x, y, epochs=40, batch_size=100)
     assert clf.qact.context == "frozen"
     one = clf.predict_proba(x[:1])
     torch.testing.assert_close(one, clf.predict_proba(x)[:1])

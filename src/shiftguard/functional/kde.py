@@ -34,7 +34,7 @@ import math
 
 import torch
 
-__all__ = ["silverman_bandwidth", "gaussian_kde", "gaussian_kde_grid", "kde_grid_error_bound"]
+__all__ = ["silverman_bandwidth", "gaussian_kde", "gaussian_kde_grid", "kde_grid", "kde_grid_error_bound"]
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -106,6 +106,55 @@ def _grid_spacing(bandwidth: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p
     return torch.maximum(bandwidth / points_per_bandwidth, (hi - lo) / (max_points - 1))
 
 
+def kde_grid(samples: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor,
+             points_per_bandwidth: int = 16, truncate: float = 6.0, max_points: int = 4096):
+    """The grid of :func:`gaussian_kde_grid`: KDE values on nodes ``lo + j * delta`` per channel.
+
+    Args:
+        samples: ``(C, S)``. bandwidth: ``(C,)``. xmin, xmax: ``(C,)`` range of the query points
+            (the grid covers the part of it within reach of a sample).
+
+    Returns:
+        ``grid (C, G)``, ``lo (C,)``, ``delta (C,)`` (dtype of ``samples``).
+    """
+    xmin = xmin.to(samples.dtype)
+    xmax = xmax.to(samples.dtype)
+    c_dim, s_dim = samples.shape
+    h = bandwidth
+    smin, smax = torch.aminmax(samples, dim=1)
+    # The grid only has to cover query points that lie within reach (truncate * h) of a sample.
+    lo = torch.maximum(xmin, smin - truncate * h)
+    hi = torch.maximum(torch.minimum(xmax, smax + truncate * h), lo)
+    delta = _grid_spacing(h, lo, hi, points_per_bandwidth, max_points)
+    n_grid = int(torch.ceil((hi - lo) / delta).max().item()) + 2
+    half = int(math.ceil(truncate * float((h / delta).max())))
+    length = n_grid + 2 * half
+
+    # Linear binning of the samples onto the extended grid (index e <-> lo + (e - half) * delta).
+    u = (samples - lo[:, None]) / delta[:, None] + half
+    i0 = torch.floor(u)
+    frac = u - i0
+    i0 = i0.long()
+    w = 1.0 / s_dim
+    keep0 = (i0 >= 0) & (i0 < length)
+    keep1 = (i0 + 1 >= 0) & (i0 + 1 < length)
+    binned = torch.zeros(c_dim, length, dtype=samples.dtype, device=samples.device)
+    binned.scatter_add_(1, i0.clamp(0, length - 1), torch.where(keep0, (1.0 - frac) * w, torch.zeros_like(frac)))
+    binned.scatter_add_(1, (i0 + 1).clamp(0, length - 1), torch.where(keep1, frac * w, torch.zeros_like(frac)))
+
+    # Per-channel kernel phi(t * delta / h) / h on taps t = -half..half, truncated at truncate * h.
+    taps = torch.arange(-half, half + 1, dtype=samples.dtype, device=samples.device)
+    z = taps[None, :] * (delta / h)[:, None]
+    kernel = torch.where(z.abs() <= truncate, torch.exp(-0.5 * z * z) * _INV_SQRT_2PI / h[:, None], torch.zeros_like(z))
+    # grid[j] = sum_t binned[j + half + t] K(t): a linear convolution, done by FFT (no wrap-around
+    # since n_fft >= length + 2 * half); O(G log G) per channel whatever the kernel width.
+    n_fft = 1 << int(math.ceil(math.log2(length + 2 * half)))
+    full = torch.fft.irfft(torch.fft.rfft(binned, n=n_fft) * torch.fft.rfft(kernel, n=n_fft), n=n_fft)
+    grid = full[:, 2 * half: 2 * half + n_grid]  # (C, n_grid)
+
+    return grid, lo, delta
+
+
 def gaussian_kde_grid(
     x: torch.Tensor,
     samples: torch.Tensor,
@@ -132,40 +181,9 @@ def gaussian_kde_grid(
     Returns:
         ``(C, M)`` densities (and the spacing when ``return_spacing``).
     """
-    c_dim, s_dim = samples.shape
-    h = bandwidth
     xmin, xmax = torch.aminmax(x, dim=1)
-    smin, smax = torch.aminmax(samples, dim=1)
-    # The grid only has to cover query points that lie within reach (truncate * h) of a sample.
-    lo = torch.maximum(xmin, smin - truncate * h)
-    hi = torch.maximum(torch.minimum(xmax, smax + truncate * h), lo)
-    delta = _grid_spacing(h, lo, hi, points_per_bandwidth, max_points)
-    n_grid = int(torch.ceil((hi - lo) / delta).max().item()) + 2
-    half = int(math.ceil(truncate * float((h / delta).max())))
-    length = n_grid + 2 * half
-
-    # Linear binning of the samples onto the extended grid (index e <-> lo + (e - half) * delta).
-    u = (samples - lo[:, None]) / delta[:, None] + half
-    i0 = torch.floor(u)
-    frac = u - i0
-    i0 = i0.long()
-    w = 1.0 / s_dim
-    keep0 = (i0 >= 0) & (i0 < length)
-    keep1 = (i0 + 1 >= 0) & (i0 + 1 < length)
-    binned = torch.zeros(c_dim, length, dtype=x.dtype, device=x.device)
-    binned.scatter_add_(1, i0.clamp(0, length - 1), torch.where(keep0, (1.0 - frac) * w, torch.zeros_like(frac)))
-    binned.scatter_add_(1, (i0 + 1).clamp(0, length - 1), torch.where(keep1, frac * w, torch.zeros_like(frac)))
-
-    # Per-channel kernel phi(t * delta / h) / h on taps t = -half..half, truncated at truncate * h.
-    taps = torch.arange(-half, half + 1, dtype=x.dtype, device=x.device)
-    z = taps[None, :] * (delta / h)[:, None]
-    kernel = torch.where(z.abs() <= truncate, torch.exp(-0.5 * z * z) * _INV_SQRT_2PI / h[:, None], torch.zeros_like(z))
-    # grid[j] = sum_t binned[j + half + t] K(t): a linear convolution, done by FFT (no wrap-around
-    # since n_fft >= length + 2 * half); O(G log G) per channel whatever the kernel width.
-    n_fft = 1 << int(math.ceil(math.log2(length + 2 * half)))
-    full = torch.fft.irfft(torch.fft.rfft(binned, n=n_fft) * torch.fft.rfft(kernel, n=n_fft), n=n_fft)
-    grid = full[:, 2 * half: 2 * half + n_grid]  # (C, n_grid)
-
+    grid, lo, delta = kde_grid(samples, bandwidth, xmin, xmax, points_per_bandwidth, truncate, max_points)
+    n_grid = grid.shape[1]
     pos = (x - lo[:, None]) / delta[:, None]
     inside = (pos >= 0) & (pos <= n_grid - 1)
     j0 = torch.floor(pos).clamp_(0, n_grid - 2)

@@ -31,6 +31,14 @@ frozen running estimate, a reference set, or values gathered from every DDP proc
 channel_values(x)))``. Everything is vectorised over channels (one ``torch.sort`` of the
 ``(C, M + 2)`` context, ``searchsorted`` for the levels and for the forward count), works on any
 device and floating dtype, and is deterministic given the ``generator`` used for the KDE samples.
+
+On CPU float32/float64 the same computation runs through compiled kernels
+(:mod:`shiftguard.functional._qact_cpu`, numba): the values of the forward are identical (float64:
+bit for bit; float32: the quantiles are rounded once from float64 instead of computed in float32),
+the KDE samples are drawn with the same law from a counter-based generator seeded from
+``generator``, and the backward uses the same grid KDE with the same error bound. The eager code
+below is what runs elsewhere (CUDA, half precision) and is the reference the kernels are tested
+against; ``USE_COMPILED = False`` forces it.
 """
 
 from __future__ import annotations
@@ -40,7 +48,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from shiftguard._validation import check_tensor
+from shiftguard._validation import check_finite, check_tensor
+from shiftguard.functional import _qact_cpu
 from shiftguard.functional.kde import gaussian_kde_grid, silverman_bandwidth
 
 __all__ = [
@@ -251,6 +260,9 @@ def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool =
     the sort permutation gives every value's count without a binary search per value (equal to
     ``searchsorted(quantiles, v, right=True)``, ties included). Returns ``(stats, counts)`` then.
     """
+    if not with_counts and _compiled(values):
+        ctx = _qact_cpu.sorted_grounded_context(values.detach().contiguous().numpy()[None], c)
+        return _compiled_statistics(ctx, n_tau, n_samples, generator, values)
     ch, m = values.shape
     bounds = torch.tensor([-c, c], dtype=values.dtype, device=values.device).expand(ch, 2)
     ctx, order = _sort_rows(torch.cat([values, bounds], dim=1))
@@ -302,32 +314,79 @@ def default_statistics(num_channels: int, n_tau: int = 100, n_samples: int = 100
     return QACTStatistics(q, s, silverman_bandwidth(s))
 
 
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernels (:mod:`shiftguard.functional._qact_cpu`) handle ``x``:
+    CPU float32/float64 with numba installed; the eager torch path does everything else (CUDA,
+    other dtypes). ``USE_COMPILED = False`` forces the eager path (the tests compare the two)."""
+    return USE_COMPILED and _qact_cpu.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
+USE_COMPILED = True
+
+
+def _as3(t: torch.Tensor) -> np.ndarray:
+    """``(N, C, *spatial)`` tensor -> contiguous numpy ``(N, C, L)`` (no copy when contiguous)."""
+    return t.detach().reshape(t.shape[0], t.shape[1], -1).contiguous().numpy()
+
+
+def _values_by_count(n_tau: int, dtype: torch.dtype) -> np.ndarray:
+    """``k / n_tau`` for ``k = 0..n_tau`` with torch's rounding in ``dtype`` (the eager forward)."""
+    return torch.arange(n_tau + 1, dtype=dtype).div_(n_tau).numpy()
+
+
 class _QACTFunction(torch.autograd.Function):
-    """Forward eq. (6) given quantiles; backward eq. (7) given the KDE samples and bandwidth."""
+    """Forward eq. (6) given quantiles; backward eq. (7) given the KDE samples and bandwidth.
+
+    ``pre`` (optional) carries what the batch-context computation already knows: ``counts`` (eager
+    path) or the finished ``output`` and the per-channel value range ``xrange`` (compiled path)."""
 
     @staticmethod
-    def forward(ctx, x, quantiles, samples, bandwidth, counts=None):
+    def forward(ctx, x, quantiles, samples, bandwidth, pre=None):
+        pre = pre or {}
+        ctx.x_shape = x.shape
+        if _compiled(x):
+            if "output" in pre:
+                out, xrange = pre["output"], pre["xrange"]
+            else:
+                out3, xmin, xmax = _qact_cpu.counts_output(_as3(x), quantiles.detach().contiguous().numpy(),
+                                                           _values_by_count(quantiles.shape[1], x.dtype))
+                out, xrange = torch.from_numpy(out3).view(x.shape), (xmin, xmax)
+            ctx.xrange = xrange
+            ctx.save_for_backward(x, samples, bandwidth)
+            return out
         xv = channel_values(x).contiguous()
+        counts = pre.get("counts")
         if counts is None:
             counts = torch.searchsorted(quantiles.contiguous(), xv, right=True)  # #{i : q_i <= x}
         out = counts.to(x.dtype).div_(quantiles.shape[1])
+        ctx.xrange = None
         ctx.save_for_backward(xv, samples, bandwidth)
-        ctx.x_shape = x.shape
         return _from_channel_values(out, x)
 
     @staticmethod
     def backward(ctx, grad_output):
-        xv, samples, bandwidth = ctx.saved_tensors
+        xs, samples, bandwidth = ctx.saved_tensors
         if samples.shape[1] == 0:
             raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
-        dens = gaussian_kde_grid(xv, samples, bandwidth)
+        if ctx.xrange is not None:  # compiled path: xs is x itself
+            g3 = _qact_cpu.kde_density_times(_as3(xs), _as3(grad_output.to(xs.dtype)),
+                                             samples.detach().contiguous().numpy(),
+                                             bandwidth.detach().double().numpy(), *ctx.xrange)
+            return torch.from_numpy(g3).view(ctx.x_shape), None, None, None, None
+        dens = gaussian_kde_grid(xs, samples, bandwidth)
         n, ch = ctx.x_shape[0], ctx.x_shape[1]
         dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
         return grad_output * dens, None, None, None, None
 
 
-def _check_input(x: torch.Tensor, name: str = "input") -> torch.Tensor:
-    return check_tensor(x, name, min_ndim=2, floating=True, finite=True, nonempty=True)
+def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = None) -> torch.Tensor:
+    """Validate a QACT input. ``finite=None``: the NaN/inf check is left to the compiled forward
+    where that runs (it checks in the same pass as the counts, :func:`_qact_cpu.counts_output`,
+    before anything is stored), saving a full pass; ``True``: check here."""
+    x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
+    if finite or not _compiled(x):
+        check_finite(x, name)
+    return x
 
 
 def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
@@ -346,17 +405,44 @@ def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
     return _apply(x, stats)
 
 
-def _apply(x: torch.Tensor, stats: QACTStatistics, counts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """:func:`qact_apply` without checks; ``counts`` ``(C, M)``: forward counts already known
-    (batch context, from :func:`_qact_statistics` ``with_counts=True``)."""
+def _apply(x: torch.Tensor, stats: QACTStatistics, pre: Optional[dict] = None) -> torch.Tensor:
+    """:func:`qact_apply` without checks; ``pre``: what the batch context already computed (the
+    forward counts, or the output and value range; :func:`_batch_context`)."""
     return _QACTFunction.apply(x, stats.quantiles.to(x.dtype), stats.samples.to(x.dtype), stats.bandwidth.to(x.dtype),
-                               counts)
+                               pre)
 
 
 def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator) -> tuple:
-    """Statistics of ``x`` as its own context and the forward counts of ``x`` (no gradient)."""
+    """Statistics of ``x`` as its own context, and what the forward needs beyond them (``pre`` of
+    :func:`_apply`): the counts of ``x`` read off the context sort (eager path), or the finished
+    output and the value range (compiled path). No gradient."""
     with torch.no_grad():
-        return _qact_statistics(channel_values(x.detach()), n_tau, float(c), n_samples, generator, with_counts=True)
+        if _compiled(x):
+            return _batch_context_compiled(x.detach(), n_tau, float(c), n_samples, generator)
+        stats, counts = _qact_statistics(channel_values(x.detach()), n_tau, float(c), n_samples, generator, with_counts=True)
+        return stats, {"counts": counts}
+
+
+def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator, like: torch.Tensor) -> QACTStatistics:
+    """Statistics from the sorted grounded context ``ctx`` ``(C, M + 2)`` by the compiled kernels."""
+    q = torch.from_numpy(_qact_cpu.grounded_quantiles(ctx, n_tau))
+    ch = ctx.shape[0]
+    if not n_samples:
+        return QACTStatistics(q, like.new_zeros(ch, 0), like.new_zeros(ch))
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
+    samples, bw = _qact_cpu.grounded_samples(ctx, n_samples, seed)
+    return QACTStatistics(q, torch.from_numpy(samples), torch.from_numpy(bw).to(like.dtype))
+
+
+def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator) -> tuple:
+    """:func:`_batch_context` by the compiled CPU kernels (same statistics and output)."""
+    x3 = _as3(x)
+    ctx = _qact_cpu.sorted_grounded_context(x3, c)
+    q = _qact_cpu.grounded_quantiles(ctx, n_tau)
+    # the output pass also checks for NaN/inf, before any random draw or stored statistic
+    out3, xmin, xmax = _qact_cpu.counts_output(x3, q, _values_by_count(n_tau, x.dtype))
+    stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x)
+    return stats, {"output": torch.from_numpy(out3).view(x.shape), "xrange": (xmin, xmax)}
 
 
 def quantile_activation(
@@ -376,5 +462,5 @@ def quantile_activation(
         Tensor shaped like ``x`` in ``[0, 1]``.
     """
     x = _check_input(x)
-    stats, counts = _batch_context(x, n_tau, c, n_samples, generator)
-    return _apply(x, stats, counts)
+    stats, pre = _batch_context(x, n_tau, c, n_samples, generator)
+    return _apply(x, stats, pre)

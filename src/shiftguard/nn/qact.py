@@ -35,12 +35,10 @@ from shiftguard._validation import check_positive
 from shiftguard.functional.quantile import (
     QACTStatistics,
     _check_input,
-    channel_values,
     default_statistics,
     qact_apply,
     _apply,
     _batch_context,
-    _qact_statistics,
 )
 
 __all__ = ["QuantileActivation", "QACTBlock", "make_activation", "CONTEXT_MODES", "ACTIVATION_NAMES"]
@@ -139,10 +137,8 @@ class QuantileActivation(nn.Module):
     def batch_statistics(self, x: torch.Tensor, with_samples: bool = True) -> QACTStatistics:
         """Statistics with ``x`` ``(N, C, *)`` as the context (no gradient). Without samples (when no
         gradient and no running update is needed) the KDE sample is skipped."""
-        with torch.no_grad():
-            xd = x.detach()
-            s = self.n_samples if with_samples else 0
-            return _qact_statistics(channel_values(xd), self.n_tau, self.c, s, self._generator(x.device))
+        s = self.n_samples if with_samples else 0
+        return _batch_context(x, self.n_tau, self.c, s, self._generator(x.device))[0]
 
     @torch.no_grad()
     def fit_context(self, x: torch.Tensor) -> "QuantileActivation":
@@ -186,11 +182,11 @@ class QuantileActivation(nn.Module):
         if self._context == "batch":
             need_samples = self.training or (torch.is_grad_enabled() and x.requires_grad)
             s = self.n_samples if need_samples else 0
-            # The forward counts come from the same sort as the quantiles (no per-value search).
-            stats, counts = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device))
+            # The forward output comes with the statistics (one sort, one pass over the values).
+            stats, pre = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device))
             if self.training:
                 self._update_running(stats)
-            return _apply(x, stats, counts)
+            return _apply(x, stats, pre)
         return qact_apply(x, self.statistics())
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

@@ -201,7 +201,7 @@ class SyncQuantileActivation(QuantileActivation):
         if not self._needs_sync():
             self.last_mode, self.last_sent_numel = "local", 0
             return super().forward(x)
-        x = _check_input(x)
+        x = _check_input(x, finite=True)  # before the gather: a NaN would reach every process
         self._ensure_buffers(x)
         stats = self.global_statistics(x)
         self._update_running(stats)  # identical on every process, so the buffers stay in sync

@@ -1,0 +1,460 @@
+"""Compiled CPU kernels of QACT (numba): the same mathematics as :mod:`shiftguard.functional.quantile`
+and :mod:`shiftguard.functional.kde`, fused into a few passes over the data.
+
+Why: in eager PyTorch the batch-context QACT is ~40 small tensor operations, an argsort of the
+``(C, M)`` context and a scatter through its permutation; here each value is read once for its
+forward count and once for its gradient, the context is sorted by numpy's vectorised sort (values
+only, no permutation), and channels run in parallel
+(contiguous channel ranges on torch's thread count; the kernels release the GIL).
+
+What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py``):
+
+- :func:`grounded_quantiles`: ``n_-`` (values < 0 in the sorted grounded context) and the weighted
+  quantiles ``q_1..q_{n_tau}`` by the closed-form midpoint positions of the grounding weights
+  (eqs. (8)-(9)) with linear interpolation, made non-decreasing (running max) -- the arithmetic of
+  ``_grounded_quantiles`` done in float64 and rounded once to the tensor dtype.
+- :func:`counts_output`: every value's forward output ``#{i : q_i <= x} / n_tau`` (eq. (6)): a
+  uniform lookup table over ``[q_1, q_n]`` gives a starting index and an exact local search finishes
+  it, so the count equals ``torch.searchsorted(q, x, right=True)`` whatever the rounding of the
+  table; also the per-channel range of the values (for the KDE grid of the backward).
+- :func:`grounded_samples`: the ``S`` KDE points of Alg. 2, i.i.d. draws with the grounding weights
+  (each draw picks a negative with probability 1/2, uniformly among the ``n_-``, or a non-negative,
+  uniformly among the ``n_+``), returned sorted: the draws are tallied per context entry and read
+  out in order (a counting sort, ``O(S + M)``), which is the same law as sorting ``S`` i.i.d. draws.
+  Random bits come from a counter-based generator (SplitMix64 of ``seed``, channel and draw index),
+  so the result is deterministic given ``seed`` (drawn from the caller's ``torch.Generator``) and
+  independent of the thread count. Silverman's bandwidth of the sorted sample (``kde.py``) is
+  computed on the way.
+- :func:`kde_grid`, :func:`kde_density_times`: the backward, ``grad_output * f_grid(x)``: the grid
+  KDE of ``kde.py`` (linear binning, Gaussian kernel truncated at ``6 h``, 16 nodes per bandwidth:
+  same nodes, weights and error bound; direct convolution per channel instead of one FFT over all)
+  linearly interpolated at every value and multiplied by the incoming gradient, in one pass.
+
+The tests check each kernel against the eager implementation it replaces and against the slow
+references (``tests/test_qact_cpu.py``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+try:  # numba is a dependency, but the eager torch path works without it
+    import numba
+    from numba import njit
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised only where numba is missing
+    numba = None
+    AVAILABLE = False
+
+__all__ = [
+    "AVAILABLE", "sorted_grounded_context", "grounded_quantiles", "counts_output", "grounded_samples", "kde_grid",
+    "kde_density_times",
+]
+
+if AVAILABLE:
+    _M1 = np.uint64(0x9E3779B97F4A7C15)
+    _M2 = np.uint64(0xBF58476D1CE4E5B9)
+    _M3 = np.uint64(0x94D049BB133111EB)
+    _S30 = np.uint64(30)
+    _S27 = np.uint64(27)
+    _S31 = np.uint64(31)
+    _S32 = np.uint64(32)
+    _S63 = np.uint64(63)
+    _LOW32 = np.uint64(0xFFFFFFFF)
+    _ONE = np.uint64(1)
+    _ZERO = np.uint64(0)
+
+    @njit(inline="always")
+    def _splitmix64(key):
+        """SplitMix64 finaliser: 64 well-mixed random bits from the counter ``key``."""
+        z = key * _M1
+        z = (z ^ (z >> _S30)) * _M2
+        z = (z ^ (z >> _S27)) * _M3
+        return z ^ (z >> _S31)
+
+    @njit(inline="always")
+    def _n_negative(row):
+        lo, hi = 0, row.shape[0]
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if row[mid] < 0:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    @njit(inline="always")
+    def _position(k, nn, k_dim):
+        # midpoint CDF position of sorted entry k in the grounded context (quantile.py)
+        if k < nn:
+            return (k + 0.5) / (2.0 * nn)
+        return 0.5 + (k - nn + 0.5) / (2.0 * (k_dim - nn))
+
+    @njit(nogil=True, cache=True)
+    def _grounded_quantiles(c0, c1, ctx, n_tau, q_out):
+        c_dim, k_dim = ctx.shape
+        for c in range(c0, c1):
+            row = ctx[c]
+            nn = _n_negative(row)
+            run = -np.inf
+            for i in range(n_tau):
+                tau = (i + 1.0) / (n_tau + 1.0)
+                if tau < 0.5:
+                    k = int(math.floor(2.0 * tau * nn - 0.5))
+                else:
+                    k = nn + int(math.floor((tau - 0.5) * 2.0 * (k_dim - nn) - 0.5))
+                k = min(max(k, -1), k_dim - 1)
+                # enforce p_k <= tau < p_{k+1} (guards the rounding of the inversion)
+                while k + 1 <= k_dim - 1 and _position(k + 1, nn, k_dim) <= tau:
+                    k += 1
+                while k >= 0 and _position(k, nn, k_dim) > tau:
+                    k -= 1
+                if k < 0:
+                    v = np.float64(row[0])
+                elif k >= k_dim - 1:
+                    v = np.float64(row[k_dim - 1])
+                else:
+                    p0 = _position(k, nn, k_dim)
+                    p1 = _position(k + 1, nn, k_dim)
+                    v0 = np.float64(row[k])
+                    v1 = np.float64(row[k + 1])
+                    v = v0 + (tau - p0) / (p1 - p0) * (v1 - v0)
+                run = max(run, v)
+                q_out[c, i] = run
+
+    @njit(inline="always")
+    def _cell(v, q_lo, inv_w, top):
+        # cell index of v in the table over [q_lo, q_hi]: monotone non-decreasing in v (rounding
+        # is monotone, clamping too), which is all the exactness argument below needs
+        t = (np.float64(v) - q_lo) * inv_w
+        if not t > 0.0:  # also NaN (reported by the caller), which must not index the table
+            return 0
+        if t >= top:
+            return top
+        return int(t)
+
+    @njit(nogil=True, cache=True)
+    def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad):
+        n_dim, c_dim, l_dim = x3.shape
+        n_tau = quantiles.shape[1]
+        # ~2-8 table cells per quantile (finer for longer channels, where the per-value cost dominates)
+        n_lut = max(2 * n_tau, min(8 * n_tau, (n_dim * l_dim) // 2))
+        start = np.zeros(n_lut + 2, np.int64)
+        for c in range(c0, c1):
+            q = quantiles[c]
+            q_lo = np.float64(q[0])
+            q_hi = np.float64(q[n_tau - 1])
+            inv_w = n_lut / (q_hi - q_lo) if q_hi > q_lo else 0.0
+            # start[j] = #{i : cell(q_i) < j}. For v in cell j, a q_i in an earlier cell is < v and one
+            # in a later cell is > v (v <= q_i would give cell(v) <= cell(q_i), by monotonicity), so
+            # count(v) = start[j] + #{i in cell j : q_i <= v}: exact, whatever the rounding
+            start[:] = 0
+            for i in range(n_tau):
+                start[_cell(q[i], q_lo, inv_w, n_lut) + 1] += 1
+            for j in range(1, n_lut + 2):
+                start[j] += start[j - 1]
+            lo_v = np.inf
+            hi_v = -np.inf
+            bad = 0
+            for n in range(n_dim):
+                for l in range(l_dim):
+                    v = x3[n, c, l]
+                    if not (v - v == 0):  # NaN or inf
+                        bad += 1
+                    lo_v = min(lo_v, v)
+                    hi_v = max(hi_v, v)
+                    j = _cell(v, q_lo, inv_w, n_lut)
+                    k = start[j]
+                    for i in range(k, start[j + 1]):
+                        k += q[i] <= v
+                    out3[n, c, l] = values_by_count[k]
+            xmin[c] = lo_v
+            xmax[c] = hi_v
+            n_bad[c] = bad
+
+    @njit(nogil=True, cache=True)
+    def _grounded_context(c0, c1, x3, c_bound, ctx):
+        # ctx[c] = every value of channel c, then -c, +c (unsorted)
+        n_dim, c_dim, l_dim = x3.shape
+        m = n_dim * l_dim
+        for c in range(c0, c1):
+            for n in range(n_dim):
+                for l in range(l_dim):
+                    ctx[c, n * l_dim + l] = x3[n, c, l]
+            ctx[c, m] = -c_bound
+            ctx[c, m + 1] = c_bound
+
+    @njit(inline="always")
+    def _sorted_quantile(srt, level):
+        # linear-interpolation quantile of a sorted row (kde._sorted_quantile)
+        p = level * (srt.shape[0] - 1)
+        lo = int(math.floor(p))
+        hi = min(lo + 1, srt.shape[0] - 1)
+        return np.float64(srt[lo]) + (p - lo) * (np.float64(srt[hi]) - np.float64(srt[lo]))
+
+    @njit(nogil=True, cache=True)
+    def _grounded_samples(c0, c1, ctx, n_samples, seed, out, bandwidth):
+        c_dim, k_dim = ctx.shape
+        s_dim = n_samples
+        draws = np.empty(s_dim, np.int64)
+        for c in range(c0, c1):
+            row = ctx[c]
+            nn = _n_negative(row)
+            npos = k_dim - nn
+            # one draw = 64 random bits: the top bit picks the side (probability 1/2 each, the
+            # grounding weights), the low 32 bits the entry within it by multiply-shift
+            # (floor(r * size / 2^32): every entry has probability within size / 2^32 relative of
+            # uniform, < 1e-5 for contexts below 40k values). Integer-only, so it vectorises.
+            base = np.uint64(seed) + np.uint64(c) * np.uint64(s_dim)
+            unn = np.uint64(nn)
+            unp = np.uint64(npos)
+            for s in range(s_dim):
+                z = _splitmix64(base + np.uint64(s))
+                pos_side = (z >> _S63) == _ONE
+                size = unp if pos_side else unn
+                start = unn if pos_side else _ZERO
+                draws[s] = np.int64(start + (((z & _LOW32) * size) >> _S32))
+            tally = np.zeros(k_dim, np.int32)
+            for s in range(s_dim):
+                tally[draws[s]] += 1
+            pos = 0
+            total = 0.0
+            big = 0.0
+            for k in range(k_dim):
+                t = tally[k]
+                if t:
+                    v = row[k]
+                    for _ in range(t):
+                        out[c, pos] = v
+                        pos += 1
+                    total += t * np.float64(v)
+                    big = max(big, abs(np.float64(v)))
+            # Silverman's rule on the sorted sample (kde.silverman_bandwidth), in float64; the sum
+            # of squares runs over the distinct drawn values (the tally), not the S draws
+            mean = total / s_dim
+            ss = 0.0
+            for k in range(k_dim):
+                t = tally[k]
+                if t:
+                    d = np.float64(row[k]) - mean
+                    ss += t * d * d
+            std = math.sqrt(ss / (s_dim - 1)) if s_dim > 1 else 0.0
+            q25 = _sorted_quantile(out[c], 0.25)
+            q75 = _sorted_quantile(out[c], 0.75)
+            a = min(std, (q75 - q25) / 1.34)
+            if not a > 0:
+                a = std
+            if not a > 0:
+                a = 1e-3 * max(1.0, big)
+            bandwidth[c] = 0.9 * a * s_dim ** (-0.2)
+
+    @njit(nogil=True, cache=True)
+    def _kde_grid(c0, c1, samples, bandwidth, lo, delta, n_grid, truncate, grid):
+        # kde.kde_grid per channel: linear binning of the samples on nodes lo + (e - half) * delta,
+        # convolution with phi(t delta / h) / h on taps |t delta| <= truncate * h, grid = the part
+        # on nodes lo + j * delta, j < n_grid[c] (the rest of the row stays 0)
+        c_dim, s_dim = samples.shape
+        inv_sqrt_2pi = 1.0 / math.sqrt(2.0 * math.pi)
+        for c in range(c0, c1):
+            h = bandwidth[c]
+            d = delta[c]
+            g_dim = n_grid[c]
+            half = int(math.ceil(truncate * h / d))
+            length = g_dim + 2 * half
+            binned = np.zeros(length, np.float64)
+            w = 1.0 / s_dim
+            for s in range(s_dim):
+                u = (np.float64(samples[c, s]) - lo[c]) / d + half
+                i0 = math.floor(u)
+                frac = u - i0
+                i = int(i0)
+                if 0 <= i < length:
+                    binned[i] += (1.0 - frac) * w
+                if 0 <= i + 1 < length:
+                    binned[i + 1] += frac * w
+            n_taps = 2 * half + 1
+            taps = np.zeros(n_taps, np.float64)
+            for t in range(-half, half + 1):
+                z = t * d / h
+                if abs(z) <= truncate:
+                    taps[t + half] = math.exp(-0.5 * z * z) * inv_sqrt_2pi / h
+            # acc[j] = sum_t taps[t] binned[j + t], four taps per pass over acc (vectorised over j)
+            acc = np.zeros(g_dim, np.float64)
+            t = 0
+            while t + 4 <= n_taps:
+                k0 = taps[t]
+                k1 = taps[t + 1]
+                k2 = taps[t + 2]
+                k3 = taps[t + 3]
+                for j in range(g_dim):
+                    acc[j] += k0 * binned[j + t] + k1 * binned[j + t + 1] + k2 * binned[j + t + 2] + k3 * binned[j + t + 3]
+                t += 4
+            while t < n_taps:
+                k0 = taps[t]
+                for j in range(g_dim):
+                    acc[j] += k0 * binned[j + t]
+                t += 1
+            for j in range(g_dim):
+                grid[c, j] = acc[j]
+
+    @njit(nogil=True, cache=True)
+    def _grid_density_times(c0, c1, x3, g3, grid, lo, inv_delta, n_grid, out3):
+        n_dim, c_dim, l_dim = x3.shape
+        for c in range(c0, c1):
+            row = grid[c]
+            a = lo[c]
+            inv = inv_delta[c]
+            top = n_grid[c] - 1
+            for n in range(n_dim):
+                for l in range(l_dim):
+                    p = (np.float64(x3[n, c, l]) - a) * inv
+                    if p >= 0.0 and p <= top:
+                        j = min(int(p), top - 1)
+                        t = p - j
+                        d = row[j] + t * (row[j + 1] - row[j])
+                        out3[n, c, l] = g3[n, c, l] * max(d, 0.0)
+                    else:
+                        out3[n, c, l] = 0.0
+
+
+_POOL = None
+
+
+def _threads() -> int:
+    import torch
+
+    return max(1, torch.get_num_threads())
+
+
+def _pool(threads: int):
+    global _POOL
+    if _POOL is None or _POOL._max_workers < threads:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="shiftguard-qact")
+    return _POOL
+
+
+def _run(kernel, n_channels: int, work: int, *args) -> None:
+    """``kernel(c0, c1, *args)`` over channels ``[0, n_channels)``: inline when the work is small,
+    else split into contiguous channel ranges over torch's thread count (the kernels release the
+    GIL). Python threads rather than numba's parallel runtime: that one shares the OpenMP runtime
+    with torch and stalled for whole scheduler ticks (8 ms) when the two alternated."""
+    threads = min(_threads(), n_channels)
+    if threads < 2 or work < (1 << 16):
+        kernel(0, n_channels, *args)
+        return
+    bounds = np.linspace(0, n_channels, threads + 1).astype(np.int64)
+    list(_pool(threads).map(lambda i: kernel(int(bounds[i]), int(bounds[i + 1]), *args), range(threads)))
+
+
+def _sort_rows_inplace(a: np.ndarray, threads: int) -> None:
+    """``a.sort(axis=1)`` with the rows split over ``threads`` threads (numpy's sort releases the
+    GIL) when there is enough work to pay for it."""
+    rows = a.shape[0]
+    if threads < 2 or a.size < (1 << 18) or rows < 2:
+        a.sort(axis=1)
+        return
+    bounds = np.linspace(0, rows, min(threads, rows) + 1).astype(np.int64)
+    list(_pool(threads).map(lambda i: a[bounds[i]:bounds[i + 1]].sort(axis=1), range(len(bounds) - 1)))
+
+
+def sorted_grounded_context(x3: np.ndarray, c: float) -> np.ndarray:
+    """``(C, M + 2)`` sorted rows: every value of channel ``c`` of ``x3`` ``(N, C, L)``, and ``-c, +c``
+    (000, Alg. 1). numpy's sort of the values alone (x86-simd-sort) is ~4x faster than an argsort."""
+    threads = _threads()
+    n, ch, length = x3.shape
+    ctx = np.empty((ch, n * length + 2), dtype=x3.dtype)
+    _run(_grounded_context, ch, ctx.size, x3, c, ctx)
+    _sort_rows_inplace(ctx, threads)
+    return ctx
+
+
+def grounded_quantiles(ctx: np.ndarray, n_tau: int) -> np.ndarray:
+    """``(C, n_tau)`` weighted quantiles (dtype of ``ctx``) of the sorted grounded context ``ctx``
+    ``(C, M + 2)`` (the values and ``+-c``)."""
+    _threads()
+    q = np.empty((ctx.shape[0], n_tau), dtype=ctx.dtype)
+    _run(_grounded_quantiles, ctx.shape[0], ctx.shape[0] * n_tau * 16, ctx, n_tau, q)
+    return q
+
+
+def _channel_major(x3: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The kernels walk each channel's values in memory order; when a channel's values are
+    scattered (``L`` small, e.g. a dense ``(N, C)`` input has stride ``C`` between them) a
+    ``(1, C, N * L)`` transposed copy is much faster to walk."""
+    n, ch, length = x3.shape
+    if length >= 16 or n == 1:
+        return x3, False
+    return np.ascontiguousarray(x3.transpose(1, 0, 2)).reshape(1, ch, n * length), True
+
+
+def _back(out: np.ndarray, shape: tuple, transposed: bool) -> np.ndarray:
+    if not transposed:
+        return out
+    n, ch, length = shape
+    return np.ascontiguousarray(out.reshape(ch, n, length).transpose(1, 0, 2))
+
+
+def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.ndarray, name: str = "input"):
+    """Forward output of every value of ``x3`` ``(N, C, L)`` given ``quantiles`` ``(C, n_tau)``:
+    ``values_by_count[#{i : q_i <= x}]`` (``values_by_count[k] = k / n_tau`` in the dtype), and the
+    per-channel range ``xmin, xmax`` (float64) of ``x3``. Raises ``ValueError`` naming ``name`` if
+    ``x3`` holds NaN or inf (checked in the same pass)."""
+    _threads()
+    xc, transposed = _channel_major(x3)
+    out = np.empty_like(xc)
+    xmin = np.empty(x3.shape[1], dtype=np.float64)
+    xmax = np.empty(x3.shape[1], dtype=np.float64)
+    n_bad = np.zeros(x3.shape[1], dtype=np.int64)
+    _run(_counts, xc.shape[1], xc.size * 8, xc, quantiles, values_by_count, out, xmin, xmax, n_bad)
+    if n_bad.any():
+        n_nan = int(np.isnan(x3).sum())
+        raise ValueError(f"{name}: contains non-finite values ({n_nan} NaN, {int(n_bad.sum()) - n_nan} inf)")
+    return _back(out, x3.shape, transposed), xmin, xmax
+
+
+def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
+    """``(C, S)`` sorted KDE points drawn with the grounding weights and their ``(C,)`` Silverman
+    bandwidths (float64), from the sorted grounded context ``ctx`` ``(C, M + 2)``."""
+    _threads()
+    out = np.empty((ctx.shape[0], n_samples), dtype=ctx.dtype)
+    bw = np.empty(ctx.shape[0], dtype=np.float64)
+    _run(_grounded_samples, ctx.shape[0], ctx.shape[0] * n_samples * 8, ctx, n_samples, seed, out, bw)
+    return out, bw
+
+
+def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray,
+             points_per_bandwidth: int = 16, truncate: float = 6.0, max_points: int = 4096):
+    """:func:`shiftguard.functional.kde.kde_grid` per channel (float64; each channel's grid has its
+    own length ``n_grid[c]``, so a wide channel does not widen the others).
+
+    Returns ``grid (C, max n_grid)`` float64, ``lo (C,)``, ``delta (C,)``, ``n_grid (C,)`` int64.
+    """
+    _threads()
+    h = np.asarray(bandwidth, dtype=np.float64)
+    smin = samples.min(axis=1).astype(np.float64)
+    smax = samples.max(axis=1).astype(np.float64)
+    lo = np.maximum(xmin, smin - truncate * h)
+    hi = np.maximum(np.minimum(xmax, smax + truncate * h), lo)
+    delta = np.maximum(h / points_per_bandwidth, (hi - lo) / (max_points - 1))
+    n_grid = (np.ceil((hi - lo) / delta) + 2).astype(np.int64)
+    grid = np.zeros((samples.shape[0], int(n_grid.max())), dtype=np.float64)
+    _run(_kde_grid, samples.shape[0], grid.size * 64, samples, h, lo, delta, n_grid, float(truncate), grid)
+    return grid, lo, delta, n_grid
+
+
+def kde_density_times(x3: np.ndarray, g3: np.ndarray, samples: np.ndarray, bandwidth: np.ndarray,
+                      xmin: np.ndarray, xmax: np.ndarray) -> np.ndarray:
+    """``g3 * f_grid(x3)`` (Alg. 2, eq. (7)): the grid KDE of ``samples`` (:func:`kde_grid`, with
+    ``x3``'s per-channel range ``xmin, xmax``) linearly interpolated at every value of ``x3`` (0
+    outside the grid, clamped at 0) and multiplied by the incoming gradient ``g3``, all ``(N, C, L)``."""
+    grid, lo, delta, n_grid = kde_grid(samples, bandwidth, xmin, xmax)
+    xc, transposed = _channel_major(x3)
+    gc, _ = _channel_major(g3)
+    out = np.empty_like(xc)
+    _run(_grid_density_times, xc.shape[1], xc.size * 8, xc, gc, grid, lo, 1.0 / delta, n_grid, out)
+    return _back(out, x3.shape, transposed)

@@ -1,0 +1,181 @@
+"""The compiled CPU kernels of QACT (shiftguard.functional._qact_cpu) against the eager torch
+implementation they replace and against the slow references (exact KDE, searchsorted, the
+sampling law)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sps
+
+import shiftguard.functional.quantile as Q
+from shiftguard.functional import _qact_cpu as K
+from shiftguard.functional import kde
+from shiftguard.nn import QuantileActivation
+
+pytestmark = pytest.mark.skipif(not K.AVAILABLE, reason="numba is not installed: QACT runs on the eager torch path only")
+
+
+def _contexts():
+    """(name, x3 (N, C, L)) inputs covering the corner cases of 000 Alg. 1 (float64)."""
+    g = np.random.default_rng(0)
+    yield "normal", g.standard_normal((50, 4, 3))
+    yield "ties", g.integers(-3, 4, size=(40, 3, 5)).astype(float)  # many equal values and quantiles
+    yield "positive", g.random((30, 2, 1)) + 0.5
+    yield "negative", -g.random((30, 2, 1)) - 0.5
+    yield "constant", np.full((20, 2, 2), 0.7)
+    yield "one sample", g.standard_normal((1, 5, 1))
+    yield "beyond c", np.concatenate([g.standard_normal((10, 2, 1)), np.full((2, 2, 1), 250.0), np.full((1, 2, 1), -250.0)])
+    yield "zeros", np.concatenate([np.zeros((10, 3, 1)), -np.zeros((5, 3, 1)), g.standard_normal((10, 3, 1))])
+
+
+def _eager_quantiles(ctx: np.ndarray, n_tau: int) -> torch.Tensor:
+    t = torch.from_numpy(ctx)
+    levels = Q.quantile_levels(n_tau, t.dtype).expand(t.shape[0], -1).contiguous()
+    return Q._grounded_quantiles(t, (t < 0).sum(1), levels)
+
+
+@pytest.mark.parametrize("case", list(_contexts()), ids=lambda c: c[0])
+def test_quantiles_equal_the_eager_implementation(case):
+    _, x3 = case
+    ctx = K.sorted_grounded_context(np.ascontiguousarray(x3), 100.0)
+    want_ctx = np.sort(np.concatenate([x3.transpose(1, 0, 2).reshape(x3.shape[1], -1),
+                                       np.tile([-100.0, 100.0], (x3.shape[1], 1))], axis=1), axis=1)
+    np.testing.assert_array_equal(ctx, want_ctx)
+    for n_tau in (100, 7, 1):
+        got = K.grounded_quantiles(ctx, n_tau)
+        # float64: the same operations in the same order as the eager code
+        np.testing.assert_array_equal(got, _eager_quantiles(ctx, n_tau).numpy())
+    # float32: computed in float64 and rounded once, so within one float32 ulp of the float64 value
+    q32 = K.grounded_quantiles(ctx.astype(np.float32), 100).astype(np.float64)
+    q64 = K.grounded_quantiles(ctx.astype(np.float32).astype(np.float64), 100)
+    assert (np.abs(q32 - q64) <= np.spacing(np.abs(q64).astype(np.float32)).astype(np.float64)).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("case", list(_contexts()), ids=lambda c: c[0])
+def test_counts_equal_searchsorted_of_the_quantiles(case, dtype):
+    _, x3 = case
+    x3 = np.ascontiguousarray(x3.astype(dtype))
+    q = K.grounded_quantiles(K.sorted_grounded_context(x3, 100.0), 100)
+    # also query the quantiles themselves (ties between values and quantiles) and values around them
+    extra = np.concatenate([q.T, np.nextafter(q, -np.inf).T, np.nextafter(q, np.inf).T])[:, :, None]
+    for queries in (x3, np.ascontiguousarray(np.broadcast_to(extra, extra.shape[:2] + (x3.shape[2],)))):
+        vbc = Q._values_by_count(100, torch.float32 if dtype == np.float32 else torch.float64)
+        out, xmin, xmax = K.counts_output(queries, q, vbc)
+        t = torch.from_numpy(queries)
+        counts = torch.searchsorted(torch.from_numpy(q), Q.channel_values(t).contiguous(), right=True)
+        want = Q._from_channel_values(counts, t).numpy()
+        np.testing.assert_array_equal(out, vbc[want])
+        np.testing.assert_array_equal(xmin, queries.min(axis=(0, 2)))
+        np.testing.assert_array_equal(xmax, queries.max(axis=(0, 2)))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_is_a_value_error(bad):
+    x = torch.randn(8, 3, 4)
+    x[2, 1, 3] = bad
+    q = np.sort(np.random.default_rng(0).standard_normal((3, 100)), axis=1).astype(np.float32)
+    with pytest.raises(ValueError, match="input: contains non-finite values"):
+        K.counts_output(Q._as3(x), q, Q._values_by_count(100, torch.float32))
+    for context in ("batch", "frozen"):
+        layer = QuantileActivation(context=context, num_features=3)
+        with pytest.raises(ValueError, match="input: contains non-finite"):
+            layer(x)
+        assert layer.num_batches_tracked == 0  # nothing stored
+
+
+def test_samples_follow_the_grounding_weights():
+    # one channel: 3 negatives (-100 appended) and 5 non-negatives (+100 appended)
+    row = np.array([[-100.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 100.0]])
+    s, _ = K.grounded_samples(row, 240_000, seed=11)
+    assert (np.diff(s[0]) >= 0).all()
+    counts = np.array([(s[0] == v).sum() for v in row[0]])
+    expected = 240_000 * np.array([1 / 6] * 3 + [1 / 10] * 5)
+    assert sps.chisquare(counts, expected).pvalue > 1e-3
+    # the sides carry exactly probability 1/2 each: the split is Binomial(S, 1/2)
+    assert abs(counts[:3].sum() - 120_000) < 5 * np.sqrt(60_000)
+
+
+def test_samples_are_deterministic_sorted_and_match_silverman():
+    x3 = np.random.default_rng(1).standard_normal((100, 70, 9))
+    ctx = K.sorted_grounded_context(x3, 100.0)
+    a, bw = K.grounded_samples(ctx, 1000, seed=5)
+    b, _ = K.grounded_samples(ctx, 1000, seed=5)
+    c, _ = K.grounded_samples(ctx, 1000, seed=6)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert (np.diff(a, axis=1) >= 0).all()
+    assert np.isin(a[3], ctx[3]).all()
+    np.testing.assert_allclose(bw, kde.silverman_bandwidth(torch.from_numpy(a)).numpy(), rtol=1e-12)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    x = torch.randn(64, 16, 12, 12)  # large enough to be split over threads
+    g = torch.randn_like(x)
+    results = []
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            xi = x.clone().requires_grad_(True)
+            y = Q.quantile_activation(xi, generator=torch.Generator().manual_seed(0))
+            y.backward(g)
+            results.append((y, xi.grad))
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_grid_equals_the_eager_grid():
+    x3 = np.random.default_rng(2).standard_normal((200, 5, 1)) * np.array([0.1, 1.0, 3.0, 10.0, 1.0])[None, :, None]
+    ctx = K.sorted_grounded_context(x3, 100.0)
+    samples, bw = K.grounded_samples(ctx, 1000, seed=3)
+    xmin, xmax = x3.min(axis=(0, 2)), x3.max(axis=(0, 2))
+    grid, lo, delta, n_grid = K.kde_grid(samples, bw, xmin, xmax)
+    eg, elo, edelta = kde.kde_grid(torch.from_numpy(samples), torch.from_numpy(bw), torch.from_numpy(xmin),
+                                   torch.from_numpy(xmax))
+    np.testing.assert_allclose(lo, elo.numpy(), rtol=1e-14)
+    np.testing.assert_allclose(delta, edelta.numpy(), rtol=1e-14)
+    for c in range(5):
+        peak = 1 / (np.sqrt(2 * np.pi) * bw[c])
+        np.testing.assert_allclose(grid[c, :n_grid[c]], eg[c, :n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
+
+
+@pytest.mark.parametrize("shape", [(64, 3), (4, 2, 6, 6), (300, 5), (1, 3)])
+def test_backward_is_grad_times_exact_kde_within_the_grid_bound(shape):
+    x = torch.randn(shape, dtype=torch.float64)
+    g = torch.randn(shape, dtype=torch.float64)
+    stats = Q.qact_statistics(Q.channel_values(x), generator=torch.Generator().manual_seed(4))
+    xi = x.clone().requires_grad_(True)
+    Q.qact_apply(xi, stats).backward(g)
+    xv = Q.channel_values(x)
+    exact = kde.gaussian_kde(xv, stats.samples, stats.bandwidth)
+    _, spacing = kde.gaussian_kde_grid(xv, stats.samples, stats.bandwidth, return_spacing=True)
+    bound = kde.kde_grid_error_bound(stats.bandwidth, spacing)
+    got = Q.channel_values(xi.grad)
+    want = Q.channel_values(g) * exact
+    tol = (bound[:, None] * 1.0001 + 1e-12) * Q.channel_values(g).abs()
+    assert ((got - want).abs() <= tol + 1e-15).all()
+
+
+def test_compiled_and_eager_layers_agree(monkeypatch):
+    x = torch.randn(32, 6, 5, 5, dtype=torch.float64)
+    g = torch.randn_like(x)
+    stats = Q.qact_statistics(Q.channel_values(x), generator=torch.Generator().manual_seed(8))
+    outs = {}
+    for compiled in (True, False):
+        monkeypatch.setattr(Q, "USE_COMPILED", compiled)
+        xi = x.clone().requires_grad_(True)
+        y = Q.qact_apply(xi, stats)
+        y.backward(g)
+        outs[compiled] = (y, xi.grad)
+        # the batch forward of either path equals the forward with its own statistics
+        stats_b, pre = Q._batch_context(x, 100, 100.0, 0, None)
+        torch.testing.assert_close(Q._apply(x, stats_b, pre), Q.qact_apply(x, stats_b), rtol=0, atol=0)
+    assert torch.equal(outs[True][0], outs[False][0])
+    bound = kde.kde_grid_error_bound(stats.bandwidth, stats.bandwidth / 16)
+    diff = Q.channel_values((outs[True][1] - outs[False][1]) / g)
+    assert (diff.abs() <= 2 * bound[:, None] * 1.0001 + 1e-12).all()
