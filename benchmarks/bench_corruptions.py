@@ -14,6 +14,7 @@ Writes ``benchmarks/results/bench_corruptions.json``. Timings on a shared machin
 compare the ratios, which are measured in the same run.
 
     python benchmarks/bench_corruptions.py [--n-rgb 256] [--threads 1] [--quick]
+        [--skip a,c] [--only shot_noise,pixelate]
 """
 
 from __future__ import annotations
@@ -123,13 +124,15 @@ def _time(fn, repeat: int = 1) -> float:
     return max(best, 1e-9)
 
 
-def part_b(x: torch.Tensor, severity: int, have_ic: bool) -> dict:
+def part_b(x: torch.Tensor, severity: int, have_ic: bool, only=None) -> dict:
     n = x.shape[0]
     x_nhwc = x.permute(0, 2, 3, 1).numpy()
     print(f"\nB. 32x32 RGB, {n} images, severity {severity}, images per CPU second (higher is better)")
     print(f"{'corruption':<18}{'ours CIFAR-C':>14}{'ours IC-const':>15}{'imagecorr.':>12}{'speed-up':>10}  note")
     rows = []
     for name in C.names("cifar-c", extra=True):
+        if only and name not in only:
+            continue
         suite = _suite_of(name)
         t_ours = _time(lambda: C.corrupt(x, name, severity, seed=1, suite=suite), repeat=2)
         row = {"corruption": name, "ours_cifar_c_images_per_s": round(n / t_ours, 1)}
@@ -216,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy 2-core machine)")
     ap.add_argument("--quick", action="store_true", help="1000 MNIST images, 64 RGB images")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: a,b,c")
+    ap.add_argument("--only", default="", help="comma list of corruptions for part B (default: all)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_corruptions.json"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -241,7 +245,7 @@ def main(argv=None) -> int:
     if "a" not in skip:
         result["mnist_c"] = part_a(args.n_mnist)
     if "b" not in skip:
-        result["rgb_speed"] = part_b(rgb, 3, have_ic)
+        result["rgb_speed"] = part_b(rgb, 3, have_ic, [n for n in args.only.split(",") if n])
     if "c" not in skip:
         result["fidelity"] = part_c(rgb[: min(args.n_rgb, 128)], have_ic)
     result["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
