@@ -156,6 +156,13 @@ def corrupt(
     with torch.no_grad():
         for start in range(0, images.shape[0], CHUNK):
             chunk = images[start : start + CHUNK]
+            if images.dtype == torch.uint8 and spec.u8 is not None:
+                p = spec.params[severity - 1] if params is None else params
+                y = spec.u8(chunk, p, gen, min(chunk.shape[-2:]) / spec.ref_size)
+                if images.shape[0] <= CHUNK:
+                    return y  # a new tensor already: spare the copy
+                out[start : start + CHUNK] = y
+                continue
             x = chunk.to(work, copy=True)  # our own buffer: the ops below may work in place
             x = x.div_(255.0) if images.dtype == torch.uint8 else x.clamp_(0, 1)
             if params is None:

@@ -23,9 +23,11 @@ the distance to PIL at the CIFAR-10-C qualities.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
+
+from ._ops import lmul
 
 Tensor = torch.Tensor
 
@@ -64,75 +66,122 @@ def dct_matrix(dtype=torch.float64, device=None) -> Tensor:
     return D.to(dtype=dtype, device=device)
 
 
-def _pad_to(x: Tensor, mh: int, mw: int) -> Tensor:
-    H, W = x.shape[-2:]
-    ph, pw = (-H) % mh, (-W) % mw
-    if ph or pw:
-        x = F.pad(x, (0, pw, 0, ph), mode="replicate")
-    return x
+def _block_dct(n: int) -> Tensor:
+    """``(n, n)`` block-diagonal matrix of 8-point DCTs (n a multiple of 8): the 8x8 block DCT
+    of a plane ``p`` is ``B p B^T``."""
+    return torch.block_diag(*([dct_matrix(torch.float64)] * (n // 8)))
 
 
-def _code_plane(p: Tensor, table: Tensor) -> Tensor:
-    """Quantise/dequantise one component plane ``(N, h, w)`` (h, w multiples of 8), 0..255 scale."""
-    N, h, w = p.shape
-    D = dct_matrix(torch.float64)
-    K = torch.kron(D, D).to(dtype=p.dtype, device=p.device)  # 2-D DCT of a flattened 8x8 block
-    blocks = (p - 128.0).reshape(N, h // 8, 8, w // 8, 8).permute(0, 1, 3, 2, 4).reshape(-1, 64)
-    coef = blocks @ K.T
-    q = table.reshape(64).to(dtype=p.dtype, device=p.device)
-    coef = torch.round(coef / q) * q
-    rec = coef @ K + 128.0
-    rec = rec.reshape(N, h // 8, w // 8, 8, 8).permute(0, 1, 3, 2, 4).reshape(N, h, w)
-    return rec.clamp(0, 255)
+def _replicate_pad(n: int, n_pad: int) -> Tensor:
+    """``(n_pad, n)``: edge replication of a length-``n`` signal to ``n_pad`` samples."""
+    P = torch.zeros(n_pad, n, dtype=torch.float64)
+    P[torch.arange(n_pad), torch.arange(n_pad).clamp(max=n - 1)] = 1.0
+    return P
 
 
-def _downsample2(p: Tensor) -> Tensor:
-    N, h, w = p.shape
-    return p.reshape(N, h // 2, 2, w // 2, 2).mean(dim=(2, 4))
+def _mean2(n: int) -> Tensor:
+    """``(n / 2, n)``: mean of sample pairs (libjpeg ``h2v2_downsample`` along one axis)."""
+    return torch.kron(torch.eye(n // 2, dtype=torch.float64), torch.full((1, 2), 0.5, dtype=torch.float64))
 
 
-def _fancy_upsample_axis(p: Tensor, dim: int) -> Tensor:
-    n = p.shape[dim]
-    idx = torch.arange(n, device=p.device)
-    prev = p.index_select(dim, (idx - 1).clamp(min=0))
-    nxt = p.index_select(dim, (idx + 1).clamp(max=n - 1))
-    even = 0.75 * p + 0.25 * prev
-    odd = 0.75 * p + 0.25 * nxt
-    out = torch.stack([even, odd], dim=dim + 1)
-    shape = list(p.shape)
-    shape[dim] = 2 * n
-    return out.reshape(shape)
+def _fancy_up(m: int) -> Tensor:
+    """``(2m, m)``: libjpeg ``h2v2_fancy_upsample`` along one axis (weights 3/4, 1/4, edges
+    replicated)."""
+    U = torch.zeros(2 * m, m, dtype=torch.float64)
+    i = torch.arange(m)
+    U[2 * i, i] += 0.75
+    U[2 * i, (i - 1).clamp(min=0)] += 0.25
+    U[2 * i + 1, i] += 0.75
+    U[2 * i + 1, (i + 1).clamp(max=m - 1)] += 0.25
+    return U
+
+
+@lru_cache(maxsize=64)
+def _axis_maps(n: int, colour: bool, dtype: torch.dtype, device: str) -> tuple[Tensor, ...]:
+    """Per-axis linear maps of a side of ``n`` pixels: luma forward ``(n_pad, n)`` (edge padding
+    then block DCT) and inverse ``(n, n_pad)`` (inverse block DCT then crop); for colour images
+    also chroma forward ``(n_pad / 2, n)`` (padding, 2:1 mean, block DCT), inverse ``(m, m)`` and
+    the fancy upsampling with crop ``(n, m)``. Luma is padded to whole MCUs (16) with chroma
+    subsampling, to whole blocks (8) otherwise."""
+    n_pad = -(-n // 16) * 16 if colour else -(-n // 8) * 8
+    P = _replicate_pad(n, n_pad)
+    D = _block_dct(n_pad)
+    maps = [D @ P, D.T[:n]]
+    if colour:
+        m = n_pad // 2
+        Dc = _block_dct(m)
+        maps += [Dc @ _mean2(n_pad) @ P, Dc.T, _fancy_up(m)[:n]]
+    return tuple(t.to(dtype=dtype, device=device).contiguous() for t in maps)
+
+
+@lru_cache(maxsize=64)
+def _tiled_table(base: tuple, quality: int, h: int, w: int, dtype: torch.dtype, device: str) -> Tensor:
+    return quant_table(list(base), quality).repeat(h // 8, w // 8).to(dtype=dtype, device=device)
+
+
+def _code(p: Tensor, Fr: Tensor, Fc: Tensor, Ir: Tensor, Ic: Tensor, q: Tensor) -> Tensor:
+    """Level-shifted planes ``p`` (M, h, w) (values - 128) through block DCT (``Fr``/``Fc``
+    include padding and chroma averaging), quantisation with the tiled table ``q``,
+    dequantisation and inverse DCT (``Ir``/``Ic``), clamped to -128..127 (0..255 before the
+    level shift)."""
+    coef = torch.matmul(lmul(Fr, p), Fc.transpose(0, 1))
+    coef = coef.div_(q).round_().mul_(q)
+    return torch.matmul(lmul(Ir, coef), Ic.transpose(0, 1)).clamp_(-128.0, 127.0)
+
+
+# JFIF colour conversion (ITU-R BT.601 full range)
+_RGB2YCC = (
+    (0.299, 0.587, 0.114),
+    (-0.168735892, -0.331264108, 0.5),
+    (0.5, -0.418687589, -0.081312411),
+)
+_YCC2RGB = ((1.0, 0.0, 1.402), (1.0, -0.344136286, -0.714136286), (1.0, 1.772, 0.0))
+
+#: Images per step: a block's intermediates stay in cache.
+BLOCK = 64
 
 
 def jpeg_roundtrip(x: Tensor, quality: int) -> Tensor:
-    """JPEG encode/decode of ``x`` (N, C, H, W) with C in {1, 3}, values on the 0..255 scale.
+    """JPEG encode/decode of ``x`` (N, C, H, W) with C in {1, 3}: ``uint8`` or float on the 0..255
+    scale. Returns the decoded images (integers) with the dtype of ``x``.
 
-    Returns the decoded images on the same scale, rounded to integers.
+    Every linear step (padding, 2:1 chroma averaging, block DCT, inverse DCT, chroma upsampling,
+    cropping) is a matrix along each image axis and the colour conversions are 3x3 matrices, so a
+    block of images costs a few small matmuls and element-wise passes that stay in cache. The
+    level shift by 128 is carried in the colour conversion (Y - 128, Cb - 128, Cr - 128).
     """
     N, C, H, W = x.shape
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    v = x.to(dt).round().clamp(0, 255)
-    qy = quant_table(LUMA_TABLE, quality)
+    dev = str(x.device)
+    out = torch.empty_like(x)
     if C == 1:
-        y = _pad_to(v[:, 0], 8, 8)
-        out = _code_plane(y, qy)[:, :H, :W]
-        return out.round().clamp(0, 255)[:, None].to(x.dtype)
-    qc = quant_table(CHROMA_TABLE, quality)
-    r, g, b = v[:, 0], v[:, 1], v[:, 2]
-    Y = (0.299 * r + 0.587 * g + 0.114 * b).round()
-    Cb = (-0.168735892 * r - 0.331264108 * g + 0.5 * b + 128.0).round()
-    Cr = (0.5 * r - 0.418687589 * g - 0.081312411 * b + 128.0).round()
-    Y = _pad_to(Y, 16, 16)
-    Cb = _pad_to(Cb, 16, 16)
-    Cr = _pad_to(Cr, 16, 16)
-    Yr = _code_plane(Y, qy)
-    Cbr = _code_plane(_downsample2(Cb), qc)
-    Crr = _code_plane(_downsample2(Cr), qc)
-    Cbu = _fancy_upsample_axis(_fancy_upsample_axis(Cbr, 1), 2)
-    Cru = _fancy_upsample_axis(_fancy_upsample_axis(Crr, 1), 2)
-    Yr, Cbu, Cru = (t[:, :H, :W] for t in (Yr.round(), Cbu.round(), Cru.round()))
-    R = Yr + 1.402 * (Cru - 128)
-    G = Yr - 0.344136286 * (Cbu - 128) - 0.714136286 * (Cru - 128)
-    B = Yr + 1.772 * (Cbu - 128)
-    out = torch.stack([R, G, B], dim=1).round().clamp(0, 255)
-    return out.to(x.dtype)
+        Fr, Ir = _axis_maps(H, False, dt, dev)
+        Fc, Ic = _axis_maps(W, False, dt, dev)
+        q = _tiled_table(tuple(LUMA_TABLE), quality, Fr.shape[0], Fc.shape[0], dt, dev)
+        for i in range(0, N, BLOCK):
+            v = x[i : i + BLOCK, 0].to(dt)
+            v = v - 128.0 if x.dtype == torch.uint8 else v.round().clamp_(0, 255).sub_(128.0)
+            out[i : i + BLOCK, 0] = _code(v, Fr, Fc, Ir, Ic, q).round_().add_(128.0)
+        return out
+    Fr, Ir, Fcr, Icr, Ur = _axis_maps(H, True, dt, dev)
+    Fc, Ic, Fcc, Icc, Uc = _axis_maps(W, True, dt, dev)
+    qy = _tiled_table(tuple(LUMA_TABLE), quality, Fr.shape[0], Fc.shape[0], dt, dev)
+    qc = _tiled_table(tuple(CHROMA_TABLE), quality, Fcr.shape[0], Fcc.shape[0], dt, dev)
+    fwd = torch.tensor(_RGB2YCC, dtype=dt, device=x.device)
+    inv = torch.tensor(_YCC2RGB, dtype=dt, device=x.device)[:, 1:].contiguous()  # the Y column is 1
+    shift = torch.tensor([[-128.0]], dtype=dt, device=x.device)
+    for i in range(0, N, BLOCK):
+        v = x[i : i + BLOCK].to(dt)
+        B = v.shape[0]
+        if x.dtype != torch.uint8:
+            v = v.round().clamp_(0, 255)
+        v = v.view(B, 3, H * W)
+        # Y - 128 and (Cb, Cr) - 128 (the +128 of Cb and Cr cancels), rounded to 8 bit
+        y = torch.baddbmm(shift, fwd[:1].expand(B, 1, 3), v).round_().view(B, H, W)
+        cc = torch.bmm(fwd[1:].expand(B, 2, 3), v).round_().view(2 * B, H, W)
+        y = _code(y, Fr, Fc, Ir, Ic, qy).round_().add_(128.0)
+        cc = _code(cc, Fcr, Fcc, Icr, Icc, qc)
+        cc = torch.matmul(lmul(Ur, cc), Uc.transpose(0, 1)).round_()  # fancy upsampling, cropped
+        rgb = torch.baddbmm(y.view(B, 1, H * W), inv.expand(B, 3, 2), cc.view(B, 2, H * W))
+        out[i : i + BLOCK] = rgb.round_().clamp_(0, 255).view(B, 3, H, W)
+    return out

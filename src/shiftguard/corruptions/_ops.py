@@ -45,6 +45,18 @@ def random_sign(n: int, gen: torch.Generator, like: Tensor) -> Tensor:
 # ----------------------------------------------------------------------------- padding / filtering
 
 
+def lmul(A: Tensor, x: Tensor) -> Tensor:
+    """``A @ x`` over the last two dims of ``x`` (…, h, w) for a matrix ``A`` (h', h).
+
+    ``torch.matmul`` materialises ``A`` once per matrix of the batch for a left factor; a batched
+    matmul over a stride-0 expansion does not (same products, fewer memory passes)."""
+    if x.dim() < 3:
+        return torch.matmul(A, x)
+    lead = x.shape[:-2]
+    xb = x.reshape(-1, *x.shape[-2:])
+    return torch.bmm(A.expand(xb.shape[0], *A.shape), xb).view(*lead, A.shape[0], x.shape[-1])
+
+
 def pad_index(n: int, before: int, after: int, mode: str, device) -> Tensor:
     """Source index for every position of a 1-D signal of length ``n`` padded by ``before``/``after``.
 
@@ -96,14 +108,77 @@ def filter2d(x: Tensor, kernel: Tensor, mode: str) -> Tensor:
     shape = x.shape
     H, W = shape[-2:]
     kh, kw = kernel.shape
+    if mode == "mirror" and kh * kw > 9 and _is_even_kernel(kernel):
+        return _mirror_even_filter(x, kernel)
     if H * W <= 1024 and kh * kw > 9 and mode != "constant":
         # Small images: one dense (HW x HW) matrix with the boundary folded in beats conv2d.
         M = _cached_dense_filter(H, W, kernel, mode, x)
         return torch.matmul(x.reshape(-1, H * W), M.transpose(0, 1)).reshape(shape)
     x4 = x.reshape(-1, 1, H, W)
     x4 = pad2d(x4, (kh // 2, (kh - 1) // 2), (kw // 2, (kw - 1) // 2), mode)
+    if kh * kw <= 9:  # a few shifted copies: far cheaper than a one-channel convolution on CPU
+        out = torch.zeros((x4.shape[0], 1, H, W), dtype=x.dtype, device=x.device)
+        for (a, b), k in zip(((a, b) for a in range(kh) for b in range(kw)), kernel.flatten().tolist()):
+            if k != 0:
+                out.add_(x4[..., a : a + H, b : b + W], alpha=k)
+        return out.reshape(shape)
     out = F.conv2d(x4, kernel.to(x.dtype).view(1, 1, kh, kw))
     return out.reshape(shape)
+
+
+def _is_even_kernel(kernel: Tensor) -> bool:
+    """Odd-sized and symmetric under both flips, ``k[a, b] = k[-a, b] = k[a, -b]`` (to 1e-12)."""
+    kh, kw = kernel.shape
+    if kh % 2 == 0 or kw % 2 == 0:
+        return False
+    k = kernel.detach().to("cpu", torch.float64)
+    tol = 1e-12 * float(k.abs().max().clamp_min(1e-300))
+    return bool((k - k.flip(0)).abs().max() <= tol) and bool((k - k.flip(1)).abs().max() <= tol)
+
+
+def cosine_basis(n: int) -> Tensor:
+    """``V[m, u] = cos(pi u m / (n - 1))`` (n x n, float64; DCT-I basis; ``[[1]]`` for n = 1)."""
+    if n == 1:
+        return torch.ones(1, 1, dtype=torch.float64)
+    m = torch.arange(n, dtype=torch.float64)
+    return torch.cos(math.pi * m[:, None] * m[None, :] / (n - 1))
+
+
+def _mirror_even_filter(x: Tensor, kernel: Tensor) -> Tensor:
+    """:func:`filter2d` with ``mode="mirror"`` for a kernel even in both axes, via its eigenbasis.
+
+    Mirror (BORDER_REFLECT_101) padding makes a signal of length ``n`` an even, ``2n - 2``
+    periodic one, and the cosines ``cos(pi u m / (n - 1))`` are such signals; correlating one
+    with an even kernel only multiplies it by ``sum_t k_t cos(pi u t / (n - 1))`` (the sine part
+    cancels). In 2-D the products of these cosines are eigenvectors with eigenvalues
+    ``lam[u, w] = sum_ab k[a, b] cos(pi u a / (H - 1)) cos(pi w b / (W - 1))``, so the filter is
+    ``V_H (lam * (V_H^-1 x V_W^-T)) V_W^T``: four small matmuls per image instead of a
+    convolution with all the kernel's taps (the same linear map, to rounding)."""
+    shape = x.shape
+    H, W = shape[-2:]
+    key = ("even", H, W, tuple(kernel.detach().cpu().double().flatten().tolist()), kernel.shape, x.dtype, str(x.device))
+    mats = _MATRIX_CACHE.get(key)
+    if mats is None:
+        k = kernel.detach().to("cpu", torch.float64)
+        kh, kw = k.shape
+        a = torch.arange(kh, dtype=torch.float64) - kh // 2
+        b = torch.arange(kw, dtype=torch.float64) - kw // 2
+        th = math.pi / (H - 1) if H > 1 else 0.0
+        tw = math.pi / (W - 1) if W > 1 else 0.0
+        ch = torch.cos(th * torch.arange(H, dtype=torch.float64)[:, None] * a[None, :])  # (H, kh)
+        cw = torch.cos(tw * torch.arange(W, dtype=torch.float64)[:, None] * b[None, :])  # (W, kw)
+        lam = ch @ k @ cw.T  # (H, W)
+        VH, VW = cosine_basis(H), cosine_basis(W)
+        mats = tuple(
+            t.to(dtype=x.dtype, device=x.device).contiguous()
+            for t in (torch.linalg.inv(VH), torch.linalg.inv(VW).T, lam, VH, VW.T)
+        )
+        if len(_MATRIX_CACHE) > 512:
+            _MATRIX_CACHE.clear()
+        _MATRIX_CACHE[key] = mats
+    iVH, iVWt, lam, VH, VWt = mats
+    y = torch.matmul(lmul(iVH, x), iVWt).mul_(lam)
+    return torch.matmul(lmul(VH, y), VWt)
 
 
 def filter_matrix(n: int, kernel: Tensor, mode: str) -> Tensor:
@@ -173,7 +248,7 @@ def separable_filter(x: Tensor, k_rows: Optional[Tensor], k_cols: Optional[Tenso
     if max(H, W) <= 64:
         y = x
         if k_rows is not None and k_rows.numel() > 1:
-            y = torch.matmul(_cached_filter_matrix(H, k_rows, mode, x), y)
+            y = lmul(_cached_filter_matrix(H, k_rows, mode, x), y)
         if k_cols is not None and k_cols.numel() > 1:
             y = torch.matmul(y, _cached_filter_matrix(W, k_cols, mode, x).transpose(0, 1))
         return y
@@ -257,21 +332,34 @@ def motion_blur(x: Tensor, radius: float, sigma: float, angle_deg: Tensor) -> Te
     k = (k / k.sum()).tolist()
     a = angle_deg.to(torch.float64) * (math.pi / 180.0)
     sin_a, cos_a = torch.sin(a), torch.cos(a)
-    rows = torch.arange(H, device=x.device)
-    cols = torch.arange(W, device=x.device)
-    flat = x.reshape(N, C, H * W)
-    out = torch.zeros_like(flat)
+    taps = []  # (weight, row offsets (N,), column offsets (N,), tap inside the image (N,))
     for t in range(width):
         if k[t] < 1e-7:  # a far tail tap: changes no pixel by more than 1e-7 (skipped for speed)
             continue
         oy = torch.ceil(t * sin_a - 0.5).long().to(x.device)
         ox = torch.ceil(t * cos_a - 0.5).long().to(x.device)
-        valid = ((oy.abs() < H) & (ox.abs() < W)).to(x.dtype)
-        r = (rows[None, :] + oy[:, None]).clamp(0, H - 1)
-        c = (cols[None, :] + ox[:, None]).clamp(0, W - 1)
-        idx = (r[:, :, None] * W + c[:, None, :]).reshape(N, 1, H * W).expand(N, C, H * W)
-        out += (k[t] * valid)[:, None, None] * flat.gather(2, idx)
-    return out.reshape(N, C, H, W)
+        taps.append((k[t], oy, ox, ((oy.abs() < H) & (ox.abs() < W)).to(x.dtype)))
+    rows = torch.arange(H, device=x.device)
+    cols = torch.arange(W, device=x.device)
+    out = torch.empty_like(x)
+    step = max(1, _MOTION_BLOCK // (C * H * W))  # images per block: the buffers stay in cache
+    for s in range(0, N, step):
+        flat = x[s : s + step].reshape(-1, C, H * W)
+        n = flat.shape[0]
+        acc = torch.zeros_like(flat)
+        idx = torch.empty(n, H, W, dtype=torch.long, device=x.device)
+        buf = torch.empty_like(flat)
+        for kt, oy, ox, valid in taps:
+            rW = (rows[None, :] + oy[s : s + step, None]).clamp_(0, H - 1).mul_(W)
+            c = (cols[None, :] + ox[s : s + step, None]).clamp_(0, W - 1)
+            torch.add(rW[:, :, None], c[:, None, :], out=idx)
+            torch.gather(flat, 2, idx.view(n, 1, H * W).expand(n, C, H * W), out=buf)
+            acc += buf.mul_((kt * valid[s : s + step])[:, None, None])
+        out[s : s + step] = acc.view(n, C, H, W)
+    return out
+
+
+_MOTION_BLOCK = 3 * 256 * 1024  # values per block of images in motion_blur
 
 
 # ----------------------------------------------------------------------------- resampling
@@ -308,7 +396,7 @@ def apply_separable(x: Tensor, A_rows: Tensor, A_cols: Tensor) -> Tensor:
     """``A_rows @ x @ A_cols^T`` over the last two dims (a separable linear resampling)."""
     A_rows = A_rows.to(dtype=x.dtype, device=x.device)
     A_cols = A_cols.to(dtype=x.dtype, device=x.device)
-    return torch.matmul(torch.matmul(A_rows, x), A_cols.transpose(0, 1))
+    return torch.matmul(lmul(A_rows, x), A_cols.transpose(0, 1))
 
 
 def pil_box_matrix(n_in: int, n_out: int) -> Tensor:
@@ -513,19 +601,19 @@ def hsv_saturation_affine(x: Tensor, gain: float, offset: float) -> Tensor:
 # ----------------------------------------------------------------------------- edges
 
 
-def _shift(t: Tensor, dy: int, dx: int) -> Tensor:
-    """``out[y, x] = t[y + dy, x + dx]`` with zeros outside."""
-    H, W = t.shape[-2:]
-    p = F.pad(t, (1, 1, 1, 1))
-    return p[..., 1 + dy : 1 + dy + H, 1 + dx : 1 + dx + W]
-
-
-def _dilate3(t: Tensor) -> Tensor:
-    """3x3 maximum filter with zero padding (separable, cheaper than max_pool2d on CPU)."""
+def _dilate3_u8(t: Tensor) -> Tensor:
+    """3x3 binary dilation of a 0/1 uint8 batch (…, H, W), zero padding (separable ORs)."""
     p = F.pad(t, (1, 1, 0, 0))
-    r = torch.maximum(torch.maximum(p[..., :-2], p[..., 1:-1]), p[..., 2:])
+    r = p[..., :-2] | p[..., 1:-1] | p[..., 2:]
     p = F.pad(r, (0, 0, 1, 1))
-    return torch.maximum(torch.maximum(p[..., :-2, :], p[..., 1:-1, :]), p[..., 2:, :])
+    return p[..., :-2, :] | p[..., 1:-1, :] | p[..., 2:, :]
+
+
+def _select(a: Tensor, b: Tensor, take_b: Tensor) -> Tensor:
+    """``b`` where ``take_b`` (0/1 float) is 1, else ``a``; exact for finite values (``lerp`` with
+    weight 0 returns ``a``, with weight 1 returns ``b``), several times faster than
+    ``torch.where`` on CPU."""
+    return torch.lerp(a, b, take_b)
 
 
 def canny(
@@ -550,39 +638,44 @@ def canny(
     # ndimage.correlate1d orientation: out[i] = x[i+1] - x[i-1].
     gi = separable_filter(s, d, sm, "reflect")  # derivative along rows (axis 0)
     gj = separable_filter(s, sm, d, "reflect")  # derivative along columns (axis 1)
-    mag = gi.abs() + gj.abs() if l1 else torch.hypot(gi, gj)
     ai, aj = gi.abs(), gj.abs()
+    mag = ai + aj if l1 else torch.hypot(gi, gj)
     H, W = x.shape[-2:]
-    inner = torch.zeros_like(mag, dtype=torch.bool)
-    inner[..., 1:-1, 1:-1] = True
-    m = lambda dy, dx: _shift(mag, dy, dx)  # noqa: E731
-    local_max = torch.zeros_like(inner)
     with torch.no_grad():
-        same = ((gi >= 0) & (gj >= 0)) | ((gi <= 0) & (gj <= 0))
-        opp = ((gi <= 0) & (gj >= 0)) | ((gi >= 0) & (gj <= 0))
-        w_ji = aj / ai
-        w_ij = ai / aj
-        sectors = [
-            (same & (ai >= aj), w_ji, (1, 0), (1, 1), (-1, 0), (-1, -1)),
-            (same & (ai <= aj), w_ij, (0, 1), (1, 1), (0, -1), (-1, -1)),
-            (opp & (ai <= aj), w_ij, (0, 1), (-1, 1), (0, -1), (1, -1)),
-            (opp & (ai >= aj), w_ji, (-1, 0), (-1, 1), (1, 0), (1, -1)),
-        ]
-        for pts, w, c1p, c2p, c1m, c2m in sectors:
-            plus = m(*c2p) * w + m(*c1p) * (1 - w) <= mag
-            minus = m(*c2m) * w + m(*c1m) * (1 - w) <= mag
-            local_max = torch.where(pts & inner, plus & minus, local_max)
+        # skimage's four sectors, later ones overriding earlier ones where they overlap:
+        #   A same signs, |gi| >= |gj|: w = |gj|/|gi|, neighbours (1, 0) and (1, 1)
+        #   B same signs, |gi| <= |gj|: w = |gi|/|gj|, neighbours (0, 1) and (1, 1)
+        #   C opposite,   |gi| <= |gj|: w = |gi|/|gj|, neighbours (0, 1) and (-1, 1)
+        #   D opposite,   |gi| >= |gj|: w = |gj|/|gi|, neighbours (-1, 0) and (-1, 1)
+        # (a zero component counts as both signs) and the mirrored neighbours on the other side.
+        # Per pixel the last sector that applies is D or C where the signs are opposite, B or A
+        # elsewhere; w is min/max of |gi|, |gj| in all four.
+        opp = (torch.sign(gi) * torch.sign(gj)) <= 0
+        ji = (ai > aj) | (opp & (ai == aj))  # sector A or D: the row neighbour (+-1, 0)
+        oppf, jif = opp.to(x.dtype), ji.to(x.dtype)
+        w = torch.minimum(ai, aj).div_(torch.maximum(ai, aj))
+        p = F.pad(mag, (1, 1, 1, 1))
+        m = lambda dy, dx: p[..., 1 + dy : 1 + dy + H, 1 + dx : 1 + dx + W]  # noqa: E731
+        c1p = _select(m(0, 1), _select(m(1, 0), m(-1, 0), oppf), jif)
+        c2p = _select(m(1, 1), m(-1, 1), oppf)
+        c1m = _select(m(0, -1), _select(m(-1, 0), m(1, 0), oppf), jif)
+        c2m = _select(m(-1, -1), m(1, -1), oppf)
+        rest = 1 - w
+        local_max = (c2p * w + c1p * rest <= mag) & (c2m * w + c1m * rest <= mag)
+        local_max[..., 0, :] = False
+        local_max[..., -1, :] = False
+        local_max[..., :, 0] = False
+        local_max[..., :, -1] = False
         low_mask = local_max & (mag >= low)
-        seed = low_mask & (mag >= high)
+        seed = (low_mask & (mag >= high)).view(torch.uint8)
+        lowu = low_mask.view(torch.uint8)
         # Hysteresis: grow the strong pixels through 8-connected weak ones until stable.
-        seedf = seed.to(x.dtype)
-        lowf = low_mask.to(x.dtype)
         for it in range(H * W):
-            grown = _dilate3(seedf) * lowf
-            if it % 4 == 3 and torch.equal(grown, seedf):
+            grown = _dilate3_u8(seed) & lowu
+            if it % 4 == 3 and torch.equal(grown, seed):
                 break
-            seedf = grown
-    return seedf > 0
+            seed = grown
+    return seed.view(torch.bool)
 
 
 def distance_to_edges(edges: Tensor, cap: float) -> Tensor:
@@ -591,40 +684,39 @@ def distance_to_edges(edges: Tensor, cap: float) -> Tensor:
     Huttenlocher style): the 1-D distance ``g`` to the nearest edge along each row by a forward
     and a backward scan, then ``min over |dy| <= cap of dy^2 + g(y + dy)^2``."""
     N, _, H, W = edges.shape
-    e = edges[:, 0]
     far = float(cap) + 1.0
-    g = torch.full((N, H, W), far, device=e.device, dtype=torch.float32)
-    last = torch.full((N, H), -1e9, device=e.device)
-    for x in range(W):  # forward scan: distance to the nearest edge at or left of x
-        last = torch.where(e[:, :, x], torch.full_like(last, x), last)
-        g[:, :, x] = torch.clamp(x - last, max=far)
-    last = torch.full((N, H), 1e9, device=e.device)
-    for x in range(W - 1, -1, -1):  # backward scan: nearest edge at or right of x
-        last = torch.where(e[:, :, x], torch.full_like(last, x), last)
-        g[:, :, x] = torch.minimum(g[:, :, x], torch.clamp(last - x, max=far))
+    big = float(2**20)  # stands for "no edge on this side"; x +- big stays exact in float32
+    e = edges[:, 0].to(torch.float32)
+    xs = torch.arange(W, device=e.device, dtype=torch.float32)
+    # forward scan as a running maximum: the column of the nearest edge at or left of x
+    last = torch.cummax(e * (xs + big) - big, dim=-1).values
+    g = (xs - last).clamp_(max=far)
+    # backward scan as a running minimum from the right: the nearest edge at or right of x
+    nxt = torch.cummin((e * (xs - big) + big).flip(-1), dim=-1).values.flip(-1)
+    g = torch.minimum(g, (nxt - xs).clamp_(max=far))
     g2 = g * g
     d2 = g2.clone()
     reach = min(int(math.ceil(cap)), H - 1)
     for dy in range(1, reach + 1):
-        d2[:, dy:, :] = torch.minimum(d2[:, dy:, :], g2[:, :-dy, :] + dy * dy)
-        d2[:, :-dy, :] = torch.minimum(d2[:, :-dy, :], g2[:, dy:, :] + dy * dy)
+        torch.minimum(d2[:, dy:, :], g2[:, :-dy, :] + dy * dy, out=d2[:, dy:, :])
+        torch.minimum(d2[:, :-dy, :], g2[:, dy:, :] + dy * dy, out=d2[:, :-dy, :])
     return d2.sqrt().clamp(max=cap)[:, None]
 
 
 def equalize_hist_u8(x: Tensor) -> Tensor:
     """``cv2.equalizeHist`` per image on integer-valued ``x`` (N, 1, H, W) in 0..255."""
     N = x.shape[0]
-    v = x.reshape(N, -1).long().clamp(0, 255)
-    hist = torch.zeros(N, 256, device=x.device, dtype=torch.float64)
-    hist.scatter_add_(1, v, torch.ones_like(v, dtype=torch.float64))
+    v = x.reshape(N, -1).to(torch.int32).clamp_(0, 255)
+    idx = v + torch.arange(N, device=x.device, dtype=torch.int32)[:, None] * 256  # image n's bins
+    hist = torch.bincount(idx.view(-1), minlength=N * 256).view(N, 256).double()
     cdf = hist.cumsum(1)
     total = cdf[:, -1:]
     # cv2: lut[v] = round((cdf[v] - cdf[first nonzero]) * 255 / (total - count of the first bin))
     first = torch.where(hist > 0, cdf, torch.full_like(cdf, float("inf"))).amin(dim=1, keepdim=True)
     denom = (total - first).clamp_min(1)
     lut = ((cdf - first) * 255.0 / denom).round().clamp(0, 255)
-    # a flat image (one value) is left unchanged by OpenCV
-    flat = (total - first) == 0
-    out = lut.gather(1, v)
-    out = torch.where(flat, v.double(), out)
-    return out.reshape(x.shape).to(x.dtype)
+    # a flat image (one value) is left unchanged by OpenCV: the identity table
+    flat = ((total - first) == 0).view(N)
+    lut[flat] = torch.arange(256, device=x.device, dtype=lut.dtype)
+    out = lut.to(x.dtype).view(-1).index_select(0, idx.view(-1))
+    return out.reshape(x.shape)

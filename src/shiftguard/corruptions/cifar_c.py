@@ -15,11 +15,12 @@ scale-free. Grey images (C = 1) get the grey version of every colour operation.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import numpy as np
 import torch
 
-from . import _ops
+from . import _levels, _ops
 from ._jpeg import jpeg_roundtrip
 from .registry import CorruptionSpec
 
@@ -52,6 +53,29 @@ def impulse_noise(x, c, gen, s):
 def speckle_noise(x, c, gen, s):
     """Multiplicative noise ``x + x N(0, c^2)``."""
     return x.addcmul_(x, _ops.normal(x.shape, 0.0, c, gen, x))  # in place, as above
+
+
+def _u8_blocks(x: Tensor, fn, block: int = 64) -> Tensor:
+    """uint8 fast path of a corruption that is deterministic given its random draws: ``fn(b, i)``
+    maps the float32 images ``b`` = ``x[i : i + block]`` on the 0..255 scale to the result on the
+    same scale; it is clipped, rounded and returned as uint8. Blocks of ``block`` images keep the
+    intermediates in cache (on a CPU several times faster than whole-batch passes)."""
+    out = torch.empty_like(x)
+    for i in range(0, x.shape[0], block):
+        y = fn(x[i : i + block].to(torch.float32), i)
+        out[i : i + block] = y.nan_to_num_(0.0).clamp_(0, 255).round_()
+    return out
+
+
+def _levels_u8(law):
+    """uint8 fast path of a pixel-wise noise: draw each output level from its exact law given the
+    input level (:mod:`._levels`), the law of the float function above, clipped and rounded."""
+
+    def fn(x, c, gen, s):
+        return _levels.sample_levels(x, _levels.cached_tables(law, c), gen)
+
+    fn.__name__ = law.__name__.replace("_pmf", "_u8")
+    return fn
 
 
 # ----------------------------------------------------------------------------- blur
@@ -119,6 +143,13 @@ def defocus_blur(x, c, gen, s):
     BORDER_REFLECT_101)."""
     radius, alias = c
     return _ops.filter2d(x, _disk(float(radius * s), float(alias)).to(x.device), "mirror")
+
+
+def defocus_blur_u8(x, c, gen, s):
+    """:func:`defocus_blur` of uint8 images on the 0..255 scale (it is linear), in cache-sized blocks."""
+    radius, alias = c
+    k = _disk(float(radius * s), float(alias)).to(x.device)
+    return _u8_blocks(x, lambda b, i: _ops.filter2d(b, k, "mirror"))
 
 
 def motion_blur(x, c, gen, s):
@@ -225,12 +256,36 @@ def spatter(x, c, gen, s):
     ``intensity`` and added in pale turquoise (175, 238, 238). Mud: the thresholded mask blurred
     by ``intensity`` as sigma, values below 0.8 dropped, and the image covered by brown
     (63, 42, 20) in proportion.
+
+    The layer is drawn for the whole batch, the rest runs on blocks of images that stay in cache.
     """
-    loc, scale, sigma, thr, intensity, mode = c
-    N, C, H, W = x.shape
-    liquid = _ops.normal((N, 1, H, W), loc, scale, gen, x)
+    liquid = _ops.normal((x.shape[0], 1) + tuple(x.shape[2:]), c[0], c[1], gen, x)
+    out = torch.empty_like(x)
+    for i in range(0, x.shape[0], _SPATTER_BLOCK):
+        j = slice(i, i + _SPATTER_BLOCK)
+        out[j] = _spatter_block(x[j], liquid[j], c, s)
+    return out
+
+
+def spatter_u8(x, c, gen, s):
+    """:func:`spatter` of uint8 images: the same layer draws (float32, as ``corrupt`` works on
+    uint8 input) and the same block computation, converted to 8 bit block by block."""
+    like = torch.empty(0, dtype=torch.float32, device=x.device)
+    liquid = _ops.normal((x.shape[0], 1) + tuple(x.shape[2:]), c[0], c[1], gen, like)
+    return _u8_blocks(
+        x, lambda b, i: _spatter_block(b.div_(255.0), liquid[i : i + _SPATTER_BLOCK], c, s).mul_(255.0), _SPATTER_BLOCK
+    )
+
+
+_SPATTER_BLOCK = 128
+
+
+def _spatter_block(x: Tensor, liquid: Tensor, c, s) -> Tensor:
+    """:func:`spatter` of images ``x`` given their liquid layer draws ``liquid`` (N, 1, H, W)."""
+    _, _, sigma, thr, intensity, mode = c
+    C = x.shape[1]
     liquid = _ops.gaussian_blur(liquid, sigma * s)
-    liquid = torch.where(liquid < thr, torch.zeros_like(liquid), liquid)
+    liquid = liquid * (liquid >= thr)  # values below the threshold dropped (to a signed zero)
     if mode == 0:
         l8 = torch.floor(liquid.clamp(0, 1) * 255)
         edges = _ops.canny(l8, sigma=0.0, low=50.0, high=150.0, l1=True)
@@ -250,7 +305,7 @@ def spatter(x, c, gen, s):
         return x + add
     m = (liquid > thr).to(x.dtype)
     m = _ops.gaussian_blur(m, intensity * s)
-    m = torch.where(m < 0.8, torch.zeros_like(m), m)
+    m = m * (m >= 0.8)  # values below 0.8 dropped
     colour = torch.tensor([63.0, 42.0, 20.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1) / 255
     if C == 1:
         colour = _ops.rgb_to_gray(colour)
@@ -326,11 +381,80 @@ def pixelate(x, c, gen, s):
     return _ops.apply_separable(small, Ur, Uc)
 
 
+_PIL_BITS = 22  # PIL Resample.c PRECISION_BITS for 8-bit images (32 - 8 - 2)
+
+
+@lru_cache(maxsize=64)
+def _pixelate_taps(n: int, ratio: float) -> tuple[Tensor, Tensor]:
+    """For each output pixel of one axis: the source pixels of the box it comes from (the BOX
+    upscale copies one small pixel) ``(T, n)`` and their weights in PIL's fixed point
+    (``trunc(0.5 + 2^22 / count)``), zero for padding taps."""
+    D, U = _pixelate_matrices(n, ratio)
+    up = U.argmax(1)
+    nz = D[up] > 0  # (n, n): source pixels of each output pixel's box
+    count = nz.sum(1)
+    T = int(count.max())
+    order = torch.argsort((~nz).to(torch.int8), dim=1, stable=True)[:, :T]  # box pixels first
+    idx = order.T.contiguous()
+    kk = torch.trunc(0.5 + (1 << _PIL_BITS) / count.double()).to(torch.int32)
+    w = torch.where(torch.arange(T)[:, None] < count[None, :], kk[None, :], torch.zeros_like(kk)[None, :])
+    return idx, w.contiguous()
+
+
+def _pil_box_pass(xt: Tensor, idx: Tensor, w: Tensor, pairs: Optional[Tensor]) -> Tensor:
+    """One PIL BOX pass along dim 2 of the 8-bit values ``xt`` (B, C, n_in, m): weighted sums in
+    fixed point, rounded half up and clipped to 8 bit. Where every box holds one or two pixels
+    (every ratio >= 0.5) ``pairs`` (2, n) lists them (a lone pixel twice) and the pass is
+    ``(a + b + 1) >> 1``, the same arithmetic in int16."""
+    if pairs is not None:
+        h = xt.index_select(2, pairs[0]).to(torch.int16).add_(xt.index_select(2, pairs[1]))
+        return h.add_(1).bitwise_right_shift_(1)
+    half = 1 << (_PIL_BITS - 1)
+    acc = torch.zeros(xt.shape[:2] + (idx.shape[1],) + xt.shape[3:], dtype=torch.int64, device=xt.device)
+    for t in range(idx.shape[0]):
+        acc += xt.index_select(2, idx[t]).to(torch.int64) * w[t].view(-1, 1)
+    return acc.add_(half).bitwise_right_shift_(_PIL_BITS).clamp_(0, 255)
+
+
+def pixelate_u8(x, c, gen, s):
+    """:func:`pixelate` of uint8 images in PIL's own integer arithmetic: the BOX downscale runs
+    horizontally then vertically, each pass a fixed-point weighted mean rounded half up to 8 bit
+    (PIL ``ImagingResample``); the BOX upscale copies the nearest small pixel. Down- and upscale
+    compose into one pass per axis, done as row gathers (the images transposed in between)."""
+    H, W = x.shape[-2:]
+    (ri, rw, rp), (ci, cw, cp) = (_pixelate_axis(n, float(c), str(x.device)) for n in (H, W))
+    out = torch.empty_like(x)
+    for i in range(0, x.shape[0], 128):
+        xt = x[i : i + 128].transpose(-1, -2).contiguous()  # (B, C, W, H): columns as rows
+        h = _pil_box_pass(xt, ci, cw, cp).transpose(-1, -2).contiguous()  # horizontal pass
+        out[i : i + 128] = _pil_box_pass(h, ri, rw, rp)  # vertical pass
+    return out
+
+
+@lru_cache(maxsize=64)
+def _pixelate_axis(n: int, ratio: float, device: str) -> tuple[Tensor, Tensor, Optional[Tensor]]:
+    """:func:`_pixelate_taps` on ``device``, and the pixel pairs when every box holds one or two."""
+    idx, w = _pixelate_taps(n, ratio)
+    half = 1 << (_PIL_BITS - 1)
+    pairs = None
+    if idx.shape[0] <= 2 and bool(((w == half) | (w == 2 * half) | (w == 0)).all()):
+        pairs = torch.stack([idx[0], torch.where(w[-1] > 0, idx[-1], idx[0])])
+        pairs = pairs.to(device)
+    return idx.to(device), w.to(device), pairs
+
+
 def jpeg_compression(x, c, gen, s):
     """Baseline JPEG at quality ``c`` (vectorised, see :mod:`shiftguard.corruptions._jpeg`)."""
     if x.shape[1] not in (1, 3):
         raise ValueError(f"images: jpeg_compression needs 1 or 3 channels, got {x.shape[1]}")
     return jpeg_roundtrip(x * 255, int(c)) / 255
+
+
+def jpeg_compression_u8(x, c, gen, s):
+    """:func:`jpeg_compression` of uint8 images (the codec works on the 0..255 scale anyway)."""
+    if x.shape[1] not in (1, 3):
+        raise ValueError(f"images: jpeg_compression needs 1 or 3 channels, got {x.shape[1]}")
+    return jpeg_roundtrip(x, int(c))
 
 
 # ----------------------------------------------------------------------------- severity tables
@@ -391,11 +515,23 @@ _EXTRA = {
 
 _SOURCE = "hendrycks/robustness ImageNet-C/create_c/make_cifar_c.py"
 
+# uint8 fast paths (same law as the float function, then clip and round; see CorruptionSpec.u8)
+_U8 = {
+    "gaussian_noise": _levels_u8(_levels.gaussian_noise_pmf),
+    "shot_noise": _levels_u8(_levels.shot_noise_pmf),
+    "impulse_noise": _levels_u8(_levels.impulse_noise_pmf),
+    "speckle_noise": _levels_u8(_levels.speckle_noise_pmf),
+    "defocus_blur": defocus_blur_u8,
+    "jpeg_compression": jpeg_compression_u8,
+    "pixelate": pixelate_u8,
+    "spatter": spatter_u8,
+}
+
 CIFAR_C: dict[str, CorruptionSpec] = {
-    k: CorruptionSpec(k, "cifar-c", fn, params, REF_SIZE, _SOURCE) for k, (fn, params) in _TABLE.items()
+    k: CorruptionSpec(k, "cifar-c", fn, params, REF_SIZE, _SOURCE, _U8.get(k)) for k, (fn, params) in _TABLE.items()
 }
 CIFAR_C_EXTRA: dict[str, CorruptionSpec] = {
-    k: CorruptionSpec(k, "cifar-c-extra", fn, params, REF_SIZE, _SOURCE) for k, (fn, params) in _EXTRA.items()
+    k: CorruptionSpec(k, "cifar-c-extra", fn, params, REF_SIZE, _SOURCE, _U8.get(k)) for k, (fn, params) in _EXTRA.items()
 }
 
 

@@ -10,7 +10,7 @@ for, and where they come from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -28,6 +28,9 @@ class CorruptionSpec:
     ref_size: the image side the constants were published for (28 or 32); spatial constants
         are scaled by ``min(H, W) / ref_size``.
     source: where the constants come from.
+    u8: optional fast path for ``uint8`` images: ``u8(images, params, generator, scale)`` takes
+        the (unmodified) uint8 batch and returns the uint8 result directly, with the same law as
+        ``fn`` followed by clipping and rounding to 8 bit (see :mod:`._levels`).
     """
 
     name: str
@@ -36,6 +39,7 @@ class CorruptionSpec:
     params: tuple
     ref_size: int
     source: str
+    u8: Optional[CorruptionFn] = None
 
     def __call__(self, x: torch.Tensor, severity: int, generator: torch.Generator) -> torch.Tensor:
         scale = min(x.shape[-2:]) / self.ref_size
