@@ -9,7 +9,11 @@ eq. (3) of 004. Back ends, in the same run on the same data:
 - ``faiss``: ``faiss.IndexFlatL2`` (``knn_search(backend="faiss")``);
 - ``sklearn``: ``KNeighborsClassifier(n_neighbors=k, n_jobs=-1)`` doing the same neighbour
   searches (``kneighbors``), with the same temperature fit and eq. (3) on its output;
-- ``sklearn-vote``: plain ``KNeighborsClassifier.predict_proba`` (vote share, no fit of T), for scale.
+- ``sklearn-vote``: plain ``KNeighborsClassifier.predict_proba`` (vote share, no fit of T), for scale;
+- ``matmul floor``: only the float32 products ``queries @ support.T`` that every exact brute-force
+  search has to do for the same queries (fit + predict), in 256-row blocks, nothing else (the
+  faster of torch's and numpy's BLAS). No exact method does less arithmetic, so
+  ``sklearn NED / floor`` bounds the speed-up an exact back end can reach on this machine.
 
 Prints a table and writes ``benchmarks/results/bench_knn.json``. The machine is shared: timings
 are noisy, the speed-up ratios (same run) are what to compare. Target: torch/faiss NED >= 5x
@@ -89,6 +93,22 @@ def run_sklearn_vote(xs, ys, xq, k):
     return {"fit_s": t1 - t0, "predict_s": t2 - t1, "total_s": t2 - t0}
 
 
+def run_matmul_floor(xs, xq, n_fit_queries=5000, block=256):
+    """Time of the bare products an exact search of the fit + predict queries needs: the faster of
+    torch's BLAS (MKL here) and numpy's (OpenBLAS), 256-row blocks, nothing else."""
+    queries = torch.cat([xs[:n_fit_queries], xq])
+    support_t = xs.t().contiguous()
+    q_np, s_np = queries.numpy(), support_t.numpy()
+    times = []
+    for product in (lambda a, b: torch.mm(a, b), lambda a, b: a @ b):
+        args = (queries, support_t) if not times else (q_np, s_np)
+        t0 = time.perf_counter()
+        for start in range(0, len(queries), block):
+            product(args[0][start:start + block], args[1])
+        times.append(time.perf_counter() - t0)
+    return {"fit_s": 0.0, "predict_s": 0.0, "total_s": min(times), "torch_mm_s": times[0], "numpy_matmul_s": times[1]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n-support", type=int, default=60000)
@@ -102,10 +122,12 @@ def main() -> None:
     xs, ys, xq, yq = make_data(args.n_support, args.n_query, args.dim)
     NED(k=args.k).fit(xs[:2000], ys[:2000]).predict_proba(xq[:100])  # warm-up (imports, allocator)
     rows, probs = {}, {}
-    for name in ("torch", "faiss", "sklearn", "sklearn-vote"):
+    for name in ("torch", "faiss", "sklearn", "sklearn-vote", "matmul floor"):
         best = None
         for _ in range(args.repeats):
-            if name == "sklearn":
+            if name == "matmul floor":
+                res, p = run_matmul_floor(xs, xq), None
+            elif name == "sklearn":
                 res, p = run_sklearn_ned(xs, ys, xq, args.k)
             elif name == "sklearn-vote":
                 res, p = run_sklearn_vote(xs, ys, xq, args.k), None
@@ -129,6 +151,8 @@ def main() -> None:
         print(f"{name:14s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} {r['speedup_vs_sklearn_ned']:17.1f}")
     for key, val in agree.items():
         print(f"{key}: {val:.2e}")
+    print(f"largest speed-up any exact back end can reach here (sklearn NED / matmul floor): "
+          f"{rows['matmul floor']['speedup_vs_sklearn_ned']:.1f}x")
     result = {
         "workload": vars(args) | {"out": str(args.out)},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
