@@ -7,6 +7,8 @@
   spatter) or against PIL itself (pixelate, bit-exact).
 - The cache-sized blocks (motion blur, spatter, JPEG, the level sampler): results do not depend
   on the block size.
+- The compiled CPU kernels (numba, ``_kernels``) against the torch code they replace: bitwise
+  equal for motion blur, Canny and the edge distance; the same law for the level sampler.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from PIL import Image
 from scipy import stats
 
 from shiftguard import corruptions as C
-from shiftguard.corruptions import _jpeg, _levels, _ops, cifar_c
+from shiftguard.corruptions import _jpeg, _kernels, _levels, _ops, cifar_c
 from shiftguard.corruptions.cifar_c import IMAGECORRUPTIONS_PARAMS
 from shiftguard.corruptions.figures import synthetic_scene
 
@@ -122,9 +124,19 @@ def _chi2_pvalue(counts: np.ndarray, p: np.ndarray) -> float:
 # Fixed seeds: under the exact law the p-value is uniform, so each check has a 1/1000 chance of
 # a false alarm, fixed once by the seed; a sampler off by one column, with swapped outcomes or
 # with a threshold error of even 1e-3 drives p to ~0 at these sample sizes.
+@pytest.fixture(params=["compiled", "torch"])
+def kernels(request, monkeypatch):
+    """Run a test with the numba kernels (where importable) and with the torch code."""
+    if request.param == "compiled" and not _kernels.AVAILABLE:
+        pytest.skip("numba not importable")
+    if request.param == "torch":
+        monkeypatch.setattr(_kernels, "AVAILABLE", False)
+    return request.param
+
+
 @pytest.mark.parametrize("law,c", [(_levels.gaussian_noise_pmf, 0.18), (_levels.shot_noise_pmf, 12),
                                    (_levels.speckle_noise_pmf, 0.35), (_levels.impulse_noise_pmf, 0.09)])  # fmt: skip
-def test_sampler_draws_follow_the_law(law, c):
+def test_sampler_draws_follow_the_law(law, c, kernels):
     p = law(c)
     tables = _levels.alias_tables(p)
     for level in (0, 1, 37, 128, 254, 255):
@@ -134,7 +146,7 @@ def test_sampler_draws_follow_the_law(law, c):
         assert _chi2_pvalue(counts, p[level]) > 1e-3, level
 
 
-def test_sampler_is_seeded_and_blocks_do_not_matter(monkeypatch):
+def test_sampler_is_seeded_and_blocks_do_not_matter(monkeypatch, kernels):
     x = synthetic_scene(8, 32, seed=1)
     tables = _levels.cached_tables(_levels.gaussian_noise_pmf, 0.1)
     a = _levels.sample_levels(x, tables, torch.Generator().manual_seed(3))
@@ -157,7 +169,7 @@ LAW_OF = {
 
 
 @pytest.mark.parametrize("name", NOISES)
-def test_uint8_noise_follows_the_law_of_the_float_pipeline(name):
+def test_uint8_noise_follows_the_law_of_the_float_pipeline(name, kernels):
     """Both ``corrupt`` on uint8 (the alias sampler) and ``corrupt`` on float32 followed by the
     8-bit rounding (torch's float noise) fit the same per-level law."""
     suite = "cifar-c-extra" if name in C.names("cifar-c-extra") else "cifar-c"
@@ -300,3 +312,55 @@ def test_equalize_hist_leaves_a_flat_image_unchanged():
     y = _ops.equalize_hist_u8(x)
     assert torch.equal(y[0], x[0])
     assert set(torch.unique(y[1]).tolist()) == {0.0, 255.0}
+
+
+# ----------------------------------------------------------------------------- compiled kernels
+
+
+def _both(fn, monkeypatch):
+    """``fn()`` with the numba kernels, then with the torch code."""
+    if not _kernels.AVAILABLE:
+        pytest.skip("numba not importable")
+    a = fn()
+    monkeypatch.setattr(_kernels, "AVAILABLE", False)
+    return a, fn()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_motion_blur_is_bitwise_the_torch_loop(dtype, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(40, 3, 21, 26, generator=g, dtype=dtype)
+    angles = torch.rand(40, generator=g, dtype=torch.float64) * 360 - 180
+    for radius, sigma in ((6, 2.0), (15, 8.0), (30, 40.0)):  # the last: taps leaving the image
+        a, b = _both(lambda: _ops.motion_blur(x, radius, sigma, angles), monkeypatch)
+        monkeypatch.setattr(_kernels, "AVAILABLE", True)
+        assert a.dtype == dtype and torch.equal(a, b), (radius, float((a - b).abs().max()))
+
+
+def test_compiled_canny_is_bitwise_the_torch_code(monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    scenes = synthetic_scene(30, 32, seed=3)[:, :1].float()
+    noise = torch.rand(30, 1, 28, 23, generator=g)
+    blocky = torch.zeros(4, 1, 20, 24)
+    blocky[:, :, 5:15, 8:12] = 1.0
+    cases = [(scenes, dict(sigma=0.0, low=50.0, high=150.0, l1=True)), (scenes / 255, dict(sigma=1.0)),
+             (scenes.double() / 255, dict(sigma=1.5)), (noise, dict(sigma=1.0)), (blocky, dict(sigma=0.0)),
+             (torch.floor(noise * 255), dict(sigma=0.0, low=50.0, high=150.0, l1=True))]  # fmt: skip
+    for x, kw in cases:
+        a, b = _both(lambda: _ops.canny(x, **kw), monkeypatch)
+        monkeypatch.setattr(_kernels, "AVAILABLE", True)
+        assert a.dtype == torch.bool and torch.equal(a, b), kw
+
+
+def test_compiled_edge_distance_is_bitwise_the_torch_code(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    for p in (0.0, 0.002, 0.05, 0.4):
+        e = torch.rand(60, 1, 33, 27, generator=g) < p
+        e[:2] = False  # images without edges: the cap everywhere
+        e[2, 0, 16, 13] = True  # a single edge pixel
+        for cap in (20.0, 3.0, 50.0):
+            a, b = _both(lambda: _ops.distance_to_edges(e, cap), monkeypatch)
+            monkeypatch.setattr(_kernels, "AVAILABLE", True)
+            assert torch.equal(a, b), (p, cap)
+    ref = np.minimum(ndi.distance_transform_edt(~e[5, 0].numpy()), 20.0)
+    assert np.allclose(_ops.distance_to_edges(e, 20.0)[5, 0].numpy(), ref, atol=1e-5)

@@ -15,10 +15,12 @@ Exactness: the sampled law is ``P`` up to the 32-bit quantisation of each column
 resolution of ``2^-24``). ``alias_tables(...).pmf()`` returns the law the tables implement, which
 the tests compare with ``P``.
 
-Random bits: on CPU they come from numpy's SFC64 generator seeded with one 63-bit draw from the
-corruption's ``torch.Generator`` (it fills memory several times faster than torch's CPU
-generator); on other devices from ``torch.randint`` with that generator. Either way the same
-seed gives the same output.
+Random bits: on CPU with numba, the whole draw is one compiled loop (:mod:`._kernels`) whose 64
+bits per value come from SplitMix64 of a 63-bit seed drawn from the corruption's
+``torch.Generator`` plus the value's index. Without numba the torch code below draws them from
+numpy's SFC64 generator seeded the same way (several times faster than torch's CPU generator),
+and on other devices from ``torch.randint`` with that generator. Either way the same seed gives
+the same output.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+from . import _kernels
 
 Tensor = torch.Tensor
 K = 256  # output levels = alias columns (8 random bits)
@@ -128,6 +132,10 @@ def sample_levels(x: Tensor, tables: AliasTables, gen: torch.Generator) -> Tenso
     if tables.thresholds.device != x.device:
         tables = tables.to(x.device)
     thresholds, alias = tables.thresholds, tables.outcomes[: K * K]
+    if _kernels.AVAILABLE and x.device.type == "cpu":  # one compiled loop, counter-based bits
+        seed = int(torch.randint(0, 2**63 - 1, (1,), generator=gen))
+        flat = x.reshape(-1).contiguous().numpy()
+        return torch.from_numpy(_kernels.sample_levels(flat, thresholds.numpy(), alias.numpy(), seed)).view(x.shape)
     bits = _Bits(gen, x.device)
     flat = x.reshape(-1)
     out = torch.empty_like(flat)

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import _kernels
+
 Tensor = torch.Tensor
 
 # ----------------------------------------------------------------------------- random numbers
@@ -324,6 +326,9 @@ def motion_blur(x: Tensor, radius: float, sigma: float, angle_deg: Tensor) -> Te
     leave the image are dropped without renormalising (as the numpy port in ``imagecorruptions``
     does). Taps whose normalised weight is below 1e-7 are skipped (their total effect is far
     below one 8-bit level). ``angle_deg``: ``(N,)``.
+
+    On CPU with numba the tap loop runs compiled (:func:`._kernels.motion_blur_taps`, the same
+    arithmetic in the same order); otherwise as batched gathers over cache-sized image blocks.
     """
     N, C, H, W = x.shape
     width = 2 * int(math.ceil(radius)) + 1
@@ -339,6 +344,11 @@ def motion_blur(x: Tensor, radius: float, sigma: float, angle_deg: Tensor) -> Te
         oy = torch.ceil(t * sin_a - 0.5).long().to(x.device)
         ox = torch.ceil(t * cos_a - 0.5).long().to(x.device)
         taps.append((k[t], oy, ox, ((oy.abs() < H) & (ox.abs() < W)).to(x.dtype)))
+    if _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and taps:
+        oy = torch.stack([t[1] for t in taps]).numpy()
+        ox = torch.stack([t[2] for t in taps]).numpy()
+        w = torch.stack([kt * valid for kt, _, _, valid in taps]).numpy()
+        return torch.from_numpy(_kernels.motion_blur_taps(x.detach().contiguous().numpy(), oy, ox, w))
     rows = torch.arange(H, device=x.device)
     cols = torch.arange(W, device=x.device)
     out = torch.empty_like(x)
@@ -638,9 +648,15 @@ def canny(
     # ndimage.correlate1d orientation: out[i] = x[i+1] - x[i-1].
     gi = separable_filter(s, d, sm, "reflect")  # derivative along rows (axis 0)
     gj = separable_filter(s, sm, d, "reflect")  # derivative along columns (axis 1)
+    H, W = x.shape[-2:]
+    if _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and H > 2 and W > 2:
+        with torch.no_grad():
+            mag = gi.abs() + gj.abs() if l1 else torch.hypot(gi, gj)
+            dt = mag.numpy().dtype.type
+            args = (t[:, 0].contiguous().numpy() for t in (gi, gj, mag))
+            return torch.from_numpy(_kernels.canny_nms_hysteresis(*args, dt(low), dt(high)))[:, None]
     ai, aj = gi.abs(), gj.abs()
     mag = ai + aj if l1 else torch.hypot(gi, gj)
-    H, W = x.shape[-2:]
     with torch.no_grad():
         # skimage's four sectors, later ones overriding earlier ones where they overlap:
         #   A same signs, |gi| >= |gj|: w = |gj|/|gi|, neighbours (1, 0) and (1, 1)
@@ -649,11 +665,11 @@ def canny(
         #   D opposite,   |gi| >= |gj|: w = |gj|/|gi|, neighbours (-1, 0) and (-1, 1)
         # (a zero component counts as both signs) and the mirrored neighbours on the other side.
         # Per pixel the last sector that applies is D or C where the signs are opposite, B or A
-        # elsewhere; w is min/max of |gi|, |gj| in all four.
+        # elsewhere; w is min/max of |gi|, |gj| in all four. (With numba: _kernels, per pixel.)
         opp = (torch.sign(gi) * torch.sign(gj)) <= 0
         ji = (ai > aj) | (opp & (ai == aj))  # sector A or D: the row neighbour (+-1, 0)
-        oppf, jif = opp.to(x.dtype), ji.to(x.dtype)
         w = torch.minimum(ai, aj).div_(torch.maximum(ai, aj))
+        oppf, jif = opp.to(x.dtype), ji.to(x.dtype)
         p = F.pad(mag, (1, 1, 1, 1))
         m = lambda dy, dx: p[..., 1 + dy : 1 + dy + H, 1 + dx : 1 + dx + W]  # noqa: E731
         c1p = _select(m(0, 1), _select(m(1, 0), m(-1, 0), oppf), jif)
@@ -684,6 +700,9 @@ def distance_to_edges(edges: Tensor, cap: float) -> Tensor:
     Huttenlocher style): the 1-D distance ``g`` to the nearest edge along each row by a forward
     and a backward scan, then ``min over |dy| <= cap of dy^2 + g(y + dy)^2``."""
     N, _, H, W = edges.shape
+    if _kernels.AVAILABLE and edges.device.type == "cpu" and float(cap) == int(cap):
+        d2 = torch.from_numpy(_kernels.edge_distance(edges[:, 0].contiguous().numpy(), float(cap)))
+        return d2.sqrt_().clamp_(max=cap)[:, None]
     far = float(cap) + 1.0
     big = float(2**20)  # stands for "no edge on this side"; x +- big stays exact in float32
     e = edges[:, 0].to(torch.float32)
