@@ -255,7 +255,7 @@ def _pil_pixelate(x8: torch.Tensor, ratio: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ratio", [0.95, 0.9, 0.85, 0.75, 0.65, 0.6, 0.5, 0.4, 0.3, 0.25])
-def test_uint8_pixelate_is_bit_exact_with_pil(ratio):
+def test_uint8_pixelate_is_bit_exact_with_pil(ratio, kernels):
     x8 = synthetic_scene(10, 32, seed=7)
     assert torch.equal(cifar_c.pixelate_u8(x8, ratio, None, 1.0), _pil_pixelate(x8, ratio))
     rect = torch.randint(0, 256, (3, 3, 24, 37), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))

@@ -169,7 +169,6 @@ def jpeg_roundtrip(x: Tensor, quality: int) -> Tensor:
     qc = _tiled_table(tuple(CHROMA_TABLE), quality, Fcr.shape[0], Fcc.shape[0], dt, dev)
     fwd = torch.tensor(_RGB2YCC, dtype=dt, device=x.device)
     inv = torch.tensor(_YCC2RGB, dtype=dt, device=x.device)[:, 1:].contiguous()  # the Y column is 1
-    shift = torch.tensor([[-128.0]], dtype=dt, device=x.device)
     for i in range(0, N, BLOCK):
         v = x[i : i + BLOCK].to(dt)
         B = v.shape[0]
@@ -177,11 +176,11 @@ def jpeg_roundtrip(x: Tensor, quality: int) -> Tensor:
             v = v.round().clamp_(0, 255)
         v = v.view(B, 3, H * W)
         # Y - 128 and (Cb, Cr) - 128 (the +128 of Cb and Cr cancels), rounded to 8 bit
-        y = torch.baddbmm(shift, fwd[:1].expand(B, 1, 3), v).round_().view(B, H, W)
+        y = torch.bmm(fwd[:1].expand(B, 1, 3), v).sub_(128.0).round_().view(B, H, W)
         cc = torch.bmm(fwd[1:].expand(B, 2, 3), v).round_().view(2 * B, H, W)
         y = _code(y, Fr, Fc, Ir, Ic, qy).round_().add_(128.0)
         cc = _code(cc, Fcr, Fcc, Icr, Icc, qc)
         cc = torch.matmul(lmul(Ur, cc), Uc.transpose(0, 1)).round_()  # fancy upsampling, cropped
-        rgb = torch.baddbmm(y.view(B, 1, H * W), inv.expand(B, 3, 2), cc.view(B, 2, H * W))
+        rgb = torch.bmm(inv.expand(B, 3, 2), cc.view(B, 2, H * W)).add_(y.view(B, 1, H * W))
         out[i : i + BLOCK] = rgb.round_().clamp_(0, 255).view(B, 3, H, W)
     return out

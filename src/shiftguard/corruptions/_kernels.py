@@ -11,6 +11,9 @@ memory: each kernel does the same arithmetic as the torch code it replaces, in o
   :func:`._ops.canny` per pixel (the same float products, sums and comparisons), then hysteresis
   as a flood fill from the strong pixels through 8-connected weak ones (the fixed point that the
   torch code reaches by repeated dilation).
+- :func:`pil_box_resample`: PIL's two-pass fixed-point resampling of 8-bit planes (horizontal
+  pass, rounded and clipped to 8 bit, then vertical), given per-axis taps and weights;
+  :func:`pil_box_pairs` the same when every box holds one or two pixels, ``(a + b + 1) >> 1``.
 - :func:`edge_distance`: the squared distances of :func:`._ops.distance_to_edges` (row scans,
   then per column the lower envelope of the parabolas ``g^2 + dy^2`` in integer arithmetic; the
   same exact minimum).
@@ -30,7 +33,10 @@ try:  # numba is a dependency, but the torch code works without it
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     AVAILABLE = False
 
-__all__ = ["AVAILABLE", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance"]
+__all__ = [
+    "AVAILABLE", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
+    "pil_box_pairs",
+]
 
 if AVAILABLE:
     _M1 = np.uint64(0x9E3779B97F4A7C15)
@@ -213,4 +219,58 @@ if AVAILABLE:
                         k += 1
                     p = v[k]
                     out[n, q, j] = np.float32(g2[p, j] + (q - p) * (q - p))
+        return out
+
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def pil_box_resample(x, ri, rw, ci, cw, bits):
+        """uint8 planes ``x`` (P, H, W) -> (P, H', W'): ``tmp[i, j] = clip8((sum_t x[i, ci[t, j]]
+        cw[t, j] + 2^(bits-1)) >> bits)``, then the same down the columns with ``ri``/``rw`` (PIL
+        ``ImagingResample``: horizontal pass first, 8-bit in between). Taps (T, n) int64, weights
+        (T, n) int64 (zero weights for padding taps)."""
+        P, H, W = x.shape
+        Ho, Wo = ri.shape[1], ci.shape[1]
+        half = np.int64(1) << (bits - 1)
+        out = np.empty((P, Ho, Wo), dtype=np.uint8)
+        tmp = np.empty((H, Wo), dtype=np.int64)
+        acc = np.empty(Wo, dtype=np.int64)
+        for p in range(P):
+            for i in range(H):
+                row = x[p, i]
+                acc[:] = half
+                for t in range(ci.shape[0]):
+                    idx, wt = ci[t], cw[t]
+                    for j in range(Wo):
+                        acc[j] += np.int64(row[idx[j]]) * wt[j]
+                for j in range(Wo):
+                    tmp[i, j] = min(max(acc[j] >> bits, 0), 255)
+            for i in range(Ho):
+                acc[:] = half
+                for t in range(ri.shape[0]):
+                    src, wt = tmp[ri[t, i]], rw[t, i]
+                    for j in range(Wo):
+                        acc[j] += src[j] * wt
+                dst = out[p, i]
+                for j in range(Wo):
+                    dst[j] = min(max(acc[j] >> bits, 0), 255)
+        return out
+
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def pil_box_pairs(x, r1, r2, c1, c2):
+        """:func:`pil_box_resample` for boxes of one or two pixels: ``tmp[i, j] = (x[i, c1[j]] +
+        x[i, c2[j]] + 1) >> 1`` (a lone pixel listed twice), then ``out[i, j] = (tmp[r1[i], j] +
+        tmp[r2[i], j] + 1) >> 1``."""
+        P, H, W = x.shape
+        Ho, Wo = r1.shape[0], c1.shape[0]
+        out = np.empty((P, Ho, Wo), dtype=np.uint8)
+        tmp = np.empty((H, Wo), dtype=np.int32)
+        for p in range(P):
+            for i in range(H):
+                row = x[p, i]
+                for j in range(Wo):
+                    tmp[i, j] = (np.int32(row[c1[j]]) + np.int32(row[c2[j]]) + 1) >> 1
+            for i in range(Ho):
+                a, b = tmp[r1[i]], tmp[r2[i]]
+                dst = out[p, i]
+                for j in range(Wo):
+                    dst[j] = np.uint8((a[j] + b[j] + 1) >> 1)
         return out

@@ -20,7 +20,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _levels, _ops
+from . import _kernels, _levels, _ops
 from ._jpeg import jpeg_roundtrip
 from .registry import CorruptionSpec
 
@@ -420,9 +420,17 @@ def pixelate_u8(x, c, gen, s):
     """:func:`pixelate` of uint8 images in PIL's own integer arithmetic: the BOX downscale runs
     horizontally then vertically, each pass a fixed-point weighted mean rounded half up to 8 bit
     (PIL ``ImagingResample``); the BOX upscale copies the nearest small pixel. Down- and upscale
-    compose into one pass per axis, done as row gathers (the images transposed in between)."""
+    compose into one pass per axis (with numba: one compiled loop, :func:`._kernels.pil_box_resample`;
+    otherwise row gathers of the images transposed in between)."""
     H, W = x.shape[-2:]
     (ri, rw, rp), (ci, cw, cp) = (_pixelate_axis(n, float(c), str(x.device)) for n in (H, W))
+    if _kernels.AVAILABLE and x.device.type == "cpu":
+        planes = x.reshape(-1, H, W).contiguous().numpy()
+        if rp is not None and cp is not None:
+            y = _kernels.pil_box_pairs(planes, *(t.numpy() for t in (rp[0], rp[1], cp[0], cp[1])))
+        else:
+            y = _kernels.pil_box_resample(planes, *(t.numpy().astype(np.int64) for t in (ri, rw, ci, cw)), _PIL_BITS)
+        return torch.from_numpy(y).view(x.shape)
     out = torch.empty_like(x)
     for i in range(0, x.shape[0], 128):
         xt = x[i : i + 128].transpose(-1, -2).contiguous()  # (B, C, W, H): columns as rows
