@@ -4,6 +4,9 @@ sampling law)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -179,3 +182,27 @@ def test_compiled_and_eager_layers_agree(monkeypatch):
     bound = kde.kde_grid_error_bound(stats.bandwidth, stats.bandwidth / 16)
     diff = Q.channel_values((outs[True][1] - outs[False][1]) / g)
     assert (diff.abs() <= 2 * bound[:, None] * 1.0001 + 1e-12).all()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_works_in_a_forked_child_after_the_parent_used_threads():
+    x = torch.randn(64, 16, 12, 12)  # large enough for the thread pool
+    Q.quantile_activation(x)
+    pid = os.fork()
+    if pid == 0:  # child: the parent's pool threads do not exist here; this must not hang
+        try:
+            y = Q.quantile_activation(x, generator=torch.Generator().manual_seed(0))
+            os._exit(0 if y.shape == x.shape else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("QACT hung in a forked child")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -37,6 +37,7 @@ references (``tests/test_qact_cpu.py``).
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 
@@ -321,6 +322,7 @@ if AVAILABLE:
 
 
 _POOL = None
+_POOL_PID = None
 
 
 def _threads() -> int:
@@ -330,11 +332,13 @@ def _threads() -> int:
 
 
 def _pool(threads: int):
-    global _POOL
-    if _POOL is None or _POOL._max_workers < threads:
+    # a new pool after a fork too: the parent's worker threads do not exist in the child
+    global _POOL, _POOL_PID
+    if _POOL is None or _POOL._max_workers < threads or _POOL_PID != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
 
         _POOL = ThreadPoolExecutor(threads, thread_name_prefix="shiftguard-qact")
+        _POOL_PID = os.getpid()
     return _POOL
 
 
