@@ -364,3 +364,14 @@ def test_compiled_edge_distance_is_bitwise_the_torch_code(monkeypatch):
             assert torch.equal(a, b), (p, cap)
     ref = np.minimum(ndi.distance_transform_edt(~e[5, 0].numpy()), 20.0)
     assert np.allclose(_ops.distance_to_edges(e, 20.0)[5, 0].numpy(), ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_compiled_spatter_water_is_bitwise_the_torch_code(dtype, monkeypatch):
+    x = (synthetic_scene(24, 32, seed=12).to(dtype) / 255)
+    grey = x[:, :1].contiguous()
+    for sev in (1, 2, 3):  # the water severities (mode 0); 4-5 are mud
+        for imgs in (x, grey):
+            a, b = _both(lambda: C.corrupt(imgs, "spatter", sev, seed=sev, suite="cifar-c-extra"), monkeypatch)
+            monkeypatch.setattr(_kernels, "AVAILABLE", True)
+            assert torch.equal(a, b), (sev, imgs.shape[1], float((a - b).abs().max()))

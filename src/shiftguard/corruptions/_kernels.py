@@ -14,9 +14,12 @@ memory: each kernel does the same arithmetic as the torch code it replaces, in o
 - :func:`pil_box_resample`: PIL's two-pass fixed-point resampling of 8-bit planes (horizontal
   pass, rounded and clipped to 8 bit, then vertical), given per-axis taps and weights;
   :func:`pil_box_pairs` the same when every box holds one or two pixels, ``(a + b + 1) >> 1``.
+- :func:`spatter_water`: the water layer of CIFAR-10-C ``spatter`` from the distance map on: 3x3
+  mean, floor, histogram equalisation, emboss, 3x3 mean, times the liquid, normalised, scaled,
+  coloured and clipped (the float operations of the torch code in its order).
 - :func:`edge_distance`: the squared distances of :func:`._ops.distance_to_edges` (row scans,
-  then per column the lower envelope of the parabolas ``g^2 + dy^2`` in integer arithmetic; the
-  same exact minimum).
+  then the minimum over vertical offsets of ``g^2 + dy^2``, a row at a time, stopped once
+  ``dy^2`` reaches the row's largest value; integers, the same exact minimum).
 
 Each is used only for CPU tensors when numba is importable; the torch code stays the reference
 and the path for other devices (``tests/test_corruptions_fastpaths.py`` checks both).
@@ -35,7 +38,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
 __all__ = [
     "AVAILABLE", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
-    "pil_box_pairs",
+    "pil_box_pairs", "spatter_water",
 ]
 
 if AVAILABLE:
@@ -127,6 +130,10 @@ if AVAILABLE:
             top = 0
             for i in range(1, H - 1):
                 for j in range(1, W - 1):
+                    v = m[i, j]
+                    if not v >= low:  # below the low threshold (or NaN): never an edge
+                        weak[i, j] = False
+                        continue
                     a, b = gi[n, i, j], gj[n, i, j]
                     ai, aj = abs(a), abs(b)
                     o = np.sign(a) * np.sign(b) <= 0
@@ -143,9 +150,8 @@ if AVAILABLE:
                         c1p, c1m = m[i, j + 1], m[i, j - 1]
                     wt = min(ai, aj) / max(ai, aj)
                     rt = one - wt
-                    v = m[i, j]
                     is_max = (c2p * wt + c1p * rt <= v) and (c2m * wt + c1m * rt <= v)
-                    weak[i, j] = is_max and v >= low
+                    weak[i, j] = is_max
                     if weak[i, j] and v >= high:
                         edges[n, i, j] = True
                         stack[top] = i * W + j
@@ -172,10 +178,8 @@ if AVAILABLE:
         N, H, W = edges.shape
         far = np.int64(cap) + 1
         out = np.empty((N, H, W), dtype=np.float32)
-        g2 = np.empty((H, W), dtype=np.int64)
-        v = np.empty(H, dtype=np.int64)  # parabolas of the envelope
-        zn = np.empty(H, dtype=np.int64)  # where each starts: zn / zd
-        zd = np.empty(H, dtype=np.int64)
+        g2 = np.empty((H, W), dtype=np.int32)
+        cur = np.empty(W, dtype=np.int32)
         for n in range(N):
             for i in range(H):  # distance to the nearest edge in the row, capped at far
                 last = -far
@@ -193,32 +197,29 @@ if AVAILABLE:
                     if far < g:
                         g = far
                     g2[i, j] = g * g
-            # columns: d2[i] = min_k g2[k] + (i - k)^2, the lower envelope of the parabolas
-            # (Felzenszwalb & Huttenlocher) in integers: intersections are kept as fractions and
-            # compared by cross-multiplication, so the minimum is exact. Offsets beyond the cap
-            # cannot win: (cap + 1)^2 >= g2 of the pixel itself.
-            for j in range(W):
-                k = 0
-                v[0] = 0
-                for q in range(1, H):
-                    fq = g2[q, j] + q * q
-                    while k > 0:  # drop the parabolas that q's hides (the first never goes)
-                        p = v[k]
-                        if (fq - (g2[p, j] + p * p)) * zd[k] > zn[k] * (2 * (q - p)):
-                            break
-                        k -= 1
-                    p = v[k]
-                    k += 1
-                    v[k] = q
-                    zn[k] = fq - (g2[p, j] + p * p)
-                    zd[k] = 2 * (q - p)
-                last = k
-                k = 0
-                for q in range(H):
-                    while k < last and zn[k + 1] < q * zd[k + 1]:
-                        k += 1
-                    p = v[k]
-                    out[n, q, j] = np.float32(g2[p, j] + (q - p) * (q - p))
+            # columns: d2[i] = min over dy of g2[i +- dy] + dy^2, a row at a time (vectorised
+            # over the row); once dy^2 reaches the row's largest d2 no further offset can lower
+            # it. Offsets beyond the cap cannot win: (cap + 1)^2 >= g2 of the pixel itself.
+            for i in range(H):
+                for j in range(W):
+                    cur[j] = g2[i, j]
+                for dy in range(1, H):
+                    dd = dy * dy
+                    top = cur[0]
+                    for j in range(1, W):
+                        top = cur[j] if cur[j] > top else top
+                    if dd >= top:
+                        break
+                    if i - dy >= 0:
+                        for j in range(W):
+                            c = g2[i - dy, j] + dd
+                            cur[j] = c if c < cur[j] else cur[j]
+                    if i + dy < H:
+                        for j in range(W):
+                            c = g2[i + dy, j] + dd
+                            cur[j] = c if c < cur[j] else cur[j]
+                for j in range(W):
+                    out[n, i, j] = np.float32(cur[j])
         return out
 
     @njit(nogil=True, cache=True, error_model="numpy")
@@ -273,4 +274,97 @@ if AVAILABLE:
                 dst = out[p, i]
                 for j in range(Wo):
                     dst[j] = np.uint8((a[j] + b[j] + 1) >> 1)
+        return out
+
+
+    @njit(inline="always")
+    def _pad_mirror(src, P, H, W):
+        """``P`` (H + 2, W + 2) = ``src`` (H, W) padded by one pixel, BORDER_REFLECT_101."""
+        for i in range(H):
+            for j in range(W):
+                P[i + 1, j + 1] = src[i, j]
+        for i in range(1, H + 1):
+            P[i, 0] = P[i, 2]
+            P[i, W + 1] = P[i, W - 1]
+        for j in range(W + 2):
+            P[0, j] = P[2, j]
+            P[H + 1, j] = P[H - 1, j]
+
+    @njit(inline="always")
+    def _box3(src, dst, P, R, H, W, third):
+        """``cv2.blur(src, (3, 3))`` into ``dst``: rows (a + b) + c times 1/3, then the columns
+        (on the padded copy ``P``, with ``R`` (H, W + 2) for the row pass)."""
+        _pad_mirror(src, P, H, W)
+        for i in range(H):
+            for j in range(W + 2):
+                R[i, j] = (P[i, j] + P[i + 1, j] + P[i + 2, j]) * third
+        for i in range(H):
+            for j in range(W):
+                dst[i, j] = (R[i, j] + R[i, j + 1] + R[i, j + 2]) * third
+
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def spatter_water(liquid, dist, kernel, intensity, colour):
+        """``add`` (N, 3, H, W): the water colour layer of ``spatter`` from the thresholded liquid
+        ``liquid`` (N, H, W) and the capped edge distance ``dist`` (N, H, W): floor(box3(dist)),
+        equalised (cv2 ``equalizeHist``: lut = round((cdf - cdf[first]) 255 / (total - count of the
+        first bin)), a flat image unchanged), correlated with the 3x3 ``kernel`` (mirror), rounded
+        and clipped to 0..255, box3 again, times ``liquid``, divided by its maximum (at least
+        1e-12), times ``intensity``, times each of the 3 ``colour`` values, clipped to [0, 1]."""
+        N, H, W = liquid.shape
+        t = liquid.dtype.type
+        third, zero, one, top = t(1.0 / 3.0), t(0), t(1), t(255)
+        tiny = t(1e-12)
+        out = np.empty((N, 3, H, W), dtype=liquid.dtype)
+        d = np.empty((H, W), dtype=liquid.dtype)
+        e = np.empty((H, W), dtype=liquid.dtype)
+        P = np.empty((H + 2, W + 2), dtype=liquid.dtype)
+        R = np.empty((H, W + 2), dtype=liquid.dtype)
+        hist = np.zeros(256, dtype=np.int64)
+        lut = np.empty(256, dtype=np.float64)
+        for n in range(N):
+            _box3(dist[n], d, P, R, H, W, third)
+            hist[:] = 0
+            for i in range(H):
+                for j in range(W):
+                    d[i, j] = np.floor(d[i, j])
+                    hist[min(max(np.int64(d[i, j]), 0), 255)] += 1
+            total, first, cum = H * W, -1, 0
+            for v in range(256):
+                cum += hist[v]
+                if first < 0 and hist[v] > 0:
+                    first = cum  # the cdf at the first non-empty bin
+                lut[v] = cum
+            denom = total - first
+            for v in range(256):
+                if denom == 0:
+                    lut[v] = v  # a flat image is left unchanged
+                else:
+                    lut[v] = min(max(np.rint((lut[v] - first) * 255.0 / max(denom, 1)), 0.0), 255.0)
+            for i in range(H):
+                for j in range(W):
+                    d[i, j] = t(lut[min(max(np.int64(d[i, j]), 0), 255)])
+            _pad_mirror(d, P, H, W)  # emboss, taps in row-major order, zero taps skipped
+            e[:, :] = zero
+            for a in range(3):
+                for b in range(3):
+                    k = kernel[a, b]
+                    if k != 0:
+                        for i in range(H):
+                            for j in range(W):
+                                e[i, j] += k * P[i + a, j + b]
+            for i in range(H):
+                for j in range(W):
+                    e[i, j] = min(max(np.rint(e[i, j]), zero), top)
+            _box3(e, d, P, R, H, W, third)
+            mx = zero
+            for i in range(H):
+                for j in range(W):
+                    d[i, j] = liquid[n, i, j] * d[i, j]
+                    mx = max(mx, d[i, j])
+            mx = max(mx, tiny)
+            for i in range(H):
+                for j in range(W):
+                    m = d[i, j] / mx * intensity
+                    for c in range(3):
+                        out[n, c, i, j] = min(max(m * colour[c], zero), one)
         return out

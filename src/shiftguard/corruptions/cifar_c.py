@@ -290,6 +290,12 @@ def _spatter_block(x: Tensor, liquid: Tensor, c, s) -> Tensor:
         l8 = torch.floor(liquid.clamp(0, 1) * 255)
         edges = _ops.canny(l8, sigma=0.0, low=50.0, high=150.0, l1=True)
         dist = _ops.distance_to_edges(edges, 20.0).to(x.dtype)
+        colour = torch.tensor([175.0, 238.0, 238.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1) / 255
+        if _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+            ker = np.array([[-2.0, -1.0, 0.0], [-1.0, 1.0, 1.0], [0.0, 1.0, 2.0]], dtype=dist.numpy().dtype)
+            args = (liquid[:, 0].contiguous().numpy(), dist[:, 0].contiguous().numpy(), ker)
+            add = torch.from_numpy(_kernels.spatter_water(*args, ker.dtype.type(intensity), colour.view(3).numpy()))
+            return x + (_ops.rgb_to_gray(add) if C == 1 else add)
         dist = torch.floor(_ops.box_blur3(dist))
         dist = _ops.equalize_hist_u8(dist)
         ker = torch.tensor([[-2.0, -1.0, 0.0], [-1.0, 1.0, 1.0], [0.0, 1.0, 2.0]], device=x.device)
@@ -298,7 +304,6 @@ def _spatter_block(x: Tensor, liquid: Tensor, c, s) -> Tensor:
         m = liquid * dist
         m = m / m.amax(dim=(2, 3), keepdim=True).clamp_min(1e-12)
         m = m * intensity
-        colour = torch.tensor([175.0, 238.0, 238.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1) / 255
         add = (m * colour).clamp(0, 1)
         if C == 1:
             add = _ops.rgb_to_gray(add)
