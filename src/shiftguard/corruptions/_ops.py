@@ -457,15 +457,18 @@ def sample_at(x: Tensor, src_x: Tensor, src_y: Tensor, padding: str) -> Tensor:
     symmetric), ``border`` (edge replication).
     """
     N, C, H, W = x.shape
+    # the normalised grid is written straight into its (…, 2) buffer (stacking two maps afterwards
+    # was an interleaving copy as costly as the arithmetic)
+    shape = torch.broadcast_shapes(src_x.shape, src_y.shape)
+    grid = torch.empty(shape + (2,), dtype=torch.result_type(src_x, src_y), device=x.device)
+    gx, gy = grid[..., 0], grid[..., 1]
     if padding == "reflect":
         # grid_sample's reflection with align_corners=False reflects about -0.5 and n - 0.5.
-        gx = (2 * src_x + 1) / W - 1
-        gy = (2 * src_y + 1) / H - 1
-        grid = torch.stack([gx, gy], dim=-1)
+        torch.mul(src_x, 2, out=gx).add_(1).div_(W).sub_(1)  # (2 x + 1) / W - 1
+        torch.mul(src_y, 2, out=gy).add_(1).div_(H).sub_(1)
         return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-    gx = 2 * src_x / max(W - 1, 1) - 1
-    gy = 2 * src_y / max(H - 1, 1) - 1
-    grid = torch.stack([gx, gy], dim=-1)
+    torch.mul(src_x, 2, out=gx).div_(max(W - 1, 1)).sub_(1)  # 2 x / (W - 1) - 1
+    torch.mul(src_y, 2, out=gy).div_(max(H - 1, 1)).sub_(1)
     pm = {"zeros": "zeros", "mirror": "reflection", "border": "border"}[padding]
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=pm, align_corners=True)
 
