@@ -53,6 +53,18 @@ def test_without_r_metrics_the_k_metrics_are_unchanged(data):
         assert short[key] == pytest.approx(full[key], abs=1e-12), key
 
 
+@pytest.mark.parametrize("budget", [2**25, 4096])
+def test_return_nearest_gives_each_querys_nearest_other_sample(data, budget):
+    x, y = data
+    metrics, nearest = retrieval_metrics(x, y, ks=(1, 3), r_metrics=False, return_nearest=True,
+                                         memory_budget_bytes=budget)
+    d = torch.cdist(x, x)
+    d.fill_diagonal_(float("inf"))
+    assert torch.equal(nearest, d.argmin(1))
+    assert metrics == retrieval_metrics(x, y, ks=(1, 3), r_metrics=False, memory_budget_bytes=budget)
+    assert float((y[nearest] == y).double().mean()) == pytest.approx(metrics["precision@1"])
+
+
 def test_map_r_r_precision_and_precision_at_1_equal_pytorch_metric_learning(data):
     calc_mod = pytest.importorskip("pytorch_metric_learning.utils.accuracy_calculator")
     x, y = data

@@ -56,7 +56,8 @@ def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int], r_metrics:
 
 
 def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), backend: str = "torch",
-                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, r_metrics: bool = True) -> dict:
+                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, r_metrics: bool = True,
+                      return_nearest: bool = False):
     """Recall@K, MAP@K, MAP@R, R-precision and precision@1 of ``embeddings (N, D)`` (see module doc).
 
     Args:
@@ -70,10 +71,14 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
             when classes are large. The K metrics are the same either way, except where neighbours
             at exactly the same distance straddle a cut-off (the search may break such ties
             differently for different list lengths).
+        return_nearest: also return the ``(N,)`` index of every query's nearest other sample (the
+            first entry of its neighbour list), for callers that need per-query Recall@1 hits (e.g.
+            the R-AUROC target of 003) without a second search.
 
     Returns:
         dict of floats: ``recall@K`` and ``map@K`` for every K, ``map@r`` and ``r_precision`` (with
-        ``r_metrics``), ``precision@1``, plus ``n_queries`` (used) and ``n_lone_queries`` (skipped).
+        ``r_metrics``), ``precision@1``, plus ``n_queries`` (used) and ``n_lone_queries`` (skipped);
+        with ``return_nearest`` the tuple ``(dict, nearest)``.
     """
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
@@ -90,6 +95,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     r_all = torch.bincount(y)[y] - 1                                        # R_q per query
     sums: dict[str, float] = {}
     n_used = 0
+    nearest = torch.empty(n, dtype=torch.long, device=emb.device) if return_nearest else None
     block_rows = default_chunk_size(n, emb.dtype, memory_budget_bytes)
     start = 0
     while start < n:
@@ -104,6 +110,8 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         sl = slice(start, start + rows)
         self_index = torch.arange(start, start + rows, device=emb.device)
         _, idx = _knn_dispatch(emb[sl], emb, length, backend, self_index, block_rows)
+        if nearest is not None:
+            nearest[sl] = idx[:, 0]
         rel = y[idx] == y[sl].unsqueeze(1)
         r = r_all[sl]
         keep = r > 0
@@ -119,4 +127,4 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     out = {key: sums[key] / n_used for key in order}
     out["n_queries"] = n_used
     out["n_lone_queries"] = n - n_used
-    return out
+    return (out, nearest) if return_nearest else out
