@@ -229,9 +229,9 @@ def _u8_of_float_path(x8, name, severity, params=None):
     return (y * 255).round().to(torch.uint8)
 
 
-@pytest.mark.parametrize("name", ["defocus_blur", "jpeg_compression", "spatter"])
+@pytest.mark.parametrize("name", ["defocus_blur", "jpeg_compression", "spatter", "contrast"])
 @pytest.mark.parametrize("severity", [1, 3, 5])
-def test_uint8_paths_equal_the_float_pipeline(name, severity):
+def test_uint8_paths_equal_the_float_pipeline(name, severity, kernels):
     x8 = synthetic_scene(40, 32, seed=6)
     suite = "cifar-c-extra" if name in C.names("cifar-c-extra") else "cifar-c"
     for params in (None, IMAGECORRUPTIONS_PARAMS[name][severity - 1]):
@@ -274,7 +274,7 @@ def _pil_jpeg(x8: torch.Tensor, q: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("quality", [80, 40, 15, 7])
-def test_uint8_jpeg_is_close_to_pil(quality):
+def test_uint8_jpeg_is_close_to_pil(quality, kernels):
     x8 = synthetic_scene(12, 32, seed=9)
     ours = _jpeg.jpeg_roundtrip(x8, quality)
     assert ours.dtype == torch.uint8
@@ -375,3 +375,23 @@ def test_compiled_spatter_water_is_bitwise_the_torch_code(dtype, monkeypatch):
             a, b = _both(lambda: C.corrupt(imgs, "spatter", sev, seed=sev, suite="cifar-c-extra"), monkeypatch)
             monkeypatch.setattr(_kernels, "AVAILABLE", True)
             assert torch.equal(a, b), (sev, imgs.shape[1], float((a - b).abs().max()))
+
+
+def test_compiled_uniform_has_torch_rands_law():
+    """``cifar_c._fast_uniform`` (SplitMix64 bits on CPU with numba): values on torch.rand's grid
+    (24 bits in float32), inside [low, high), uniform (chi-square on 64 bins, fixed seed: see
+    the note above the sampler test), seeded."""
+    if not _kernels.AVAILABLE:
+        pytest.skip("numba not importable")
+    like = torch.empty(0)
+    u = cifar_c._fast_uniform((400, 1000), -1.0, 1.0, torch.Generator().manual_seed(0), like)
+    assert u.dtype == torch.float32 and u.shape == (400, 1000)
+    assert float(u.min()) >= -1.0 and float(u.max()) < 1.0
+    grid = (u.double() + 1) / 2 * 2**24
+    assert torch.equal(grid, grid.round())
+    counts = np.histogram(u.numpy(), bins=64, range=(-1, 1))[0]
+    assert _chi2_pvalue(counts, np.full(64, 1 / 64)) > 1e-3
+    v = cifar_c._fast_uniform((1000,), 0.0, 1.0, torch.Generator().manual_seed(0), torch.empty(0, dtype=torch.float64))
+    assert v.dtype == torch.float64 and abs(float(v.mean()) - 0.5) < 0.05 and len(torch.unique(v)) == 1000
+    g1, g2 = (torch.Generator().manual_seed(5) for _ in range(2))
+    assert torch.equal(cifar_c._fast_uniform((50,), 0, 1, g1, like), cifar_c._fast_uniform((50,), 0, 1, g2, like))

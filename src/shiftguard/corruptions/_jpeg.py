@@ -27,6 +27,7 @@ from functools import lru_cache
 
 import torch
 
+from . import _kernels
 from ._ops import lmul
 
 Tensor = torch.Tensor
@@ -138,7 +139,7 @@ _RGB2YCC = (
 _YCC2RGB = ((1.0, 0.0, 1.402), (1.0, -0.344136286, -0.714136286), (1.0, 1.772, 0.0))
 
 #: Images per step: a block's intermediates stay in cache.
-BLOCK = 64
+BLOCK = 128
 
 
 def jpeg_roundtrip(x: Tensor, quality: int) -> Tensor:
@@ -169,15 +170,20 @@ def jpeg_roundtrip(x: Tensor, quality: int) -> Tensor:
     qc = _tiled_table(tuple(CHROMA_TABLE), quality, Fcr.shape[0], Fcc.shape[0], dt, dev)
     fwd = torch.tensor(_RGB2YCC, dtype=dt, device=x.device)
     inv = torch.tensor(_YCC2RGB, dtype=dt, device=x.device)[:, 1:].contiguous()  # the Y column is 1
+    compiled = _kernels.AVAILABLE and x.device.type == "cpu"
     for i in range(0, N, BLOCK):
-        v = x[i : i + BLOCK].to(dt)
+        v = x[i : i + BLOCK]
         B = v.shape[0]
         if x.dtype != torch.uint8:
-            v = v.round().clamp_(0, 255)
-        v = v.view(B, 3, H * W)
+            v = v.to(dt).round().clamp_(0, 255)
         # Y - 128 and (Cb, Cr) - 128 (the +128 of Cb and Cr cancels), rounded to 8 bit
-        y = torch.bmm(fwd[:1].expand(B, 1, 3), v).sub_(128.0).round_().view(B, H, W)
-        cc = torch.bmm(fwd[1:].expand(B, 2, 3), v).round_().view(2 * B, H, W)
+        if compiled:  # one pass from the 8-bit values, no float copy of the block first
+            y, cc = _kernels.jpeg_rgb_to_ycc(v.reshape(B, 3, H * W).contiguous().numpy(), fwd.numpy())
+            y, cc = torch.from_numpy(y).view(B, H, W), torch.from_numpy(cc).view(2 * B, H, W)
+        else:
+            v = v.to(dt).view(B, 3, H * W)
+            y = torch.bmm(fwd[:1].expand(B, 1, 3), v).sub_(128.0).round_().view(B, H, W)
+            cc = torch.bmm(fwd[1:].expand(B, 2, 3), v).round_().view(2 * B, H, W)
         y = _code(y, Fr, Fc, Ir, Ic, qy).round_().add_(128.0)
         cc = _code(cc, Fcr, Fcc, Icr, Icc, qc)
         cc = torch.matmul(lmul(Ur, cc), Uc.transpose(0, 1)).round_()  # fancy upsampling, cropped

@@ -17,6 +17,11 @@ memory: each kernel does the same arithmetic as the torch code it replaces, in o
 - :func:`spatter_water`: the water layer of CIFAR-10-C ``spatter`` from the distance map on: 3x3
   mean, floor, histogram equalisation, emboss, 3x3 mean, times the liquid, normalised, scaled,
   coloured and clipped (the float operations of the torch code in its order).
+- :func:`jpeg_rgb_to_ycc`: the forward colour conversion of :func:`._jpeg.jpeg_roundtrip` with
+  its rounding, straight from the 8-bit values (no float copy of the images first).
+- :func:`contrast_u8`: ``contrast`` of uint8 images, ``(v - mean) c + mean`` rounded and clipped.
+- :func:`uniform`: float uniforms in [low, high) from 24 random bits each (the law of
+  ``torch.rand`` in float32), SplitMix64 of a seed and the index.
 - :func:`edge_distance`: the squared distances of :func:`._ops.distance_to_edges` (row scans,
   then the minimum over vertical offsets of ``g^2 + dy^2``, a row at a time, stopped once
   ``dy^2`` reaches the row's largest value; integers, the same exact minimum).
@@ -38,7 +43,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
 __all__ = [
     "AVAILABLE", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
-    "pil_box_pairs", "spatter_water",
+    "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform",
 ]
 
 if AVAILABLE:
@@ -367,4 +372,55 @@ if AVAILABLE:
                     m = d[i, j] / mx * intensity
                     for c in range(3):
                         out[n, c, i, j] = min(max(m * colour[c], zero), one)
+        return out
+
+
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def jpeg_rgb_to_ycc(v, m):
+        """``v`` (B, 3, P) 8-bit values (any real dtype) -> ``y`` (B, P) = round(m[0] . rgb - 128)
+        and ``cc`` (2B, P) = round(m[1:] . rgb) (Cb then Cr of each image), in ``m``'s dtype."""
+        B, _, P = v.shape
+        t = m.dtype.type
+        y = np.empty((B, P), dtype=m.dtype)
+        cc = np.empty((2 * B, P), dtype=m.dtype)
+        shift = t(128)
+        for b in range(B):
+            for k in range(P):
+                r, g, bl = t(v[b, 0, k]), t(v[b, 1, k]), t(v[b, 2, k])
+                y[b, k] = np.rint(m[0, 0] * r + m[0, 1] * g + m[0, 2] * bl - shift)
+                cc[2 * b, k] = np.rint(m[1, 0] * r + m[1, 1] * g + m[1, 2] * bl)
+                cc[2 * b + 1, k] = np.rint(m[2, 0] * r + m[2, 1] * g + m[2, 2] * bl)
+        return y, cc
+
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def contrast_u8(x, c):
+        """uint8 planes ``x`` (P, n) -> ``round(clip((v - m) c + m, 0, 255))`` per plane, ``m`` the
+        plane's mean (float32 arithmetic)."""
+        P, n = x.shape
+        out = np.empty_like(x)
+        cf = np.float32(c)
+        lo, hi = np.float32(0), np.float32(255)
+        for p in range(P):
+            s = np.float64(0)
+            for k in range(n):
+                s += x[p, k]
+            m = np.float32(s / n)
+            for k in range(n):
+                val = (np.float32(x[p, k]) - m) * cf + m
+                out[p, k] = np.uint8(np.rint(min(max(val, lo), hi)))
+        return out
+
+    @njit(nogil=True, cache=True, error_model="numpy")
+    def uniform(n, low, high, seed, bits, dtype_probe):
+        """``n`` uniforms in [low, high) of ``dtype_probe``'s dtype: ``(b >> (64 - bits)) 2^-bits``
+        from 64 bits ``b`` = SplitMix64(seed + index) (torch.rand's law: 24 bits for float32, 53
+        for float64), then ``* (high - low) + low`` (the affine map of :func:`._ops.uniform`)."""
+        t = dtype_probe.dtype.type
+        out = np.empty(n, dtype=dtype_probe.dtype)
+        base = np.uint64(seed)
+        shift = np.uint64(64 - bits)
+        scale, span, lo = t(2.0 ** -bits), t(high - low), t(low)
+        for i in range(n):
+            b = _splitmix64(base + np.uint64(i))
+            out[i] = t(np.float64(b >> shift)) * scale * span + lo
         return out
