@@ -35,16 +35,23 @@ def relu_block(c: int, rank: int) -> nn.Module:
     return nn.Sequential(bn(c), nn.ReLU(), bn(c))
 
 
-def time_fwd_bwd(block: nn.Module, x: torch.Tensor, g: torch.Tensor, repeats: int) -> float:
-    times = []
-    for i in range(repeats + 1):
-        xi = x.detach().requires_grad_(True)
-        t0 = time.perf_counter()
-        block(xi).backward(g)
-        dt = time.perf_counter() - t0
-        if i:  # first call is warm-up
-            times.append(dt)
-    return statistics.median(times)
+def _fwd_bwd_seconds(block: nn.Module, x: torch.Tensor, g: torch.Tensor) -> float:
+    xi = x.detach().requires_grad_(True)
+    t0 = time.perf_counter()
+    block(xi).backward(g)
+    return time.perf_counter() - t0
+
+
+def time_interleaved(blocks: list, x: torch.Tensor, g: torch.Tensor, repeats: int) -> list:
+    """Median forward+backward seconds of each block, the blocks timed in turn within each repeat
+    (so that a slow spell of the shared machine hits all of them alike); one warm-up call each."""
+    for block in blocks:
+        _fwd_bwd_seconds(block, x, g)
+    times = [[] for _ in blocks]
+    for _ in range(repeats):
+        for i, block in enumerate(blocks):
+            times[i].append(_fwd_bwd_seconds(block, x, g))
+    return [statistics.median(t) for t in times]
 
 
 def check_exact(x: torch.Tensor) -> dict:
@@ -82,7 +89,7 @@ def check_exact(x: torch.Tensor) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--shapes", type=str, default=None, help="comma-separated, e.g. 256x512,64x16x8x8")
     ap.add_argument("--no-check", action="store_true")
     args = ap.parse_args()
@@ -97,8 +104,7 @@ def main() -> int:
         c = shape[1]
         relu = relu_block(c, len(shape)).train()
         qact = QACTBlock(c).train()
-        t_relu = time_fwd_bwd(relu, x, g, args.repeats)
-        t_qact = time_fwd_bwd(qact, x, g, args.repeats)
+        t_relu, t_qact = time_interleaved([relu, qact], x, g, args.repeats)
         row = {"shape": list(shape), "relu_ms": t_relu * 1e3, "qact_ms": t_qact * 1e3, "ratio": t_qact / t_relu}
         if not args.no_check:
             row["check"] = check_exact(x)

@@ -206,3 +206,42 @@ def test_works_in_a_forked_child_after_the_parent_used_threads():
             pytest.fail("QACT hung in a forked child")
         time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("case", list(_contexts()), ids=lambda c: c[0])
+def test_value_range_read_off_the_sorted_context(case):
+    _, x3 = case
+    for extra in (None, -100.0, 100.0):  # values equal to the grounding bounds too
+        v = x3.copy()
+        if extra is not None:
+            v[0, :, 0] = extra
+        ctx = K.sorted_grounded_context(np.ascontiguousarray(v), 100.0)
+        lo, hi = K.sorted_value_range(ctx, 100.0)
+        np.testing.assert_array_equal(lo, v.min(axis=(0, 2)))
+        np.testing.assert_array_equal(hi, v.max(axis=(0, 2)))
+    v = x3.copy()
+    v[-1, 0, 0] = np.nan
+    assert K.sorted_value_range(K.sorted_grounded_context(np.ascontiguousarray(v), 100.0), 100.0) is None
+
+
+@pytest.mark.parametrize("shape", [(64, 3), (40, 4, 6, 6), (1, 3)])
+def test_density_computed_in_the_forward_equals_the_separate_backward(shape):
+    x = torch.randn(shape)
+    g = torch.randn(shape)
+    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(2), density=True)
+    assert "density" in pre
+    # the separate path: output and backward from the same statistics
+    xi = x.clone().requires_grad_(True)
+    y = Q.qact_apply(xi, stats)
+    y.backward(g)
+    assert torch.equal(pre["output"], y.detach())
+    fused = g * pre["density"]
+    # same grid, same interpolation; the fused path rounds the density to float32 before the product
+    torch.testing.assert_close(fused, xi.grad, rtol=2e-7, atol=1e-12)
+
+
+def test_non_finite_input_with_gradient_is_a_value_error():
+    x = torch.randn(16, 3)
+    x[4, 2] = float("nan")
+    with pytest.raises(ValueError, match="input: contains non-finite values"):
+        Q.quantile_activation(x.requires_grad_(True))

@@ -137,41 +137,102 @@ if AVAILABLE:
             return top
         return int(t)
 
+    # #{i : q_i <= v}. start[j] = #{i : cell(q_i) < j}; for v in cell j, a q_i in an earlier cell is
+    # < v and one in a later cell is > v (v <= q_i would give cell(v) <= cell(q_i), by monotonicity),
+    # so the count is start[j] + #{i in cell j : q_i <= v}: exact, whatever the rounding.
+    @njit(inline="always")
+    def _count_few(v, qp, start, q_lo, inv_w, n_lut):
+        # no cell holds more than two quantiles: two comparisons without branches (a quantile of a
+        # later cell, or the +inf padding, is > v and adds nothing)
+        k = start[_cell(v, q_lo, inv_w, n_lut)]
+        return k + (qp[k] <= v) + (qp[k + 1] <= v)
+
+    @njit(inline="always")
+    def _count_many(v, qp, start, q_lo, inv_w, n_lut):
+        j = _cell(v, q_lo, inv_w, n_lut)
+        k = start[j]
+        for i in range(k, start[j + 1]):
+            k += qp[i] <= v
+        return k
+
+    @njit(inline="always")
+    def _density_at(v, row, origin, inv_delta, top):
+        # linear interpolation of the grid row on nodes origin + j / inv_delta (0 outside); the grid
+        # is a sum of non-negative terms, so no clamp is needed
+        p = (np.float64(v) - origin) * inv_delta
+        if p >= 0.0 and p <= top:
+            j = min(int(p), top - 1)
+            t = p - j
+            return row[j] + t * (row[j + 1] - row[j])
+        return 0.0
+
     @njit(nogil=True, cache=True)
-    def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad):
+    def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad,
+                grid, origin, inv_delta, n_grid, dens3):
+        # the forward output of every value (and its range, and NaN/inf); with a grid (grid.shape[0]
+        # > 0) also the KDE density at every value, for the backward (dens3)
         n_dim, c_dim, l_dim = x3.shape
         n_tau = quantiles.shape[1]
+        with_density = grid.shape[0] > 0
         # ~2-8 table cells per quantile (finer for longer channels, where the per-value cost dominates)
         n_lut = max(2 * n_tau, min(8 * n_tau, (n_dim * l_dim) // 2))
         start = np.zeros(n_lut + 2, np.int64)
+        qp = np.empty(n_tau + 2, np.float64)  # the quantiles, then +inf twice (for the fixed steps)
         for c in range(c0, c1):
             q = quantiles[c]
-            q_lo = np.float64(q[0])
-            q_hi = np.float64(q[n_tau - 1])
+            for i in range(n_tau):
+                qp[i] = q[i]
+            qp[n_tau] = np.inf
+            qp[n_tau + 1] = np.inf
+            q_lo = qp[0]
+            q_hi = qp[n_tau - 1]
             inv_w = n_lut / (q_hi - q_lo) if q_hi > q_lo else 0.0
-            # start[j] = #{i : cell(q_i) < j}. For v in cell j, a q_i in an earlier cell is < v and one
-            # in a later cell is > v (v <= q_i would give cell(v) <= cell(q_i), by monotonicity), so
-            # count(v) = start[j] + #{i in cell j : q_i <= v}: exact, whatever the rounding
             start[:] = 0
             for i in range(n_tau):
-                start[_cell(q[i], q_lo, inv_w, n_lut) + 1] += 1
+                start[_cell(qp[i], q_lo, inv_w, n_lut) + 1] += 1
+            occupancy = 0
             for j in range(1, n_lut + 2):
+                occupancy = max(occupancy, start[j])
                 start[j] += start[j - 1]
+            few = occupancy <= 2
+            row = grid[min(c, grid.shape[0] - 1)] if with_density else qp
+            a = origin[min(c, origin.shape[0] - 1)]
+            inv = inv_delta[min(c, inv_delta.shape[0] - 1)]
+            top = n_grid[min(c, n_grid.shape[0] - 1)] - 1
             lo_v = np.inf
             hi_v = -np.inf
             bad = 0
-            for n in range(n_dim):
-                for l in range(l_dim):
-                    v = x3[n, c, l]
-                    if not (v - v == 0):  # NaN or inf
-                        bad += 1
-                    lo_v = min(lo_v, v)
-                    hi_v = max(hi_v, v)
-                    j = _cell(v, q_lo, inv_w, n_lut)
-                    k = start[j]
-                    for i in range(k, start[j + 1]):
-                        k += q[i] <= v
-                    out3[n, c, l] = values_by_count[k]
+            # four copies of the loop so that no branch on the mode sits inside it
+            # with the density the caller has already checked the values (finite) and their range
+            # (read off the sorted context), so those are not tracked again
+            if few and with_density:
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        v = x3[n, c, l]
+                        out3[n, c, l] = values_by_count[_count_few(v, qp, start, q_lo, inv_w, n_lut)]
+                        dens3[n, c, l] = _density_at(v, row, a, inv, top)
+            elif few:
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        v = x3[n, c, l]
+                        bad += not (v - v == 0)
+                        lo_v = min(lo_v, v)
+                        hi_v = max(hi_v, v)
+                        out3[n, c, l] = values_by_count[_count_few(v, qp, start, q_lo, inv_w, n_lut)]
+            elif with_density:
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        v = x3[n, c, l]
+                        out3[n, c, l] = values_by_count[_count_many(v, qp, start, q_lo, inv_w, n_lut)]
+                        dens3[n, c, l] = _density_at(v, row, a, inv, top)
+            else:
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        v = x3[n, c, l]
+                        bad += not (v - v == 0)
+                        lo_v = min(lo_v, v)
+                        hi_v = max(hi_v, v)
+                        out3[n, c, l] = values_by_count[_count_many(v, qp, start, q_lo, inv_w, n_lut)]
             xmin[c] = lo_v
             xmax[c] = hi_v
             n_bad[c] = bad
@@ -201,6 +262,7 @@ if AVAILABLE:
         c_dim, k_dim = ctx.shape
         s_dim = n_samples
         draws = np.empty(s_dim, np.int64)
+        tally = np.empty(k_dim, np.int32)
         for c in range(c0, c1):
             row = ctx[c]
             nn = _n_negative(row)
@@ -218,30 +280,37 @@ if AVAILABLE:
                 size = unp if pos_side else unn
                 start = unn if pos_side else _ZERO
                 draws[s] = np.int64(start + (((z & _LOW32) * size) >> _S32))
-            tally = np.zeros(k_dim, np.int32)
-            for s in range(s_dim):
-                tally[draws[s]] += 1
-            pos = 0
             total = 0.0
             big = 0.0
-            for k in range(k_dim):
-                t = tally[k]
-                if t:
-                    v = row[k]
-                    for _ in range(t):
-                        out[c, pos] = v
-                        pos += 1
-                    total += t * np.float64(v)
+            if k_dim > 8 * s_dim:
+                # long context: sort the S drawn entries (the rows are sorted, so entry order is
+                # value order) rather than walk a tally of all M + 2 entries
+                draws.sort()
+                for s in range(s_dim):
+                    v = row[draws[s]]
+                    out[c, s] = v
+                    total += np.float64(v)
                     big = max(big, abs(np.float64(v)))
-            # Silverman's rule on the sorted sample (kde.silverman_bandwidth), in float64; the sum
-            # of squares runs over the distinct drawn values (the tally), not the S draws
+            else:
+                tally[:k_dim] = 0
+                for s in range(s_dim):
+                    tally[draws[s]] += 1
+                pos = 0
+                for k in range(k_dim):
+                    t = tally[k]
+                    if t:
+                        v = row[k]
+                        for _ in range(t):
+                            out[c, pos] = v
+                            pos += 1
+                        total += t * np.float64(v)
+                        big = max(big, abs(np.float64(v)))
+            # Silverman's rule on the sorted sample (kde.silverman_bandwidth), in float64
             mean = total / s_dim
             ss = 0.0
-            for k in range(k_dim):
-                t = tally[k]
-                if t:
-                    d = np.float64(row[k]) - mean
-                    ss += t * d * d
+            for s in range(s_dim):
+                d = np.float64(out[c, s]) - mean
+                ss += d * d
             std = math.sqrt(ss / (s_dim - 1)) if s_dim > 1 else 0.0
             q25 = _sorted_quantile(out[c], 0.25)
             q75 = _sorted_quantile(out[c], 0.75)
@@ -311,14 +380,7 @@ if AVAILABLE:
             top = n_grid[c] - 1
             for n in range(n_dim):
                 for l in range(l_dim):
-                    p = (np.float64(x3[n, c, l]) - a) * inv
-                    if p >= 0.0 and p <= top:
-                        j = min(int(p), top - 1)
-                        t = p - j
-                        d = row[j] + t * (row[j + 1] - row[j])
-                        out3[n, c, l] = g3[n, c, l] * max(d, 0.0)
-                    else:
-                        out3[n, c, l] = 0.0
+                    out3[n, c, l] = g3[n, c, l] * _density_at(x3[n, c, l], row, a, inv, top)
 
 
 _POOL = None
@@ -403,22 +465,51 @@ def _back(out: np.ndarray, shape: tuple, transposed: bool) -> np.ndarray:
     return np.ascontiguousarray(out.reshape(ch, n, length).transpose(1, 0, 2))
 
 
-def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.ndarray, name: str = "input"):
+def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.ndarray, name: str = "input",
+                  grid: Optional[tuple] = None):
     """Forward output of every value of ``x3`` ``(N, C, L)`` given ``quantiles`` ``(C, n_tau)``:
     ``values_by_count[#{i : q_i <= x}]`` (``values_by_count[k] = k / n_tau`` in the dtype), and the
     per-channel range ``xmin, xmax`` (float64) of ``x3``. Raises ``ValueError`` naming ``name`` if
-    ``x3`` holds NaN or inf (checked in the same pass)."""
+    ``x3`` holds NaN or inf (checked in the same pass).
+
+    ``grid``: ``(grid, origin, delta, n_nodes)`` of :func:`kde_grid`; then the same pass also
+    interpolates the KDE at every value and the result is ``(out, density)``, the density shaped
+    like ``x3`` in its dtype (what the backward multiplies the gradient by). The caller has then
+    already checked that ``x3`` is finite and knows its range (:func:`sorted_value_range`).
+    """
     _threads()
     xc, transposed = _channel_major(x3)
     out = np.empty_like(xc)
     xmin = np.empty(x3.shape[1], dtype=np.float64)
     xmax = np.empty(x3.shape[1], dtype=np.float64)
     n_bad = np.zeros(x3.shape[1], dtype=np.int64)
-    _run(_counts, xc.shape[1], xc.size * 8, xc, quantiles, values_by_count, out, xmin, xmax, n_bad)
+    if grid is None:  # placeholders of the right types: the kernel skips the density
+        g, origin, inv_delta, n_nodes = np.zeros((0, 1)), np.zeros(1), np.ones(1), np.ones(1, np.int64)
+        dens = np.zeros((1, 1, 1), dtype=xc.dtype)
+    else:
+        g, origin, delta, n_nodes = grid
+        inv_delta = 1.0 / delta
+        dens = np.empty_like(xc)
+    _run(_counts, xc.shape[1], xc.size * 8, xc, quantiles, values_by_count, out, xmin, xmax, n_bad,
+         g, origin, inv_delta, n_nodes, dens)
+    if grid is not None:
+        return _back(out, x3.shape, transposed), _back(dens, x3.shape, transposed)
     if n_bad.any():
         n_nan = int(np.isnan(x3).sum())
         raise ValueError(f"{name}: contains non-finite values ({n_nan} NaN, {int(n_bad.sum()) - n_nan} inf)")
     return _back(out, x3.shape, transposed), xmin, xmax
+
+
+def sorted_value_range(ctx: np.ndarray, c: float):
+    """Per-channel ``(min, max)`` of the values in the sorted grounded context ``ctx`` (the rows
+    without one ``-c`` and one ``+c``), float64; ``None`` if a row holds NaN or inf (sorted rows
+    keep them at the ends). Lets the backward's grid be laid out before the pass over the values."""
+    if not (np.isfinite(ctx[:, 0]).all() and np.isfinite(ctx[:, -1]).all()):
+        return None
+    # min: ctx[0] if below -c; else ctx[0] is a -c (drop it): ctx[1], unless that is the +c, then ctx[2]
+    first = np.where(ctx[:, 0] < -c, ctx[:, 0], np.where(ctx[:, 1] < c, ctx[:, 1], ctx[:, 2]))
+    last = np.where(ctx[:, -1] > c, ctx[:, -1], np.where(ctx[:, -2] > -c, ctx[:, -2], ctx[:, -3]))
+    return first.astype(np.float64), last.astype(np.float64)
 
 
 def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):

@@ -183,7 +183,8 @@ class QuantileActivation(nn.Module):
             need_samples = self.training or (torch.is_grad_enabled() and x.requires_grad)
             s = self.n_samples if need_samples else 0
             # The forward output comes with the statistics (one sort, one pass over the values).
-            stats, pre = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device))
+            stats, pre = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device),
+                                        density=torch.is_grad_enabled() and x.requires_grad)
             if self.training:
                 self._update_running(stats)
             return _apply(x, stats, pre)
