@@ -395,3 +395,23 @@ def test_compiled_uniform_has_torch_rands_law():
     assert v.dtype == torch.float64 and abs(float(v.mean()) - 0.5) < 0.05 and len(torch.unique(v)) == 1000
     g1, g2 = (torch.Generator().manual_seed(5) for _ in range(2))
     assert torch.equal(cifar_c._fast_uniform((50,), 0, 1, g1, like), cifar_c._fast_uniform((50,), 0, 1, g2, like))
+
+
+@pytest.mark.skipif(not _kernels.AVAILABLE, reason="numba is not installed: only the torch path exists")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("padding", ["zeros", "border", "mirror", "reflect"])
+def test_compiled_sampling_grid_equals_the_torch_coordinates(padding, dtype, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(6, 3, 17, 23, generator=g, dtype=dtype)
+    m = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=dtype) + 0.2 * torch.randn(6, 2, 3, generator=g, dtype=dtype)
+    m[:, :, 2] = 6 * torch.randn(6, 2, generator=g, dtype=dtype)  # shifts past the border
+    dx = 3 * torch.randn(6, 17, 23, generator=g, dtype=dtype)
+    dy = 3 * torch.randn(6, 17, 23, generator=g, dtype=dtype)
+    fast_affine = _ops.affine_warp(x, m, padding)
+    fast_disp = _ops.displaced_sample(x, dx, dy, padding)
+    monkeypatch.setattr(_kernels, "AVAILABLE", False)  # the torch coordinates
+    ref_affine = _ops.affine_warp(x, m, padding)
+    ref_disp = _ops.displaced_sample(x, dx, dy, padding)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12  # the grid is the same up to rounding
+    torch.testing.assert_close(fast_affine, ref_affine, rtol=0, atol=tol)
+    torch.testing.assert_close(fast_disp, ref_disp, rtol=0, atol=tol)

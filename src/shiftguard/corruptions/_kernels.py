@@ -25,6 +25,9 @@ memory: each kernel does the same arithmetic as the torch code it replaces, in o
 - :func:`edge_distance`: the squared distances of :func:`._ops.distance_to_edges` (row scans,
   then the minimum over vertical offsets of ``g^2 + dy^2``, a row at a time, stopped once
   ``dy^2`` reaches the row's largest value; integers, the same exact minimum).
+- :func:`sampling_grid`: the normalised ``grid_sample`` grid of :func:`._ops.sample_at` for source
+  coordinates ``affine map of the pixel grid (+ a displacement field)``, written in one pass
+  (the torch code spends a dozen elementwise passes, each a fresh 4-8 MB tensor, on it).
 
 Each is used only for CPU tensors when numba is importable; the torch code stays the reference
 and the path for other devices (``tests/test_corruptions_fastpaths.py`` checks both).
@@ -43,7 +46,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 
 __all__ = [
     "AVAILABLE", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
-    "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform",
+    "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid",
 ]
 
 if AVAILABLE:
@@ -424,3 +427,30 @@ if AVAILABLE:
             b = _splitmix64(base + np.uint64(i))
             out[i] = t(np.float64(b >> shift)) * scale * span + lo
         return out
+
+    @njit(nogil=True, cache=True)
+    def sampling_grid(m, dx, dy, align_corners, out):
+        """``out[n, i, j] = normalise(m[n] @ (j, i, 1) + (dx, dy)[n, i, j])``, the grid of
+        ``grid_sample`` for source pixel coordinates (x = column, y = row); ``dx`` empty: no
+        displacement. Normalisation as :func:`._ops.sample_at`: ``2 x / (W - 1) - 1``
+        (``align_corners``) or ``(2 x + 1) / W - 1``. m (N, 2, 3) float64, out (N, H, W, 2)."""
+        n_img, h, w = out.shape[0], out.shape[1], out.shape[2]
+        disp = dx.shape[0] > 0
+        if align_corners:
+            scale_x, shift_x = 2.0 / max(w - 1, 1), -1.0
+            scale_y, shift_y = 2.0 / max(h - 1, 1), -1.0
+        else:
+            scale_x, shift_x = 2.0 / w, 1.0 / w - 1.0
+            scale_y, shift_y = 2.0 / h, 1.0 / h - 1.0
+        for n in range(n_img):
+            a, b, c0 = m[n, 0, 0], m[n, 0, 1], m[n, 0, 2]
+            d, e, f0 = m[n, 1, 0], m[n, 1, 1], m[n, 1, 2]
+            for i in range(h):
+                for j in range(w):
+                    sx = a * j + b * i + c0
+                    sy = d * j + e * i + f0
+                    if disp:
+                        sx += dx[n, i, j]
+                        sy += dy[n, i, j]
+                    out[n, i, j, 0] = sx * scale_x + shift_x
+                    out[n, i, j, 1] = sy * scale_y + shift_y

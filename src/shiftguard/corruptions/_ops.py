@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -449,6 +450,42 @@ def pixel_grid(H: int, W: int, like: Tensor) -> tuple[Tensor, Tensor]:
     return xx, yy
 
 
+def _compiled_grid(x: Tensor) -> bool:
+    return _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+
+
+def _sample_compiled(x: Tensor, matrix: Optional[Tensor], dx: Optional[Tensor], dy: Optional[Tensor],
+                     padding: str) -> Tensor:
+    """:func:`sample_at` at source coordinates ``matrix @ (col, row, 1)`` (identity if None) plus
+    ``(dx, dy)`` (N, H, W) if given, its grid written by :func:`._kernels.sampling_grid` (CPU)."""
+    N, C, H, W = x.shape
+    if matrix is None:
+        m = np.zeros((N, 2, 3))
+        m[:, 0, 0] = 1.0
+        m[:, 1, 1] = 1.0
+    else:
+        m = np.ascontiguousarray(matrix.detach().to(torch.float64).expand(N, 2, 3).numpy())
+    if dx is None:
+        ddx = ddy = np.zeros((0, 1, 1), dtype=np.float32)
+    else:
+        ddx = np.ascontiguousarray(dx.detach().expand(N, H, W).numpy())
+        ddy = np.ascontiguousarray(dy.detach().to(dx.dtype).expand(N, H, W).numpy())
+    grid = np.empty((N, H, W, 2), dtype=np.float32 if x.dtype == torch.float32 else np.float64)
+    align = padding != "reflect"
+    _kernels.sampling_grid(m, ddx, ddy, align, grid)
+    pm = {"zeros": "zeros", "mirror": "reflection", "border": "border", "reflect": "reflection"}[padding]
+    return F.grid_sample(x, torch.from_numpy(grid), mode="bilinear", padding_mode=pm, align_corners=align)
+
+
+def displaced_sample(x: Tensor, dx: Tensor, dy: Tensor, padding: str) -> Tensor:
+    """Bilinear sample ``x`` (N, C, H, W) at ``(col + dx, row + dy)`` (dx, dy: (N, H, W)):
+    :func:`sample_at` of the displaced pixel grid."""
+    if _compiled_grid(x):
+        return _sample_compiled(x, None, dx, dy, padding)
+    xx, yy = pixel_grid(x.shape[-2], x.shape[-1], x)
+    return sample_at(x, xx + dx, yy + dy, padding)
+
+
 def sample_at(x: Tensor, src_x: Tensor, src_y: Tensor, padding: str) -> Tensor:
     """Bilinear sample ``x`` (N, C, H, W) at pixel coordinates ``src_x/src_y`` (N, H', W').
 
@@ -477,6 +514,8 @@ def affine_warp(x: Tensor, matrix: Tensor, padding: str = "zeros") -> Tensor:
     """``out(p) = x(M p)`` for a per-image inverse map ``matrix`` (N, 2, 3) acting on pixel
     coordinates ``p = (col, row, 1)`` (skimage ``warp(x, inverse_map=M, order=1)``)."""
     N, C, H, W = x.shape
+    if _compiled_grid(x):
+        return _sample_compiled(x, matrix, None, None, padding)
     xx, yy = pixel_grid(H, W, x)
     M = matrix.to(x.dtype)
     sx = M[:, 0, 0, None, None] * xx + M[:, 0, 1, None, None] * yy + M[:, 0, 2, None, None]

@@ -376,8 +376,7 @@ def elastic_transform(x, c, gen, s):
         f = _ops.gaussian_blur(f, sigma, mode="reflect", truncate=3.0) if sigma > 0 else f
         fields.append(f[:, 0] * alpha)
     dx, dy = fields
-    xx, yy = _ops.pixel_grid(H, W, x)
-    return _ops.sample_at(y, xx + dx, yy + dy, "reflect")
+    return _ops.displaced_sample(y, dx, dy, "reflect")
 
 
 def _fast_uniform(shape, low: float, high: float, gen: torch.Generator, like: Tensor) -> Tensor:
