@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import numpy as np
 
-try:  # numba is a dependency, but the torch code works without it
-    from numba import njit
+from shiftguard._numba import AVAILABLE, njit  # numba is a dependency; the torch code works without it
 
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    AVAILABLE = False
+if AVAILABLE:
+    from shiftguard._numba import splitmix64
 
 __all__ = [
     "AVAILABLE", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
@@ -50,24 +48,11 @@ __all__ = [
 ]
 
 if AVAILABLE:
-    _M1 = np.uint64(0x9E3779B97F4A7C15)
-    _M2 = np.uint64(0xBF58476D1CE4E5B9)
-    _M3 = np.uint64(0x94D049BB133111EB)
     _S8 = np.uint64(8)
-    _S27 = np.uint64(27)
-    _S30 = np.uint64(30)
-    _S31 = np.uint64(31)
     _B8 = np.uint64(0xFF)
     _B32 = np.uint64(0xFFFFFFFF)
     _H32 = np.int64(1 << 31)
 
-    @njit(inline="always")
-    def _splitmix64(key):
-        """SplitMix64 finaliser: 64 well-mixed bits from the counter ``key``."""
-        z = key * _M1
-        z = (z ^ (z >> _S30)) * _M2
-        z = (z ^ (z >> _S27)) * _M3
-        return z ^ (z >> _S31)
 
     @njit(inline="always")
     def _axpy(dst, d, src, s, n, a):
@@ -113,7 +98,7 @@ if AVAILABLE:
         out = np.empty_like(x)
         base = np.uint64(seed)
         for i in range(x.shape[0]):
-            b = _splitmix64(base + np.uint64(i))
+            b = splitmix64(base + np.uint64(i))
             j = np.int64(b & _B8)
             word = np.int64((b >> _S8) & _B32) - _H32  # uniform over the int32 range
             k = np.int64(x[i]) * 256 + j
@@ -424,7 +409,7 @@ if AVAILABLE:
         shift = np.uint64(64 - bits)
         scale, span, lo = t(2.0 ** -bits), t(high - low), t(low)
         for i in range(n):
-            b = _splitmix64(base + np.uint64(i))
+            b = splitmix64(base + np.uint64(i))
             out[i] = t(np.float64(b >> shift)) * scale * span + lo
         return out
 

@@ -41,14 +41,10 @@ import os
 
 import numpy as np
 
-try:  # numba is a dependency, but the eager torch path works without it
-    import numba
-    from numba import njit
+from shiftguard._numba import AVAILABLE, njit  # numba is a dependency; the eager torch path works without it
 
-    AVAILABLE = True
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    numba = None
-    AVAILABLE = False
+if AVAILABLE:
+    from shiftguard._numba import splitmix64
 
 __all__ = [
     "AVAILABLE", "sorted_grounded_context", "grounded_quantiles", "counts_output", "grounded_samples", "kde_grid",
@@ -56,25 +52,12 @@ __all__ = [
 ]
 
 if AVAILABLE:
-    _M1 = np.uint64(0x9E3779B97F4A7C15)
-    _M2 = np.uint64(0xBF58476D1CE4E5B9)
-    _M3 = np.uint64(0x94D049BB133111EB)
-    _S30 = np.uint64(30)
-    _S27 = np.uint64(27)
-    _S31 = np.uint64(31)
     _S32 = np.uint64(32)
     _S63 = np.uint64(63)
     _LOW32 = np.uint64(0xFFFFFFFF)
     _ONE = np.uint64(1)
     _ZERO = np.uint64(0)
 
-    @njit(inline="always")
-    def _splitmix64(key):
-        """SplitMix64 finaliser: 64 well-mixed random bits from the counter ``key``."""
-        z = key * _M1
-        z = (z ^ (z >> _S30)) * _M2
-        z = (z ^ (z >> _S27)) * _M3
-        return z ^ (z >> _S31)
 
     @njit(inline="always")
     def _n_negative(row):
@@ -275,7 +258,7 @@ if AVAILABLE:
             unn = np.uint64(nn)
             unp = np.uint64(npos)
             for s in range(s_dim):
-                z = _splitmix64(base + np.uint64(s))
+                z = splitmix64(base + np.uint64(s))
                 pos_side = (z >> _S63) == _ONE
                 size = unp if pos_side else unn
                 start = unn if pos_side else _ZERO
