@@ -338,7 +338,9 @@ class _QACTFunction(torch.autograd.Function):
     """Forward eq. (6) given quantiles; backward eq. (7) given the KDE samples and bandwidth.
 
     ``pre`` (optional) carries what the batch-context computation already knows: ``counts`` (eager
-    path) or the finished ``output`` and the per-channel value range ``xrange`` (compiled path)."""
+    path), or the finished ``output`` with either the KDE ``density`` at every value (compiled
+    path, gradient needed: the backward multiplies by it) or the per-channel value range ``xrange``
+    (compiled path: the backward lays out the grid over it)."""
 
     @staticmethod
     def forward(ctx, x, quantiles, samples, bandwidth, pre=None):
@@ -422,7 +424,8 @@ def _apply(x: torch.Tensor, stats: QACTStatistics, pre: Optional[dict] = None) -
 def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator, density: bool = False) -> tuple:
     """Statistics of ``x`` as its own context, and what the forward needs beyond them (``pre`` of
     :func:`_apply`): the counts of ``x`` read off the context sort (eager path), or the finished
-    output and the value range (compiled path). No gradient."""
+    output and the value range or, with ``density``, the KDE density at every value (compiled
+    path). No gradient."""
     with torch.no_grad():
         if _compiled(x):
             return _batch_context_compiled(x.detach(), n_tau, float(c), n_samples, generator, density)
