@@ -2,33 +2,38 @@
 and :mod:`shiftguard.functional.kde`, fused into a few passes over the data.
 
 Why: in eager PyTorch the batch-context QACT is ~40 small tensor operations, an argsort of the
-``(C, M)`` context and a scatter through its permutation; here each value is read once for its
-forward count and once for its gradient, the context is sorted by numpy's vectorised sort (values
-only, no permutation), and channels run in parallel
-(contiguous channel ranges on torch's thread count; the kernels release the GIL).
+``(C, M)`` context and a scatter through its permutation; here the context is sorted by numpy's
+vectorised sort (values only, no permutation) and each value is then read once, for its output and
+(when a gradient will be needed) its KDE density. Channels run in parallel as contiguous channel
+ranges on torch's thread count (the kernels release the GIL; Python threads, not numba's parallel
+runtime, which shares the OpenMP runtime with torch and stalled for whole scheduler ticks).
 
 What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py``):
 
+- :func:`sorted_grounded_context`: the channel's values and ``-c, +c``, sorted;
+  :func:`sorted_value_range` reads the values' range (and finiteness) off it.
 - :func:`grounded_quantiles`: ``n_-`` (values < 0 in the sorted grounded context) and the weighted
   quantiles ``q_1..q_{n_tau}`` by the closed-form midpoint positions of the grounding weights
   (eqs. (8)-(9)) with linear interpolation, made non-decreasing (running max) -- the arithmetic of
   ``_grounded_quantiles`` done in float64 and rounded once to the tensor dtype.
 - :func:`counts_output`: every value's forward output ``#{i : q_i <= x} / n_tau`` (eq. (6)): a
-  uniform lookup table over ``[q_1, q_n]`` gives a starting index and an exact local search finishes
-  it, so the count equals ``torch.searchsorted(q, x, right=True)`` whatever the rounding of the
-  table; also the per-channel range of the values (for the KDE grid of the backward).
+  table over ``[q_1, q_n]`` holds, per cell, the number of quantiles in earlier cells; the cell
+  index is monotone in ``x``, so only the quantiles in ``x``'s own cell are compared and the count
+  equals ``torch.searchsorted(q, x, right=True)`` whatever the rounding. The same pass checks for
+  NaN/inf and records the range, or, given the KDE grid, interpolates the density (Alg. 2, eq. (7))
+  at every value for the backward.
 - :func:`grounded_samples`: the ``S`` KDE points of Alg. 2, i.i.d. draws with the grounding weights
   (each draw picks a negative with probability 1/2, uniformly among the ``n_-``, or a non-negative,
-  uniformly among the ``n_+``), returned sorted: the draws are tallied per context entry and read
-  out in order (a counting sort, ``O(S + M)``), which is the same law as sorting ``S`` i.i.d. draws.
-  Random bits come from a counter-based generator (SplitMix64 of ``seed``, channel and draw index),
-  so the result is deterministic given ``seed`` (drawn from the caller's ``torch.Generator``) and
-  independent of the thread count. Silverman's bandwidth of the sorted sample (``kde.py``) is
-  computed on the way.
-- :func:`kde_grid`, :func:`kde_density_times`: the backward, ``grad_output * f_grid(x)``: the grid
-  KDE of ``kde.py`` (linear binning, Gaussian kernel truncated at ``6 h``, 16 nodes per bandwidth:
-  same nodes, weights and error bound; direct convolution per channel instead of one FFT over all)
-  linearly interpolated at every value and multiplied by the incoming gradient, in one pass.
+  uniformly among the ``n_+``), returned sorted (a tally of the draws per context entry read out in
+  order, or, for long contexts, the drawn entries sorted), the same law as sorting ``S`` i.i.d.
+  draws. Random bits come from a counter-based generator (SplitMix64 of ``seed``, channel and draw
+  index), so the result is deterministic given ``seed`` (drawn from the caller's
+  ``torch.Generator``) and independent of the thread count. Silverman's bandwidth of the sorted
+  sample (``kde.py``) is computed on the way.
+- :func:`kde_grid`, :func:`kde_density_times`: the grid KDE of ``kde.py`` (linear binning, Gaussian
+  kernel truncated at ``6 h``, 16 nodes per bandwidth: same nodes, weights and error bound; a
+  direct convolution per channel instead of one FFT over all) and, for statistics that did not come
+  with the density (frozen context, DDP), ``grad_output * f_grid(x)`` in one pass.
 
 The tests check each kernel against the eager implementation it replaces and against the slow
 references (``tests/test_qact_cpu.py``).
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -47,8 +53,8 @@ if AVAILABLE:
     from shiftguard._numba import splitmix64
 
 __all__ = [
-    "AVAILABLE", "sorted_grounded_context", "grounded_quantiles", "counts_output", "grounded_samples", "kde_grid",
-    "kde_density_times",
+    "AVAILABLE", "sorted_grounded_context", "sorted_value_range", "grounded_quantiles", "counts_output",
+    "grounded_samples", "kde_grid", "kde_density_times",
 ]
 
 if AVAILABLE:
@@ -57,7 +63,6 @@ if AVAILABLE:
     _LOW32 = np.uint64(0xFFFFFFFF)
     _ONE = np.uint64(1)
     _ZERO = np.uint64(0)
-
 
     @njit(inline="always")
     def _n_negative(row):
@@ -425,7 +430,6 @@ def sorted_grounded_context(x3: np.ndarray, c: float) -> np.ndarray:
 def grounded_quantiles(ctx: np.ndarray, n_tau: int) -> np.ndarray:
     """``(C, n_tau)`` weighted quantiles (dtype of ``ctx``) of the sorted grounded context ``ctx``
     ``(C, M + 2)`` (the values and ``+-c``)."""
-    _threads()
     q = np.empty((ctx.shape[0], n_tau), dtype=ctx.dtype)
     _run(_grounded_quantiles, ctx.shape[0], ctx.shape[0] * n_tau * 16, ctx, n_tau, q)
     return q
@@ -460,7 +464,6 @@ def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.nda
     like ``x3`` in its dtype (what the backward multiplies the gradient by). The caller has then
     already checked that ``x3`` is finite and knows its range (:func:`sorted_value_range`).
     """
-    _threads()
     xc, transposed = _channel_major(x3)
     out = np.empty_like(xc)
     xmin = np.empty(x3.shape[1], dtype=np.float64)
@@ -498,7 +501,6 @@ def sorted_value_range(ctx: np.ndarray, c: float):
 def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
     """``(C, S)`` sorted KDE points drawn with the grounding weights and their ``(C,)`` Silverman
     bandwidths (float64), from the sorted grounded context ``ctx`` ``(C, M + 2)``."""
-    _threads()
     out = np.empty((ctx.shape[0], n_samples), dtype=ctx.dtype)
     bw = np.empty(ctx.shape[0], dtype=np.float64)
     _run(_grounded_samples, ctx.shape[0], ctx.shape[0] * n_samples * 8, ctx, n_samples, seed, out, bw)
@@ -512,7 +514,6 @@ def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax:
 
     Returns ``grid (C, max n_grid)`` float64, ``lo (C,)``, ``delta (C,)``, ``n_grid (C,)`` int64.
     """
-    _threads()
     h = np.asarray(bandwidth, dtype=np.float64)
     smin = samples.min(axis=1).astype(np.float64)
     smax = samples.max(axis=1).astype(np.float64)
@@ -529,7 +530,7 @@ def kde_density_times(x3: np.ndarray, g3: np.ndarray, samples: np.ndarray, bandw
                       xmin: np.ndarray, xmax: np.ndarray) -> np.ndarray:
     """``g3 * f_grid(x3)`` (Alg. 2, eq. (7)): the grid KDE of ``samples`` (:func:`kde_grid`, with
     ``x3``'s per-channel range ``xmin, xmax``) linearly interpolated at every value of ``x3`` (0
-    outside the grid, clamped at 0) and multiplied by the incoming gradient ``g3``, all ``(N, C, L)``."""
+    outside the grid; the grid is a sum of non-negative terms) and multiplied by the incoming gradient ``g3``, all ``(N, C, L)``."""
     grid, lo, delta, n_grid = kde_grid(samples, bandwidth, xmin, xmax)
     xc, transposed = _channel_major(x3)
     gc, _ = _channel_major(g3)
