@@ -194,21 +194,14 @@ def build_head(name: str, model: nn.Module, num_classes: int, k: int = 10, seed:
 
 
 # --------------------------------------------------------------------------- metrics of one cell
-def nn_miss(embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Recall@1 misses: the nearest other embedding has another class (003, R-AUROC's target)."""
-    from shiftguard.heads.knn import knn_search
-
-    _, idx = knn_search(embeddings, embeddings, 1, exclude_self=True)
-    return labels[idx[:, 0]] != labels
-
-
 def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: torch.Tensor, n_bins: int = 15,
                one_vs_rest: Optional[torch.Tensor] = None) -> dict:
     """Classification, calibration and uncertainty metrics of one head on one test set.
 
     The head's uncertainty is ``1 - max probability``. ``r_auroc`` (003, URL benchmark, Alg. 1) is
-    its AUROC for predicting a Recall@1 miss of the embedding (``miss`` from :func:`nn_miss`,
-    computed once per cell: it is ``metrics.r_auroc`` without repeating the kNN search per head);
+    its AUROC for predicting a Recall@1 miss of the embedding (``miss`` from
+    :func:`score_retrieval`, computed once per cell: it is ``metrics.r_auroc`` without repeating the
+    kNN search per head);
     ``auroc_error`` its AUROC for predicting the head's own errors.
 
     ``one_vs_rest``: the head's one-vs-rest probabilities (quantile classifier). When given, the
@@ -236,7 +229,8 @@ def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: torch.Tensor, n_
 
 def score_retrieval(emb: torch.Tensor, labels: torch.Tensor, ks) -> tuple[dict, torch.Tensor]:
     """MAP@K and Recall@K of the test embeddings, each querying all the others (000, Sec. 4 MAP@K),
-    and the Recall@1 misses (:func:`nn_miss`) read off the same neighbour lists (one search)."""
+    and the Recall@1 misses -- the nearest other embedding has another class (003, R-AUROC's
+    target) -- read off the same neighbour lists (one search)."""
     from shiftguard import metrics as M
 
     # MAP@R is not reported here
