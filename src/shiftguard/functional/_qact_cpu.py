@@ -46,8 +46,10 @@ import os
 from typing import Optional
 
 import numpy as np
+import torch
 
 from shiftguard._numba import AVAILABLE, njit  # numba is a dependency; the eager torch path works without it
+from shiftguard.functional.kde import grid_layout
 
 if AVAILABLE:
     from shiftguard._numba import splitmix64
@@ -376,8 +378,6 @@ _POOL_PID = None
 
 
 def _threads() -> int:
-    import torch
-
     return max(1, torch.get_num_threads())
 
 
@@ -509,18 +509,16 @@ def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
 
 def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray,
              points_per_bandwidth: int = 16, truncate: float = 6.0, max_points: int = 4096):
-    """:func:`shiftguard.functional.kde.kde_grid` per channel (float64; each channel's grid has its
-    own length ``n_grid[c]``, so a wide channel does not widen the others).
+    """:func:`shiftguard.functional.kde.kde_grid` per channel (float64, the same
+    :func:`~shiftguard.functional.kde.grid_layout`; each channel's grid has its own length
+    ``n_grid[c]``, so a wide channel does not widen the others).
 
     Returns ``grid (C, max n_grid)`` float64, ``lo (C,)``, ``delta (C,)``, ``n_grid (C,)`` int64.
     """
     h = np.asarray(bandwidth, dtype=np.float64)
-    smin = samples.min(axis=1).astype(np.float64)
-    smax = samples.max(axis=1).astype(np.float64)
-    lo = np.maximum(xmin, smin - truncate * h)
-    hi = np.maximum(np.minimum(xmax, smax + truncate * h), lo)
-    delta = np.maximum(h / points_per_bandwidth, (hi - lo) / (max_points - 1))
-    n_grid = (np.ceil((hi - lo) / delta) + 2).astype(np.int64)
+    f64 = [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in
+           (samples.min(axis=1), samples.max(axis=1), h, xmin, xmax)]
+    lo, delta, n_grid = (t.numpy() for t in grid_layout(*f64, points_per_bandwidth, truncate, max_points))
     grid = np.zeros((samples.shape[0], int(n_grid.max())), dtype=np.float64)
     _run(_kde_grid, samples.shape[0], grid.size * 64, samples, h, lo, delta, n_grid, float(truncate), grid)
     return grid, lo, delta, n_grid

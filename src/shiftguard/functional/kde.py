@@ -106,6 +106,21 @@ def _grid_spacing(bandwidth: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p
     return torch.maximum(bandwidth / points_per_bandwidth, (hi - lo) / (max_points - 1))
 
 
+def grid_layout(smin: torch.Tensor, smax: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor,
+                xmax: torch.Tensor, points_per_bandwidth: int = 16, truncate: float = 6.0,
+                max_points: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each channel's grid lies: nodes ``lo + j * delta``, ``j < n_nodes``, covering the query
+    range ``[xmin, xmax]`` where it is within reach (``truncate * h``) of a sample in
+    ``[smin, smax]``; ``delta = h / points_per_bandwidth`` unless that needs more than
+    ``max_points`` nodes. All ``(C,)``; ``n_nodes`` int64. Shared by :func:`kde_grid` and the
+    compiled backward (:mod:`shiftguard.functional._qact_cpu`)."""
+    h = bandwidth
+    lo = torch.maximum(xmin, smin - truncate * h)
+    hi = torch.maximum(torch.minimum(xmax, smax + truncate * h), lo)
+    delta = _grid_spacing(h, lo, hi, points_per_bandwidth, max_points)
+    return lo, delta, torch.ceil((hi - lo) / delta).long() + 2
+
+
 def kde_grid(samples: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor,
              points_per_bandwidth: int = 16, truncate: float = 6.0, max_points: int = 4096):
     """The grid of :func:`gaussian_kde_grid`: KDE values on nodes ``lo + j * delta`` per channel.
@@ -117,16 +132,12 @@ def kde_grid(samples: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor,
     Returns:
         ``grid (C, G)``, ``lo (C,)``, ``delta (C,)`` (dtype of ``samples``).
     """
-    xmin = xmin.to(samples.dtype)
-    xmax = xmax.to(samples.dtype)
     c_dim, s_dim = samples.shape
     h = bandwidth
     smin, smax = torch.aminmax(samples, dim=1)
-    # The grid only has to cover query points that lie within reach (truncate * h) of a sample.
-    lo = torch.maximum(xmin, smin - truncate * h)
-    hi = torch.maximum(torch.minimum(xmax, smax + truncate * h), lo)
-    delta = _grid_spacing(h, lo, hi, points_per_bandwidth, max_points)
-    n_grid = int(torch.ceil((hi - lo) / delta).max().item()) + 2
+    lo, delta, n_nodes = grid_layout(smin, smax, h, xmin.to(samples.dtype), xmax.to(samples.dtype),
+                                     points_per_bandwidth, truncate, max_points)
+    n_grid = int(n_nodes.max().item())
     half = int(math.ceil(truncate * float((h / delta).max())))
     length = n_grid + 2 * half
 
