@@ -195,15 +195,19 @@ def test_probability_metrics_on_edge_and_random_input_are_finite_and_in_range(si
 UNC_KINDS = ["empty", "nan", "ndim2", "mismatch", "not_binary"]
 
 
+def scores_and_errors(size):
+    """Valid inputs of the uncertainty metrics: random uncertainties, every other sample an error."""
+    n, _, _, seed = size
+    return torch.rand(n, generator=gen(seed)), torch.arange(n) % 2 == 0
+
+
 @FAST
 @given(sizes, st.sampled_from(UNC_KINDS))
 def test_uncertainty_metrics_reject_bad_input_naming_it(size, kind):
     from shiftguard import metrics as M
 
-    n, _, _, seed = size
-    g = gen(seed)
-    u = torch.rand(n, generator=g)
-    e = torch.arange(n) % 2 == 0
+    u, e = scores_and_errors(size)
+    n = u.numel()
     if kind == "empty":
         u, e = u[:0], e[:0]
     elif kind == "nan":
@@ -223,10 +227,7 @@ def test_uncertainty_metrics_reject_bad_input_naming_it(size, kind):
 def test_uncertainty_metrics_edge_cases_are_documented(size, case):
     from shiftguard import metrics as M
 
-    n, _, _, seed = size
-    g = gen(seed)
-    u = torch.rand(n, generator=g)
-    e = torch.arange(n) % 2 == 0
+    u, e = scores_and_errors(size)
     if case == "all_errors":
         e[:] = True
     elif case == "no_errors":
