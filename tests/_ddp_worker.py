@@ -127,14 +127,22 @@ class TinyEmbedder(nn.Module):
         return self.classifier(self.embed(x))
 
 
-def multistage(rank, world, out, inp):
-    from shiftguard.train.distributed import distributed_multistage_step, wrap_ddp
+def _tiny_ddp_part(d, rank):
+    """The shared TinyEmbedder (float64, weights ``d["state"]``) wrapped in DDP, and this rank's
+    part of the batch ``d["x"], d["y"]`` (unequal parts ``d["sizes"]``)."""
+    from shiftguard.train.distributed import wrap_ddp
 
-    d = inp["multistage"]
     model = TinyEmbedder().double()
     model.load_state_dict(d["state"])
     ddp = wrap_ddp(model, find_unused_parameters=True)
-    x, y = _halves(d["x"], rank, d["sizes"]), _halves(d["y"], rank, d["sizes"])
+    return model, ddp, _halves(d["x"], rank, d["sizes"]), _halves(d["y"], rank, d["sizes"])
+
+
+def multistage(rank, world, out, inp):
+    from shiftguard.train.distributed import distributed_multistage_step
+
+    d = inp["multistage"]
+    model, ddp, x, y = _tiny_ddp_part(d, rank)
     loss = distributed_multistage_step(ddp, pairwise_loss, x, y, d["chunk"], embed=lambda t: ddp(t, method="embed"))
     return {"loss": loss, "grads": {n: p.grad for n, p in model.named_parameters()}}
 
@@ -146,13 +154,10 @@ class PairwiseLoss(nn.Module):
 
 def global_batch_loss(rank, world, out, inp):
     """One ordinary DDP step with the loss on the gathered global batch (unequal parts)."""
-    from shiftguard.train.distributed import GlobalBatchLoss, wrap_ddp
+    from shiftguard.train.distributed import GlobalBatchLoss
 
     d = inp["global_loss"]
-    model = TinyEmbedder().double()
-    model.load_state_dict(d["state"])
-    ddp = wrap_ddp(model, find_unused_parameters=True)
-    x, y = _halves(d["x"], rank, d["sizes"]), _halves(d["y"], rank, d["sizes"])
+    model, ddp, x, y = _tiny_ddp_part(d, rank)
     loss = GlobalBatchLoss(PairwiseLoss())(ddp(x, method="embed"), y)
     loss.backward()
     return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
