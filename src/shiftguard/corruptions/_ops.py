@@ -450,6 +450,17 @@ def pixel_grid(H: int, W: int, like: Tensor) -> tuple[Tensor, Tensor]:
     return xx, yy
 
 
+#: padding name -> (grid_sample padding_mode, align_corners). ``reflect`` needs align_corners=False:
+#: grid_sample's reflection then reflects about -0.5 and n - 0.5 (scipy's half-sample symmetric).
+_PADDING = {"zeros": ("zeros", True), "border": ("border", True), "mirror": ("reflection", True),
+            "reflect": ("reflection", False)}
+
+
+def _grid_sample(x: Tensor, grid: Tensor, padding: str) -> Tensor:
+    mode, align = _PADDING[padding]
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode=mode, align_corners=align)
+
+
 def _compiled_grid(x: Tensor) -> bool:
     return _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
 
@@ -471,10 +482,8 @@ def _sample_compiled(x: Tensor, matrix: Optional[Tensor], dx: Optional[Tensor], 
         ddx = np.ascontiguousarray(dx.detach().expand(N, H, W).numpy())
         ddy = np.ascontiguousarray(dy.detach().to(dx.dtype).expand(N, H, W).numpy())
     grid = np.empty((N, H, W, 2), dtype=np.float32 if x.dtype == torch.float32 else np.float64)
-    align = padding != "reflect"
-    _kernels.sampling_grid(m, ddx, ddy, align, grid)
-    pm = {"zeros": "zeros", "mirror": "reflection", "border": "border", "reflect": "reflection"}[padding]
-    return F.grid_sample(x, torch.from_numpy(grid), mode="bilinear", padding_mode=pm, align_corners=align)
+    _kernels.sampling_grid(m, ddx, ddy, _PADDING[padding][1], grid)
+    return _grid_sample(x, torch.from_numpy(grid), padding)
 
 
 def displaced_sample(x: Tensor, dx: Tensor, dy: Tensor, padding: str) -> Tensor:
@@ -499,15 +508,13 @@ def sample_at(x: Tensor, src_x: Tensor, src_y: Tensor, padding: str) -> Tensor:
     shape = torch.broadcast_shapes(src_x.shape, src_y.shape)
     grid = torch.empty(shape + (2,), dtype=torch.result_type(src_x, src_y), device=x.device)
     gx, gy = grid[..., 0], grid[..., 1]
-    if padding == "reflect":
-        # grid_sample's reflection with align_corners=False reflects about -0.5 and n - 0.5.
+    if _PADDING[padding][1]:
+        torch.mul(src_x, 2, out=gx).div_(max(W - 1, 1)).sub_(1)  # 2 x / (W - 1) - 1
+        torch.mul(src_y, 2, out=gy).div_(max(H - 1, 1)).sub_(1)
+    else:
         torch.mul(src_x, 2, out=gx).add_(1).div_(W).sub_(1)  # (2 x + 1) / W - 1
         torch.mul(src_y, 2, out=gy).add_(1).div_(H).sub_(1)
-        return F.grid_sample(x, grid, mode="bilinear", padding_mode="reflection", align_corners=False)
-    torch.mul(src_x, 2, out=gx).div_(max(W - 1, 1)).sub_(1)  # 2 x / (W - 1) - 1
-    torch.mul(src_y, 2, out=gy).div_(max(H - 1, 1)).sub_(1)
-    pm = {"zeros": "zeros", "mirror": "reflection", "border": "border"}[padding]
-    return F.grid_sample(x, grid, mode="bilinear", padding_mode=pm, align_corners=True)
+    return _grid_sample(x, grid, padding)
 
 
 def affine_warp(x: Tensor, matrix: Tensor, padding: str = "zeros") -> Tensor:
