@@ -433,9 +433,13 @@ def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, genera
         return stats, {"counts": counts}
 
 
-def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator, like: torch.Tensor) -> QACTStatistics:
-    """Statistics from the sorted grounded context ``ctx`` ``(C, M + 2)`` by the compiled kernels."""
-    q = torch.from_numpy(_qact_cpu.grounded_quantiles(ctx, n_tau))
+def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator, like: torch.Tensor,
+                         quantiles: Optional[np.ndarray] = None) -> QACTStatistics:
+    """Statistics from the sorted grounded context ``ctx`` ``(C, M + 2)`` by the compiled kernels
+    (``quantiles``: :func:`_qact_cpu.grounded_quantiles` of ``ctx`` where the caller has them)."""
+    if quantiles is None:
+        quantiles = _qact_cpu.grounded_quantiles(ctx, n_tau)
+    q = torch.from_numpy(quantiles)
     ch = ctx.shape[0]
     if not n_samples:
         return QACTStatistics(q, like.new_zeros(ch, 0), like.new_zeros(ch))
@@ -459,9 +463,9 @@ def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: in
     if xrange is None:
         # the output pass also checks for NaN/inf, before any random draw or stored statistic
         out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
-        stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x)
+        stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
         return stats, {"output": torch.from_numpy(out3).view(x.shape), "xrange": (xmin, xmax)}
-    stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x)
+    stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
     grid = _qact_cpu.kde_grid(stats.samples.numpy(), stats.bandwidth.double().numpy(), *xrange)
     out3, dens3 = _qact_cpu.counts_output(x3, q, vbc, grid=grid)
     return stats, {"output": torch.from_numpy(out3).view(x.shape), "density": torch.from_numpy(dens3).view(x.shape)}
