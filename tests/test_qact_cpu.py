@@ -147,6 +147,21 @@ def test_grid_equals_the_eager_grid():
         np.testing.assert_allclose(grid[c, :n_grid[c]], eg[c, :n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
 
 
+def test_grid_equals_the_eager_grid_on_many_channels():
+    # the kernel reuses one table of taps across channels with the same spacing / bandwidth ratio;
+    # the half-width (rounding of truncate * h / delta) can still differ between them
+    rng = np.random.default_rng(5)
+    x3 = rng.standard_normal((150, 96, 1)) * np.exp(rng.uniform(-4, 4, 96))[None, :, None]
+    ctx = K.sorted_grounded_context(x3, 100.0)
+    samples, bw = K.grounded_samples(ctx, 1000, seed=9)
+    xmin, xmax = x3.min(axis=(0, 2)), x3.max(axis=(0, 2))
+    grid, lo, delta, n_grid = K.kde_grid(samples, bw, xmin, xmax)
+    eg, _, _ = kde.kde_grid(*(torch.from_numpy(a) for a in (samples, bw, xmin, xmax)))
+    for c in range(96):
+        peak = 1 / (np.sqrt(2 * np.pi) * bw[c])
+        np.testing.assert_allclose(grid[c, :n_grid[c]], eg[c, :n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
+
+
 @pytest.mark.parametrize("shape", [(64, 3), (4, 2, 6, 6), (300, 5), (1, 3)])
 def test_backward_is_grad_times_exact_kde_within_the_grid_bound(shape):
     x = torch.randn(shape, dtype=torch.float64)

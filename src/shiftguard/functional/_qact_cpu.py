@@ -318,31 +318,63 @@ if AVAILABLE:
         # on nodes lo + j * delta, j < n_grid[c] (the rest of the row stays 0)
         c_dim, s_dim = samples.shape
         inv_sqrt_2pi = 1.0 / math.sqrt(2.0 * math.pi)
+        w = 1.0 / s_dim
+        # scratch rows sized for the widest channel of the range
+        max_half = 0
+        max_g = 0
+        for c in range(c0, c1):
+            max_half = max(max_half, int(math.ceil(truncate * bandwidth[c] / delta[c])))
+            max_g = max(max_g, n_grid[c])
+        binned = np.empty(max_g + 2 * max_half + 1, np.float64)
+        taps = np.empty(2 * max_half + 1, np.float64)
+        acc = np.empty(max_g, np.float64)
+        ratio = -1.0  # delta / h and half-width of the taps in `taps` (phi only; 1/h is applied to the sums)
+        taps_half = -1
         for c in range(c0, c1):
             h = bandwidth[c]
             d = delta[c]
             g_dim = n_grid[c]
             half = int(math.ceil(truncate * h / d))
             length = g_dim + 2 * half
-            binned = np.zeros(length, np.float64)
-            w = 1.0 / s_dim
+            for e in range(length):
+                binned[e] = 0.0
+            # the samples are sorted, so runs of them share a bin pair: their weights are summed
+            # before being added (no store->load chain through binned[] for repeated values)
+            cur = -2
+            a0 = 0.0
+            a1 = 0.0
             for s in range(s_dim):
                 u = (np.float64(samples[c, s]) - lo[c]) / d + half
                 i0 = math.floor(u)
                 frac = u - i0
                 i = int(i0)
-                if 0 <= i < length:
-                    binned[i] += (1.0 - frac) * w
-                if 0 <= i + 1 < length:
-                    binned[i + 1] += frac * w
+                if i != cur:
+                    if 0 <= cur < length:
+                        binned[cur] += a0
+                    if 0 <= cur + 1 < length:
+                        binned[cur + 1] += a1
+                    cur = i
+                    a0 = 0.0
+                    a1 = 0.0
+                a0 += (1.0 - frac) * w
+                a1 += frac * w
+            if 0 <= cur < length:
+                binned[cur] += a0
+            if 0 <= cur + 1 < length:
+                binned[cur + 1] += a1
             n_taps = 2 * half + 1
-            taps = np.zeros(n_taps, np.float64)
-            for t in range(-half, half + 1):
-                z = t * d / h
-                if abs(z) <= truncate:
-                    taps[t + half] = math.exp(-0.5 * z * z) * inv_sqrt_2pi / h
+            # phi(t delta / h): the same for every channel whose spacing is h / points_per_bandwidth
+            # (delta / h is then exact), so computed again only when the ratio or the half-width
+            # changes (the rounding of truncate * h / d can differ between such channels)
+            if d / h != ratio or half != taps_half:
+                ratio = d / h
+                taps_half = half
+                for t in range(-half, half + 1):
+                    z = t * ratio
+                    taps[t + half] = math.exp(-0.5 * z * z) * inv_sqrt_2pi if abs(z) <= truncate else 0.0
             # acc[j] = sum_t taps[t] binned[j + t], four taps per pass over acc (vectorised over j)
-            acc = np.zeros(g_dim, np.float64)
+            for j in range(g_dim):
+                acc[j] = 0.0
             t = 0
             while t + 4 <= n_taps:
                 k0 = taps[t]
@@ -357,8 +389,9 @@ if AVAILABLE:
                 for j in range(g_dim):
                     acc[j] += k0 * binned[j + t]
                 t += 1
+            inv_h = 1.0 / h
             for j in range(g_dim):
-                grid[c, j] = acc[j]
+                grid[c, j] = acc[j] * inv_h
 
     @njit(nogil=True, cache=True)
     def _grid_density_times(c0, c1, x3, g3, grid, lo, inv_delta, n_grid, out3):
