@@ -120,11 +120,10 @@ if AVAILABLE:
     def _cell(v, q_lo, inv_w, top):
         # cell index of v in the table over [q_lo, q_hi]: monotone non-decreasing in v (rounding
         # is monotone, clamping too), which is all the exactness argument below needs
+        # (selects, not branches: the count loops stay branch-free)
         t = (np.float64(v) - q_lo) * inv_w
-        if not t > 0.0:  # also NaN (reported by the caller), which must not index the table
-            return 0
-        if t >= top:
-            return top
+        t = t if t > 0.0 else 0.0  # also NaN (reported by the caller), which must not index the table
+        t = t if t < top else np.float64(top)
         return int(t)
 
     # #{i : q_i <= v}. start[j] = #{i : cell(q_i) < j}; for v in cell j, a q_i in an earlier cell is
@@ -149,12 +148,14 @@ if AVAILABLE:
     def _density_at(v, row, origin, inv_delta, top):
         # linear interpolation of the grid row on nodes origin + j / inv_delta (0 outside); the grid
         # is a sum of non-negative terms, so no clamp is needed
+        # (selects, not branches; NaN gives 0 like a value off the grid)
         p = (np.float64(v) - origin) * inv_delta
-        if p >= 0.0 and p <= top:
-            j = min(int(p), top - 1)
-            t = p - j
-            return row[j] + t * (row[j + 1] - row[j])
-        return 0.0
+        inside = (p >= 0.0) & (p <= top)
+        pc = p if p > 0.0 else 0.0
+        pc = pc if pc < top - 1 else np.float64(top - 1)
+        j = int(pc)
+        d = row[j] + (p - j) * (row[j + 1] - row[j])
+        return d if inside else 0.0
 
     @njit(nogil=True, cache=True)
     def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad,
