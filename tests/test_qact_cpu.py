@@ -162,6 +162,21 @@ def test_grid_equals_the_eager_grid_on_many_channels():
         np.testing.assert_allclose(grid[c, :n_grid[c]], eg[c, :n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
 
 
+def test_float32_grid_is_the_float64_grid_to_float32_rounding():
+    # a float32 layer's grid is convolved in float32: every node is a sum of <= 2 * 96 + 1
+    # non-negative products, each rounded a few times, so its relative error is below
+    # (193 + 4) * 2**-24 < 1.2e-5 (and the node value is at most the kernel peak)
+    x3 = np.random.default_rng(6).standard_normal((3000, 8, 1)).astype(np.float32)
+    ctx = K.sorted_grounded_context(x3, 100.0)
+    samples, bw = K.grounded_samples(ctx, 1000, seed=2)
+    xmin, xmax = x3.min(axis=(0, 2)).astype(np.float64), x3.max(axis=(0, 2)).astype(np.float64)
+    g32, _, _, n_grid = K.kde_grid(samples, bw, xmin, xmax)
+    g64, _, _, _ = K.kde_grid(samples.astype(np.float64), bw, xmin, xmax)
+    for c in range(8):
+        ref = g64[c, :n_grid[c]]
+        assert np.all(np.abs(g32[c, :n_grid[c]] - ref) <= 1.2e-5 * ref + 1e-12 / bw[c])
+
+
 @pytest.mark.parametrize("shape", [(64, 3), (4, 2, 6, 6), (300, 5), (1, 3)])
 def test_backward_is_grad_times_exact_kde_within_the_grid_bound(shape):
     x = torch.randn(shape, dtype=torch.float64)

@@ -32,7 +32,8 @@ What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py`
   sample (``kde.py``) is computed on the way.
 - :func:`kde_grid`, :func:`kde_density_times`: the grid KDE of ``kde.py`` (linear binning, Gaussian
   kernel truncated at ``6 h``, 16 nodes per bandwidth: same nodes, weights and error bound; a
-  direct convolution per channel instead of one FFT over all) and, for statistics that did not come
+  direct convolution per channel instead of one FFT over all, in the samples' precision like the
+  eager grid) and, for statistics that did not come
   with the density (frozen context, DDP), ``grad_output * f_grid(x)`` in one pass.
 
 The tests check each kernel against the eager implementation it replaces and against the slow
@@ -326,9 +327,11 @@ if AVAILABLE:
         for c in range(c0, c1):
             max_half = max(max_half, int(math.ceil(truncate * bandwidth[c] / delta[c])))
             max_g = max(max_g, n_grid[c])
-        binned = np.empty(max_g + 2 * max_half + 1, np.float64)
-        taps = np.empty(2 * max_half + 1, np.float64)
-        acc = np.empty(max_g, np.float64)
+        # the convolution runs in the samples' precision (float32 layers: twice the SIMD width; the
+        # eager grid of a float32 layer is float32 too), the binning sums and the taps in float64
+        binned = np.empty(max_g + 2 * max_half + 1, samples.dtype)
+        taps = np.empty(2 * max_half + 1, samples.dtype)
+        acc = np.empty(max_g, samples.dtype)
         ratio = -1.0  # delta / h and half-width of the taps in `taps` (phi only; 1/h is applied to the sums)
         taps_half = -1
         for c in range(c0, c1):
@@ -543,9 +546,10 @@ def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
 
 def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray,
              points_per_bandwidth: int = 16, truncate: float = 6.0, max_points: int = 4096):
-    """:func:`shiftguard.functional.kde.kde_grid` per channel (float64, the same
+    """:func:`shiftguard.functional.kde.kde_grid` per channel (the same
     :func:`~shiftguard.functional.kde.grid_layout`; each channel's grid has its own length
-    ``n_grid[c]``, so a wide channel does not widen the others).
+    ``n_grid[c]``, so a wide channel does not widen the others). The convolution runs in the
+    dtype of ``samples`` (float32 samples: node values within 1.2e-5 relative of float64's).
 
     Returns ``grid (C, max n_grid)`` float64, ``lo (C,)``, ``delta (C,)``, ``n_grid (C,)`` int64.
     """
