@@ -37,6 +37,7 @@ from scipy.optimize import minimize_scalar
 from shiftguard._validation import check_positive
 from shiftguard.heads.knn import _knn_dispatch, default_chunk_size, knn_search
 from shiftguard.heads.knn_baselines import KNNHeadBase
+from shiftguard.heads.knn_pruned import PrunedKNNIndex
 
 __all__ = ["NED", "ned_probabilities", "ned_nll"]
 
@@ -65,7 +66,9 @@ class NED(KNNHeadBase):
         fit_mode: ``"loo"`` (leave-one-out on the support, default) or ``"holdout"``.
         holdout_fraction: share of the support used as calibration queries in ``"holdout"`` mode
             when no ``val_*`` set is passed to ``fit``.
-        backend: kNN back end (``"torch"``, ``"faiss"``, ``"auto"``), see ``knn_search``.
+        backend: kNN back end (``"torch"``, ``"faiss"``, ``"pruned"``, ``"auto"``), see
+            ``knn_search``. With ``"pruned"`` the index of the support is built once in ``fit``
+            and reused by the leave-one-out fit and by every prediction (``knn_index_``).
         max_fit_queries: at most this many calibration queries (a random subset, drawn with
             ``seed``) enter the NLL; one scalar needs few, and the search cost is
             ``queries x support``. ``None`` uses all (exact leave-one-out over the whole support).
@@ -73,7 +76,9 @@ class NED(KNNHeadBase):
         num_classes: number of classes; inferred as ``max(label) + 1`` when None.
 
     Learned state: ``temperature_``, ``nll_`` (calibration NLL at ``temperature_``),
-    ``n_fit_excluded_``, ``support_embeddings_``, ``support_labels_``, ``num_classes_``.
+    ``n_fit_excluded_``, ``support_embeddings_``, ``support_labels_``, ``num_classes_``,
+    ``knn_index_`` (the ``PrunedKNNIndex`` of the support with ``backend="pruned"``, else None;
+    it holds a reordered copy of the support).
     """
 
     _param_names = ("k", "fit_mode", "holdout_fraction", "backend", "max_fit_queries", "num_classes")
@@ -99,6 +104,7 @@ class NED(KNNHeadBase):
         support, y = self.support_embeddings_, self.support_labels_
         val_emb, val_y = self._check_val_inputs(val_embeddings, val_labels, support.shape[1], self.num_classes_)
         n = support.shape[0]
+        self.knn_index_ = PrunedKNNIndex(support) if self.backend == "pruned" else None
         gen = torch.Generator().manual_seed(self.seed)
         cap = self.max_fit_queries
 
@@ -113,7 +119,8 @@ class NED(KNNHeadBase):
                 raise ValueError(f"k: leave-one-out needs k <= {n - 1} (support size - 1), got {self.k}")
             rows = subset(n)
             chunk = default_chunk_size(n, support.dtype)
-            d, idx = _knn_dispatch(support[rows], support, self.k, self.backend, rows, chunk)
+            d, idx = _knn_dispatch(support[rows], support, self.k, self.backend, rows, chunk,
+                                   index=self.knn_index_)
             same = y[idx] == y[rows].unsqueeze(1)
         elif val_emb is not None:
             rows = subset(val_emb.shape[0])
@@ -149,6 +156,20 @@ class NED(KNNHeadBase):
 
     def _neighbour_weights(self, sq_dist):
         return torch.softmax(-sq_dist / self.temperature_, dim=1)
+
+    def kneighbors(self, embeddings, k: Optional[int] = None):
+        """As ``KNNHeadBase.kneighbors``; with ``backend="pruned"`` it searches the index built in ``fit``."""
+        index = getattr(self, "knn_index_", None)
+        if index is None or not index.matches(self.support_embeddings_):
+            return super().kneighbors(embeddings, k)  # with "pruned": builds an index for this call
+        support = self.support_embeddings_
+        emb = self._check_query(embeddings, support.shape[1])
+        if emb.dtype != support.dtype:
+            return super().kneighbors(embeddings, k)  # searches a converted copy of the support
+        if support.device != emb.device:
+            raise ValueError(f"embeddings: on {emb.device} but the head was fitted on {support.device}")
+        dist, idx = knn_search(emb, support, k or self.k, backend="pruned", index=index)
+        return dist, self.support_labels_[idx]
 
     def predict_proba(self, embeddings) -> torch.Tensor:
         """004 eq. (3) with the fitted temperature, ``(N, C)``."""
