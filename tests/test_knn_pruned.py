@@ -7,7 +7,7 @@ import torch
 
 from shiftguard.heads import NED
 from shiftguard.heads.knn import _knn_dispatch, default_chunk_size, knn_search
-from shiftguard.heads.knn_pruned import PrunedKNNIndex
+from shiftguard.heads.knn_pruned import PrunedKNNIndex, _topk_smallest
 
 
 def clustered(n_support, n_query, dim, n_centres=10, spread=4.0, noise=1.0, seed=0, dtype=torch.float32):
@@ -113,8 +113,10 @@ def test_exclude_self_excludes_by_index_even_with_duplicates():
 
 def test_float64_input():
     q, s = clustered(1200, 150, 12, dtype=torch.float64)
+    q0, s0 = q.clone(), s.clone()
     d, _ = assert_same_as_torch(q, s, 5)
     assert d.dtype == torch.float64
+    assert torch.equal(q, q0) and torch.equal(s, s0)  # the inputs are left untouched
 
 
 def test_adversarially_close_clusters_little_pruned_still_exact():
@@ -231,3 +233,14 @@ def test_query_chunks_and_tuning_arguments_do_not_change_the_result():
         assert_same(index.search(q, 6, **kwargs), ref)
     index.search(q, 6, query_chunk=70)
     assert index.last_stats["brute_products"] == 400 * 1500
+
+
+@pytest.mark.parametrize("b, n, k", [(5, 3000, 10), (3, 64 * 25, 1), (4, 1000, 7), (2, 50, 5), (6, 130, 2)])
+def test_grouped_topk_equals_torch_topk(b, n, k):
+    key = torch.randn(b, n, generator=torch.Generator().manual_seed(n))
+    key[0, : n // 2] = float("inf")  # like excluded rows
+    val, col = _topk_smallest(key, k)
+    ref_val, ref_col = torch.topk(key, k, dim=1, largest=False, sorted=True)
+    order = torch.argsort(val, dim=1)
+    assert torch.equal(val.gather(1, order), ref_val)
+    assert torch.equal(col.gather(1, order), ref_col)
