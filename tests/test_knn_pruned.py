@@ -156,7 +156,7 @@ def test_lower_bound_never_exceeds_the_true_distance():
     index = PrunedKNNIndex(s, n_clusters=20, proj_dim=6)
     zq, tq, _, _ = index._project(q)
     home = torch.cdist(zq, index.c).argmin(1)
-    true = torch.cdist(q.double(), index.x.double()).pow(2)  # (Nq, Ns) in storage order
+    true = torch.cdist(q.double(), s[index.perm].double()).pow(2)  # (Nq, Ns) in storage order
     for j in range(q.shape[0]):
         lb = index._lower_bounds(int(home[j]), zq[j:j + 1], tq[j:j + 1])[0]
         for c in range(index.n_clusters):

@@ -1,9 +1,9 @@
 """Exact kNN that skips whole (query block, support cluster) products by provable lower bounds.
 
 ``knn_search(..., backend="pruned")`` and ``NED(backend="pruned")`` use this module. The ranking
-key, its ``addmm``, the exact recomputation and the re-sort of the k winners are those of the
-brute-force ``"torch"`` back end; only products that provably cannot enter a query's top k are
-not computed.
+key (on rows centred at the support's mean ``m``, ``knn._key_centre``), its ``addmm``, the exact
+recomputation and the re-sort of the k winners are those of the brute-force ``"torch"`` back end;
+only products that provably cannot enter a query's top k are not computed.
 
 Index (``PrunedKNNIndex(support)``, built once per support and reusable):
 
@@ -14,7 +14,7 @@ Index (``PrunedKNNIndex(support)``, built once per support and reusable):
   the support is stored reordered by cluster, so every cluster is a contiguous block of rows
   (clusters are numbered so that near ones are adjacent, which merges blocks into longer runs);
 - per cluster ``C``: centroid ``c_C`` and radius ``r_C = max ||z - c_C||`` in the projected space,
-  the interval ``[t_lo, t_hi]`` of ``t``, the largest ``||x||`` and ``||x - o||`` (rounding slack),
+  the interval ``[t_lo, t_hi]`` of ``t``, the largest ``||x - m||`` (key row) and ``||x - o||`` (rounding slack),
   and for every other cluster ``H`` the unit direction ``w_HC = (c_H - c_C)/||c_H - c_C||`` with
   ``top_HC = max_{x in C} <w_HC, z_x>``.
 
@@ -37,7 +37,9 @@ the exact one whatever the summation order of the matmul (Higham, Accuracy and S
 Numerical Algorithms, eq. 3.5; ``gamma_n = n u / (1 - n u)``), so with
 ``slack >= e(q, x in C) + 2 max_y e(q, y)`` a skipped row's brute-force key is strictly above the
 brute-force keys of k computed rows: brute force would not select it either, however its own
-matmul rounds. We use ``2 (D + 2) u [(||q|| + max_C ||x||)^2 + 2 (||q|| + max ||x||)^2]``, plus
+matmul rounds. Here ``q`` and ``x`` are the key rows ``q - m``, ``x - m`` as the ``addmm`` sees them
+(rounded once by the subtraction, which moves ``||q - x||^2`` by at most ``~2 u (||q|| + ||x||)^2``,
+inside the factor 2 below). We use ``2 (D + 2) u [(||q|| + max_C ||x||)^2 + 2 (||q|| + max ||x||)^2]``, plus
 ``1e-5 (||q - o|| + max_C ||x - o||)^2`` for the float64 evaluation of ``LB`` (dominated by the
 cancellation in ``t``: below ``~sqrt(D u64)`` relative in ``t``, i.e. ``~1e-6`` of that square).
 ``u = 2^-24`` for float32 (``2^-8`` where reduced-precision float32 matmuls may be on: TF32 on CUDA
@@ -81,7 +83,7 @@ from typing import Optional
 
 import torch
 
-from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES, _exact_sq_dist, _resort, _torch_knn
+from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES, _exact_sq_dist, _key_centre, _key_rows, _resort, _torch_knn
 
 __all__ = ["PrunedKNNIndex"]
 
@@ -144,7 +146,9 @@ class PrunedKNNIndex:
         n, dim = support.shape
         self.n_support, self.dim = n, dim
         # The same ||s||^2 as the torch back end (computed on the original order, then permuted).
-        s_sq = support.pow(2).sum(1)
+        self.centre = _key_centre(support)  # the key rows are support - centre, as in the torch back end
+        centred = support - self.centre
+        s_sq = centred.pow(2).sum(1)
         gen = torch.Generator().manual_seed(seed)
         self.origin = self._chunked_mean(support)  # o, float64 (D,)
 
@@ -156,7 +160,7 @@ class PrunedKNNIndex:
         self.proj = vecs[:, -m:].flip(1).t().contiguous()  # (m, D), orthonormal rows
         self.proj_dim = m
 
-        z, t, norm_o, norm_raw = self._project(support)
+        z, t, norm_o, norm_key = self._project(support)
         if n_clusters is None:
             # ~sqrt(n)/12: clusters of 1000-3000 rows for supports of 10k-60k rows, so that each
             # (block, cluster) addmm + topk is large enough for the per-call overhead not to
@@ -181,17 +185,18 @@ class PrunedKNNIndex:
         self.perm = perm.to(support.device)
         self.inv_perm = torch.empty_like(self.perm)
         self.inv_perm[self.perm] = torch.arange(n, device=support.device)
-        self.x = support[self.perm].contiguous()
+        self.x = centred[self.perm].contiguous()
+        del centred
         self.x_sq = s_sq[self.perm].contiguous()
 
         # Per-cluster statistics in float64 from the exact rows of each cluster.
-        z, t, norm_o, norm_raw, a = z[perm], t[perm], norm_o[perm], norm_raw[perm], lab[perm]
+        z, t, norm_o, norm_key, a = z[perm], t[perm], norm_o[perm], norm_key[perm], lab[perm]
         self.c = torch.zeros(n_c, m, dtype=torch.float64).index_add_(0, a, z) / counts.double().unsqueeze(1)
         self.r = torch.zeros(n_c, dtype=torch.float64).scatter_reduce_(0, a, (z - self.c[a]).norm(dim=1), "amax")
         self.t_lo = torch.full((n_c,), math.inf, dtype=torch.float64).scatter_reduce_(0, a, t, "amin")
         self.t_hi = torch.zeros(n_c, dtype=torch.float64).scatter_reduce_(0, a, t, "amax")
         self.max_norm_o = torch.zeros(n_c, dtype=torch.float64).scatter_reduce_(0, a, norm_o, "amax")
-        self.max_norm_raw = torch.zeros(n_c, dtype=torch.float64).scatter_reduce_(0, a, norm_raw, "amax")
+        self.max_norm_key = torch.zeros(n_c, dtype=torch.float64).scatter_reduce_(0, a, norm_key, "amax")
         # Separating directions: w[H, C] = unit(c_H - c_C) (0 for H = C) and
         # top[H, C] = max over x in C of <w[H, C], z_x>, so <w[H, C], z_q> - top[H, C] bounds
         # ||P(q - x)|| from below for every x in C (any unit w; H is the query's home cluster).
@@ -235,11 +240,12 @@ class PrunedKNNIndex:
         return total / x.shape[0]
 
     def _project(self, x: torch.Tensor):
-        """float64 (CPU) ``z = P(x - o)``, ``t = ||P_perp(x - o)||``, ``||x - o||``, ``||x||``."""
+        """float64 (CPU) ``z = P(x - o)``, ``t = ||P_perp(x - o)||``, ``||x - o||``, ``||x - m||`` (key row)."""
         zs, ts, nos, nrs = [], [], [], []
         for i in range(0, x.shape[0], 8192):
             xc = x[i:i + 8192].cpu()
-            nrs.append(torch.linalg.vector_norm(xc, dim=1, dtype=torch.float64))
+            # norm of the key row x - m, rounded in the dtype as the addmm sees it
+            nrs.append(torch.linalg.vector_norm(xc - self.centre.cpu(), dim=1, dtype=torch.float64))
             xd = xc.to(torch.float64, copy=True).sub_(self.origin)  # a copy: never modify the input
             z = xd @ self.proj.t()
             no = torch.linalg.vector_norm(xd, dim=1)
@@ -286,10 +292,11 @@ class PrunedKNNIndex:
         if u is None or 2 * (self.dim + 2) * u > 0.05 or n_q == 0 or query.device.type != "cpu":
             stats["fallback_queries"] = n_q
             stats["products"] = n_q * n
-            return _torch_knn(query, self.support, k, self_index, chunk)
+            return _torch_knn(query, self.support, k, self_index, chunk, keys=_key_rows(self.support, self.centre))
         g_key = 2.0 * (self.dim + 2) * u
 
         zq, tq, noq, nrq = self._project(query)
+        qc = query - self.centre  # the key rows of the queries
         # Home = nearest centroid; blocks of at most block_rows queries with the same home.
         home = torch.cat([torch.cdist(zq[i:i + 8192], self.c).argmin(1) for i in range(0, n_q, 8192)])
         order = torch.argsort(home, stable=True)
@@ -318,11 +325,11 @@ class PrunedKNNIndex:
             lb = self._lower_bounds(h, zq[rows], tq[rows])
             # Key of any row x of cluster C >= LB - ||q||^2 - slack (see the module docstring).
             nq = nrq[rows].unsqueeze(1)
-            slack = (g_key * ((nq + self.max_norm_raw).pow(2) + 2.0 * (nq + self.max_norm_raw.max()).pow(2))
+            slack = (g_key * ((nq + self.max_norm_key).pow(2) + 2.0 * (nq + self.max_norm_key.max()).pow(2))
                      + 1e-5 * (noq[rows].unsqueeze(1) + self.max_norm_o).pow(2))
             thr = lb - nrq[rows].pow(2).unsqueeze(1) - slack
             bk, bp, visited, products = self._search_block(
-                query[rows_dev], k, None if self_pos is None else self_pos[rows_dev], lb, thr,
+                qc[rows_dev], k, None if self_pos is None else self_pos[rows_dev], lb, thr,
                 first_cols, group_cols, core_fraction, memory_budget_bytes)
             best_key[rows_dev], best_pos[rows_dev] = bk, bp
             thr_all[rows] = thr
@@ -342,7 +349,7 @@ class PrunedKNNIndex:
                 r = torch.nonzero(need[:, c]).squeeze(1)
                 r = r[thr_all[r, c] <= best_key[r, -1].double().cpu()]
                 if r.numel():
-                    done_products += self._merge_rows(query, r.to(query.device), c, self_pos, best_key, best_pos,
+                    done_products += self._merge_rows(qc, r.to(query.device), c, self_pos, best_key, best_pos,
                                                       memory_budget_bytes)
                     stats["cluster_visits"] += 1
         stats["products"] = done_products
@@ -350,7 +357,8 @@ class PrunedKNNIndex:
         if remaining:
             rest = torch.cat(remaining).to(query.device)
             _, idx = _torch_knn(query[rest], self.support, k,
-                                None if self_index is None else self_index[rest], chunk)
+                                None if self_index is None else self_index[rest], chunk,
+                                keys=_key_rows(self.support, self.centre))
             out_i[rest] = idx
             stats["fallback_queries"] = rest.numel()
             stats["products"] += rest.numel() * n
