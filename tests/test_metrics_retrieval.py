@@ -1,5 +1,7 @@
 """Retrieval metrics against pytorch-metric-learning's AccuracyCalculator and a slow reference."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -132,3 +134,32 @@ def test_perfectly_separated_classes_score_one_everywhere():
 def test_bad_input_raises_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
         retrieval_metrics(**kwargs)
+
+
+def test_every_backend_gives_the_same_metrics_and_an_unknown_one_is_refused():
+    g = torch.Generator().manual_seed(3)
+    centres = 4.0 * torch.randn(5, 16, generator=g)
+    y = torch.arange(600) % 5
+    emb = centres[y] + torch.randn(600, 16, generator=g) + 50.0  # off-centre, clustered
+    ref = retrieval_metrics(emb, y, ks=(1, 5), memory_budget_bytes=64 * 1024)  # many query chunks
+    backends = ["pruned"] + (["faiss"] if importlib.util.find_spec("faiss") else [])
+    for backend in backends:
+        assert retrieval_metrics(emb, y, ks=(1, 5), backend=backend, memory_budget_bytes=64 * 1024) == ref
+    with pytest.raises(ValueError, match="backend"):
+        retrieval_metrics(emb, y, backend="bogus")
+
+
+def test_pruned_backend_builds_one_index_for_all_query_chunks(monkeypatch):
+    from shiftguard.heads import knn_pruned
+
+    built = []
+    original = knn_pruned.PrunedKNNIndex.__init__
+
+    def counting(self, *args, **kwargs):
+        built.append(1)
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(knn_pruned.PrunedKNNIndex, "__init__", counting)
+    emb = torch.randn(400, 8, generator=torch.Generator().manual_seed(1))
+    retrieval_metrics(emb, torch.arange(400) % 4, ks=(1,), backend="pruned", memory_budget_bytes=16 * 1024)
+    assert len(built) == 1

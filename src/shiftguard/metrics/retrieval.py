@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
-from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES, _knn_dispatch, default_chunk_size
+from shiftguard.heads.knn import _BACKENDS, DEFAULT_MEMORY_BUDGET_BYTES, _key_rows, _knn_dispatch, _resolve_backend, default_chunk_size
 
 __all__ = ["retrieval_metrics"]
 
@@ -64,7 +64,8 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         embeddings: ``(N, D)`` float tensor.
         labels: ``(N,)`` integer classes.
         ks: cut-offs for recall@K and map@K.
-        backend: kNN back end for ``knn_search`` (``"torch"``, ``"faiss"``, ``"auto"``).
+        backend: kNN back end for ``knn_search`` (``"torch"``, ``"faiss"``, ``"pruned"``, ``"auto"``;
+            the pruned index is built once for all query chunks).
         memory_budget_bytes: bound on each chunk's distance block and neighbour list.
         r_metrics: also MAP@R and R-precision, which need every query's neighbour list up to its
             class size R_q (~N / classes); without them the lists stop at ``max(ks)``, far cheaper
@@ -82,6 +83,8 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     """
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
     check_same_length([("embeddings", emb), ("labels", y)])
     y = y.to(emb.device)
     ks = [int(k) for k in ks]
@@ -97,6 +100,15 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     n_used = 0
     nearest = torch.empty(n, dtype=torch.long, device=emb.device) if return_nearest else None
     block_rows = default_chunk_size(n, emb.dtype, memory_budget_bytes)
+    # what every query chunk searches against, built once: the pruned index, or the centred key rows
+    if backend == "pruned":
+        from shiftguard.heads.knn_pruned import PrunedKNNIndex  # noqa: PLC0415 - imports heads.knn
+
+        search_state = {"index": PrunedKNNIndex(emb)}
+    elif _resolve_backend(backend, emb, n) == "torch":
+        search_state = {"keys": _key_rows(emb)}
+    else:
+        search_state = {}
     start = 0
     while start < n:
         # Rows whose neighbour list and per-query temporaries (rows x L, ~8 float64 tensors,
@@ -109,7 +121,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
             rows = max(1, rows // 2)
         sl = slice(start, start + rows)
         self_index = torch.arange(start, start + rows, device=emb.device)
-        _, idx = _knn_dispatch(emb[sl], emb, length, backend, self_index, block_rows)
+        _, idx = _knn_dispatch(emb[sl], emb, length, backend, self_index, block_rows, **search_state)
         if nearest is not None:
             nearest[sl] = idx[:, 0]
         rel = y[idx] == y[sl].unsqueeze(1)
