@@ -99,11 +99,13 @@ def test_auto_backend_returns_exact_neighbours(data):
         (dict(query=torch.randn(3, 4), support=torch.randn(5, 4), k=1, exclude_self=True), "exclude_self"),
     ],
 )
-def test_bad_input_raises_value_error_naming_the_argument(kwargs, match):
+@pytest.mark.parametrize("backend", ["torch", "pruned"])
+def test_bad_input_raises_value_error_naming_the_argument(kwargs, match, backend):
     with pytest.raises(ValueError, match=match):
-        knn_search(**kwargs)
+        knn_search(**({"backend": backend} | kwargs))
 
 
-def test_integer_embeddings_are_rejected_with_type_error():
+@pytest.mark.parametrize("backend", ["torch", "pruned"])
+def test_integer_embeddings_are_rejected_with_type_error(backend):
     with pytest.raises(TypeError, match="query"):
-        knn_search(torch.ones(2, 3, dtype=torch.long), torch.randn(4, 3), 1)
+        knn_search(torch.ones(2, 3, dtype=torch.long), torch.randn(4, 3), 1, backend=backend)

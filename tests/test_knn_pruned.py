@@ -202,28 +202,6 @@ def test_ned_pruned_holdout_mode_equals_torch(with_val):
     assert torch.equal(hp.predict_proba(q.double()), ht.predict_proba(q.double()))  # other dtype: no reuse
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(query=torch.randn(3, 4), support=torch.randn(5, 3), k=1), "dimensions differ"),
-        (dict(query=torch.randn(3, 4), support=torch.randn(0, 4), k=1), "support"),
-        (dict(query=torch.randn(3, 4), support=torch.randn(5, 4), k=6), "k"),
-        (dict(query=torch.randn(5, 4), support=torch.randn(5, 4), k=5, exclude_self=True), "k"),
-        (dict(query=torch.full((3, 4), float("nan")), support=torch.randn(5, 4), k=1), "query"),
-        (dict(query=torch.randn(3, 4), support=torch.randn(5, 4), k=0), "k"),
-        (dict(query=torch.randn(3, 4), support=torch.randn(5, 4), k=1, exclude_self=True), "exclude_self"),
-    ],
-)
-def test_bad_input_raises_the_same_value_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        knn_search(**kwargs, backend="pruned")
-
-
-def test_integer_embeddings_are_rejected_with_type_error():
-    with pytest.raises(TypeError, match="query"):
-        knn_search(torch.ones(2, 3, dtype=torch.long), torch.randn(4, 3), 1, backend="pruned")
-
-
 def test_query_chunks_and_tuning_arguments_do_not_change_the_result():
     q, s = clustered(1500, 400, 16)
     ref = knn_search(q, s, 6)
