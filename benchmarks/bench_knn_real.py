@@ -1,10 +1,10 @@
 """NED fit + predict on real embeddings: the back ends of ``bench_knn.py`` on Fashion-MNIST.
 
 ``bench_knn.py`` measures on 10 Gaussian classes, data the pruned back end suits well. This script
-repeats the torch / pruned / scikit-learn rows on embeddings a network actually produces: a small
-CNN (two strided convolutions, a linear layer to a unit-norm 128-d embedding) trained 2 epochs with
-a normalised softmax (scale 10, 004 Sec. 3) on the 60,000 Fashion-MNIST training images; support =
-their embeddings, queries = the 10,000 test images, k = 10. Same NED fit and eq. (3) as there.
+repeats the torch / pruned / scikit-learn rows on embeddings a network actually produces: the
+library's LeNet-5 (``shiftguard.models``, ReLU, 128-d embedding: the last hidden layer) trained
+``--epochs`` epochs with cross-entropy on the 60,000 Fashion-MNIST training images; support = their
+embeddings, queries = the 10,000 test images, k = 10. Same NED fit and eq. (3) as there.
 
 Prints a table and writes ``benchmarks/results/bench_knn_real.json``; timings are noisy on a shared
 machine, compare the same-run ratios.
@@ -23,31 +23,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from shiftguard.io import atomic_write_json
+from shiftguard.models import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_knn import run_ned, run_sklearn_ned  # noqa: E402  (the same runners as the synthetic benchmark)
-
-
-class EmbeddingNet(nn.Module):
-    def __init__(self, dim: int = 128, classes: int = 10, scale: float = 10.0):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 5, stride=2, padding=2)
-        self.conv2 = nn.Conv2d(16, 32, 3, stride=2, padding=1)
-        self.fc = nn.Linear(32 * 7 * 7, dim)
-        self.proxies = nn.Parameter(0.1 * torch.randn(classes, dim))
-        self.scale = scale
-
-    def embed(self, images_uint8):
-        x = F.relu(self.conv1(images_uint8.float() / 255.0))
-        x = F.relu(self.conv2(x))
-        return F.normalize(self.fc(x.flatten(1)), dim=1)
-
-    def forward(self, images_uint8):
-        return self.scale * self.embed(images_uint8) @ F.normalize(self.proxies, dim=1).t()
 
 
 def embeddings(data_dir: Path, epochs: int, seed: int = 0):
@@ -55,21 +37,21 @@ def embeddings(data_dir: Path, epochs: int, seed: int = 0):
 
     torch.manual_seed(seed)
     train, test = load("fashion-mnist", "train", root=data_dir), load("fashion-mnist", "test", root=data_dir)
-    net = EmbeddingNet()
+    net = build_model("lenet", embedding_dim=128)
     opt = torch.optim.Adam(net.parameters(), lr=1e-3)
     t0 = time.perf_counter()
     for _ in range(epochs):
         order = torch.randperm(len(train.labels))
         for i in range(0, len(order), 256):
             b = order[i:i + 256]
-            loss = F.cross_entropy(net(train.images[b]), train.labels[b])
+            loss = F.cross_entropy(net(train.images[b].float() / 255.0), train.labels[b])
             opt.zero_grad()
             loss.backward()
             opt.step()
     net.eval()
     with torch.no_grad():
-        xs = torch.cat([net.embed(train.images[i:i + 4096]) for i in range(0, len(train.labels), 4096)])
-        xq = torch.cat([net.embed(test.images[i:i + 4096]) for i in range(0, len(test.labels), 4096)])
+        xs = torch.cat([net.embed(train.images[i:i + 4096].float() / 255.0) for i in range(0, len(train.labels), 4096)])
+        xq = torch.cat([net.embed(test.images[i:i + 4096].float() / 255.0) for i in range(0, len(test.labels), 4096)])
     return xs, train.labels, xq, test.labels, time.perf_counter() - t0
 
 
@@ -97,7 +79,7 @@ def main() -> None:
     accuracy = float((probs["torch"].argmax(1) == yq).double().mean())
     agree = float((probs["torch"].double() - probs["pruned"].double()).abs().max())
 
-    print(f"NED on Fashion-MNIST CNN embeddings: support {tuple(xs.shape)}, {len(yq)} queries, k={args.k}, "
+    print(f"NED on Fashion-MNIST LeNet-5 embeddings: support {tuple(xs.shape)}, {len(yq)} queries, k={args.k}, "
           f"{args.epochs} epochs ({train_s:.0f} s), NED test accuracy {accuracy:.3f}, "
           f"torch threads={torch.get_num_threads()}")
     print(f"{'backend':10s} {'fit s':>8s} {'predict s':>10s} {'total s':>8s} {'x vs sklearn NED':>17s}")
