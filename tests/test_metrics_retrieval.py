@@ -149,17 +149,23 @@ def test_every_backend_gives_the_same_metrics_and_an_unknown_one_is_refused():
         retrieval_metrics(emb, y, backend="bogus")
 
 
-def test_pruned_backend_builds_one_index_for_all_query_chunks(monkeypatch):
-    from shiftguard.heads import knn_pruned
+@pytest.mark.parametrize("backend", ["pruned", "faiss"])
+def test_one_search_index_is_built_for_all_query_chunks(monkeypatch, backend):
+    if backend == "faiss":
+        faiss = pytest.importorskip("faiss")
+        owner, name = faiss, "IndexFlatL2"
+    else:
+        from shiftguard.heads import knn_pruned
 
+        owner, name = knn_pruned, "PrunedKNNIndex"
     built = []
-    original = knn_pruned.PrunedKNNIndex.__init__
+    original = getattr(owner, name)
 
-    def counting(self, *args, **kwargs):
+    def counting(*args, **kwargs):
         built.append(1)
-        original(self, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(knn_pruned.PrunedKNNIndex, "__init__", counting)
+    monkeypatch.setattr(owner, name, counting)
     emb = torch.randn(400, 8, generator=torch.Generator().manual_seed(1))
-    retrieval_metrics(emb, torch.arange(400) % 4, ks=(1,), backend="pruned", memory_budget_bytes=16 * 1024)
-    assert len(built) == 1
+    retrieval_metrics(emb, torch.arange(400) % 4, ks=(1,), backend=backend, memory_budget_bytes=16 * 1024)
+    assert len(built) == 1  # the budget makes ~20 query chunks

@@ -125,15 +125,24 @@ def _torch_knn(query, support, k, self_index, chunk_size, keys=None):
     return out_d, out_i
 
 
-def _faiss_knn(query, support, k, self_index):
+def _faiss_index(support: torch.Tensor):
+    """``(centre, faiss.IndexFlatL2 of the centred support)``: what the faiss back end searches;
+    callers that search one support many times (the retrieval metrics' query chunks) build it once."""
     faiss = _import_faiss()
     import numpy as np  # noqa: PLC0415
 
     centre = _key_centre(support)
-    s = np.ascontiguousarray((support - centre).detach().cpu().numpy(), dtype=np.float32)
+    index = faiss.IndexFlatL2(support.shape[1])
+    index.add(np.ascontiguousarray((support - centre).detach().cpu().numpy(), dtype=np.float32))
+    return centre, index
+
+
+def _faiss_knn(query, support, k, self_index, keys=None):
+    """``keys``: :func:`_faiss_index` of ``support`` if the caller has it."""
+    import numpy as np  # noqa: PLC0415
+
+    centre, index = _faiss_index(support) if keys is None else keys
     q = np.ascontiguousarray((query - centre).detach().cpu().numpy(), dtype=np.float32)
-    index = faiss.IndexFlatL2(s.shape[1])
-    index.add(s)
     extra = 1 if self_index is not None else 0
     _, idx = index.search(q, k + extra)
     idx = torch.from_numpy(idx).to(query.device)
@@ -234,7 +243,8 @@ def knn_search(
 
 def _knn_dispatch(query, support, k, backend, self_index, chunk_size, index=None, keys=None):
     """Validated-input kNN; ``self_index`` (Nq,) or None. Used by the retrieval metrics' chunks,
-    which pass what does not change between chunks: the pruned ``index`` or the torch ``keys``."""
+    which pass what does not change between chunks: the pruned ``index``, or the ``keys`` of the
+    torch (:func:`_key_rows`) or faiss (:func:`_faiss_index`) search."""
     if query.shape[0] == 0:
         empty = torch.empty((0, k), device=query.device)
         return empty.to(query.dtype), empty.long()
@@ -248,5 +258,5 @@ def _knn_dispatch(query, support, k, backend, self_index, chunk_size, index=None
     if _resolve_backend(backend, query, support.shape[0]) == "faiss":
         if query.device.type != "cpu":
             raise ValueError("backend: 'faiss' (faiss-cpu) needs CPU tensors; use backend='torch' on GPU")
-        return _faiss_knn(query, support, k, self_index)
+        return _faiss_knn(query, support, k, self_index, keys=keys)
     return _torch_knn(query, support, k, self_index, chunk_size, keys=keys)
