@@ -328,8 +328,9 @@ if AVAILABLE:
             max_half = max(max_half, int(math.ceil(truncate * bandwidth[c] / delta[c])))
             max_g = max(max_g, n_grid[c])
         # the convolution runs in the samples' precision (float32 layers: twice the SIMD width; the
-        # eager grid of a float32 layer is float32 too), the binning sums and the taps in float64
-        binned = np.empty(max_g + 2 * max_half + 1, samples.dtype)
+        # eager grid of a float32 layer is float32 too), the binning sums in float64
+        bins = np.empty(max_g + 2 * max_half + 4, np.float64)
+        binned = np.zeros(max_g + 2 * max_half + 4, samples.dtype)
         taps = np.empty(2 * max_half + 1, samples.dtype)
         acc = np.empty(max_g, samples.dtype)
         ratio = -1.0  # delta / h and half-width of the taps in `taps` (phi only; 1/h is applied to the sums)
@@ -340,32 +341,24 @@ if AVAILABLE:
             g_dim = n_grid[c]
             half = int(math.ceil(truncate * h / d))
             length = g_dim + 2 * half
-            for e in range(length):
-                binned[e] = 0.0
-            # the samples are sorted, so runs of them share a bin pair: their weights are summed
-            # before being added (no store->load chain through binned[] for repeated values)
-            cur = -2
-            a0 = 0.0
-            a1 = 0.0
+            # linear binning in float64: bins[2 + e] <-> node lo + (e - half) * delta, two guard
+            # cells at each end take the weight of samples off the grid, so the loop has no branch
+            # (summing runs of equal bins behind a branch, as before, cost ~15-25% more)
+            for e in range(length + 4):
+                bins[e] = 0.0
+            inv_d = 1.0 / d
+            top = np.float64(length)
             for s in range(s_dim):
-                u = (np.float64(samples[c, s]) - lo[c]) / d + half
+                u = (np.float64(samples[c, s]) - lo[c]) * inv_d + half
                 i0 = math.floor(u)
                 frac = u - i0
-                i = int(i0)
-                if i != cur:
-                    if 0 <= cur < length:
-                        binned[cur] += a0
-                    if 0 <= cur + 1 < length:
-                        binned[cur + 1] += a1
-                    cur = i
-                    a0 = 0.0
-                    a1 = 0.0
-                a0 += (1.0 - frac) * w
-                a1 += frac * w
-            if 0 <= cur < length:
-                binned[cur] += a0
-            if 0 <= cur + 1 < length:
-                binned[cur + 1] += a1
+                i0 = i0 if i0 > -2.0 else -2.0  # (the samples are finite)
+                i0 = i0 if i0 < top else top
+                i = int(i0) + 2
+                bins[i] += (1.0 - frac) * w
+                bins[i + 1] += frac * w
+            for e in range(2, length + 2):
+                binned[e] = bins[e]  # into the convolution's precision
             n_taps = 2 * half + 1
             # phi(t delta / h): the same for every channel whose spacing is h / points_per_bandwidth
             # (delta / h is then exact), so computed again only when the ratio or the half-width
@@ -386,12 +379,12 @@ if AVAILABLE:
                 k2 = taps[t + 2]
                 k3 = taps[t + 3]
                 for j in range(g_dim):
-                    acc[j] += k0 * binned[j + t] + k1 * binned[j + t + 1] + k2 * binned[j + t + 2] + k3 * binned[j + t + 3]
+                    acc[j] += k0 * binned[j + t + 2] + k1 * binned[j + t + 3] + k2 * binned[j + t + 4] + k3 * binned[j + t + 5]
                 t += 4
             while t < n_taps:
                 k0 = taps[t]
                 for j in range(g_dim):
-                    acc[j] += k0 * binned[j + t]
+                    acc[j] += k0 * binned[j + t + 2]
                 t += 1
             inv_h = 1.0 / h
             for j in range(g_dim):
