@@ -5,8 +5,8 @@ Why: in eager PyTorch the batch-context QACT is ~40 small tensor operations, an 
 ``(C, M)`` context and a scatter through its permutation; here the context is sorted by numpy's
 vectorised sort (values only, no permutation) and each value is then read once, for its output and
 (when a gradient will be needed) its KDE density. Channels run in parallel as contiguous channel
-ranges on torch's thread count (the kernels release the GIL; Python threads, not numba's parallel
-runtime, which shares the OpenMP runtime with torch and stalled for whole scheduler ticks).
+ranges on torch's thread count, on torch's own OpenMP threads (:mod:`shiftguard._parallel`; the
+kernels release the GIL).
 
 What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py``):
 
@@ -43,13 +43,13 @@ references (``tests/test_qact_cpu.py``).
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import numpy as np
 import torch
 
 from shiftguard._numba import AVAILABLE, njit  # numba is a dependency; the eager torch path works without it
+from shiftguard._parallel import parallel_parts
 from shiftguard.functional.kde import grid_layout
 
 if AVAILABLE:
@@ -403,36 +403,22 @@ if AVAILABLE:
                     out3[n, c, l] = g3[n, c, l] * _density_at(x3[n, c, l], row, a, inv, top)
 
 
-_POOL = None
-_POOL_PID = None
-
-
 def _threads() -> int:
     return max(1, torch.get_num_threads())
 
 
-def _pool(threads: int):
-    # a new pool after a fork too: the parent's worker threads do not exist in the child
-    global _POOL, _POOL_PID
-    if _POOL is None or _POOL._max_workers < threads or _POOL_PID != os.getpid():
-        from concurrent.futures import ThreadPoolExecutor
-
-        _POOL = ThreadPoolExecutor(threads, thread_name_prefix="shiftguard-qact")
-        _POOL_PID = os.getpid()
-    return _POOL
-
-
 def _run(kernel, n_channels: int, work: int, *args) -> None:
     """``kernel(c0, c1, *args)`` over channels ``[0, n_channels)``: inline when the work is small,
-    else split into contiguous channel ranges over torch's thread count (the kernels release the
-    GIL). Python threads rather than numba's parallel runtime: that one shares the OpenMP runtime
-    with torch and stalled for whole scheduler ticks (8 ms) when the two alternated."""
+    else split into contiguous channel ranges over torch's thread count, run on torch's own OpenMP
+    threads (:mod:`shiftguard._parallel`; the kernels release the GIL). Not numba's parallel
+    runtime: that one starts an OpenMP team of its own, whose spinning workers then compete with
+    torch's for the cores."""
     threads = min(_threads(), n_channels)
     if threads < 2 or work < (1 << 16):
         kernel(0, n_channels, *args)
         return
     bounds = np.linspace(0, n_channels, threads + 1).astype(np.int64)
-    list(_pool(threads).map(lambda i: kernel(int(bounds[i]), int(bounds[i + 1]), *args), range(threads)))
+    parallel_parts(lambda i: kernel(int(bounds[i]), int(bounds[i + 1]), *args), threads)
 
 
 def _sort_rows_inplace(a: np.ndarray, threads: int) -> None:
@@ -443,7 +429,7 @@ def _sort_rows_inplace(a: np.ndarray, threads: int) -> None:
         a.sort(axis=1)
         return
     bounds = np.linspace(0, rows, min(threads, rows) + 1).astype(np.int64)
-    list(_pool(threads).map(lambda i: a[bounds[i]:bounds[i + 1]].sort(axis=1), range(len(bounds) - 1)))
+    parallel_parts(lambda i: a[bounds[i]:bounds[i + 1]].sort(axis=1), len(bounds) - 1)
 
 
 def sorted_grounded_context(x3: np.ndarray, c: float) -> np.ndarray:

@@ -1,0 +1,160 @@
+"""Run GIL-releasing work in parallel on torch's own OpenMP threads (Python threads as fallback).
+
+Why: torch's CPU operators run on an OpenMP team, and after each parallel region the team's worker
+threads keep spinning for a while (GNU libgomp: ``GOMP_SPINCOUNT`` pause instructions, a few ms)
+waiting for the next one. Work handed to *other* threads in that window -- a Python thread pool
+running compiled kernels that release the GIL -- competes with the spinning workers for the cores.
+On a 2-core machine the QACT KDE grid of a (256, 512) batch took 2.0 ms on a two-thread pool after
+a numpy call but 3.8 ms after a BatchNorm, no faster than one thread (``docs/qact.md``). Started
+on torch's team instead (the runtime's ``GOMP_parallel``, called through ctypes), the work lands on
+the very threads that were spinning: 2.0 ms either way, and no extra threads exist.
+
+:func:`parallel_parts` calls ``fn(i)`` for ``i in range(n_parts)``, in parallel when ``fn`` releases
+the GIL (numba ``nogil`` kernels, numpy's sort), and re-raises the first exception any part raised.
+The OpenMP route is taken when torch's ATen parallel backend is OpenMP and the GNU-ABI runtime it
+loaded (``libgomp``, or LLVM/Intel's ``libomp``/``libiomp5``, which export the same entry points)
+is found mapped in this process (Linux ``/proc/self/maps``); otherwise, in a process forked from
+this one (GNU OpenMP does not survive a fork: torch's own operators hang in such a child unless it
+sets one thread), or with the environment variable ``SHIFTGUARD_THREADS=pool``, a
+``concurrent.futures`` thread pool runs the parts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+import threading
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["parallel_parts", "backend"]
+
+_OMP_NAMES = ("libgomp", "libiomp5", "libomp")
+
+
+def _mapped_openmp_runtime() -> Optional[str]:
+    """Path of the OpenMP runtime torch loaded, if it can be told apart: one under torch's package
+    directory, else the only one mapped. ``None`` off Linux or when ambiguous."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if line.count(" ") >= 5 and "/" in line}
+    except OSError:
+        return None
+    omp = sorted(p for p in paths if os.path.basename(p).startswith(_OMP_NAMES) and ".so" in os.path.basename(p))
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__)) + os.sep
+    own = [p for p in omp if os.path.realpath(p).startswith(torch_dir)]
+    if len(own) == 1:
+        return own[0]
+    return omp[0] if len(omp) == 1 else None
+
+
+class _OpenMP:
+    """``GOMP_parallel`` of torch's runtime with a Python trampoline (one per process)."""
+
+    _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        lib.GOMP_parallel.argtypes = [self._CALLBACK, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        lib.GOMP_parallel.restype = None
+        lib.omp_get_thread_num.restype = ctypes.c_int
+        lib.omp_get_num_threads.restype = ctypes.c_int
+        self._jobs: dict = {}
+        self._keys = itertools.count(1)
+        self._trampoline = self._CALLBACK(self._run_part)  # kept alive with the object
+
+    def _run_part(self, key) -> None:
+        fn, n_parts, errors = self._jobs[key]
+        # the team may have fewer threads than asked for (nested region, thread limit): each
+        # thread then takes every team-size-th part
+        t = self._lib.omp_get_thread_num()
+        team = self._lib.omp_get_num_threads()
+        for i in range(t, n_parts, team):
+            try:
+                fn(i)
+            except BaseException as e:  # noqa: BLE001 - re-raised by the caller; a ctypes callback would swallow it
+                errors.append((i, e))
+
+    def run(self, fn: Callable[[int], None], n_parts: int) -> None:
+        key = next(self._keys)  # jobs are per call: several Python threads may run parts at once
+        errors: list = []
+        self._jobs[key] = (fn, n_parts, errors)
+        try:
+            self._lib.GOMP_parallel(self._trampoline, key, n_parts, 0)
+        finally:
+            del self._jobs[key]
+        if errors:
+            raise min(errors, key=lambda ie: ie[0])[1]
+
+
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+def _openmp() -> Optional[_OpenMP]:
+    pid = os.getpid()
+    if _STATE.get("pid") == pid:
+        return _STATE["omp"]
+    with _LOCK:
+        if _STATE.get("pid") != pid:
+            omp = None
+            if os.environ.get("SHIFTGUARD_THREADS", "").strip().lower() != "pool" and \
+                    "parallel backend: OpenMP" in torch.__config__.parallel_info():
+                path = _mapped_openmp_runtime()
+                if path is not None:
+                    try:
+                        lib = ctypes.CDLL(path)  # the mapped copy (dlopen matches the loaded file)
+                        omp = _OpenMP(lib) if hasattr(lib, "GOMP_parallel") else None
+                    except (OSError, AttributeError):
+                        omp = None
+            _STATE.update(pid=pid, omp=omp, pool=None)
+    return _STATE["omp"]
+
+
+def _after_fork_in_child() -> None:
+    # the child has the parent's OpenMP state but not its threads: never start a team here
+    global _LOCK
+    _LOCK = threading.Lock()
+    _STATE.clear()
+    _STATE.update(pid=os.getpid(), omp=None, pool=None)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _pool(threads: int):
+    pool = _STATE.get("pool")  # (none after a fork: the parent's worker threads do not exist in the child)
+    if pool is None or pool._max_workers < threads:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(threads, thread_name_prefix="shiftguard")
+        _STATE["pool"] = pool
+    return pool
+
+
+def backend() -> str:
+    """``"openmp"`` when parts run on torch's OpenMP team, ``"pool"`` for the thread-pool fallback."""
+    return "openmp" if _openmp() is not None else "pool"
+
+
+def parallel_parts(fn: Callable[[int], None], n_parts: int) -> None:
+    """Call ``fn(i)`` for every ``i`` in ``range(n_parts)``, in parallel (``fn`` must release the GIL
+    to gain from it); returns when all parts are done, also when one failed, and then re-raises
+    the exception of the first part (in part order) that raised."""
+    if n_parts <= 1:
+        if n_parts == 1:
+            fn(0)
+        return
+    omp = _openmp()
+    if omp is not None:
+        omp.run(fn, n_parts)
+        return
+    pool = _pool(n_parts)
+    futures = [pool.submit(fn, i) for i in range(n_parts)]
+    errors = [f.exception() for f in futures]  # waits for every part, also after one failed
+    for e in errors:
+        if e is not None:
+            raise e

@@ -1,0 +1,139 @@
+"""shiftguard._parallel: parts run once each, on torch's OpenMP team where there is one, with
+exceptions re-raised, from several Python threads at once, and in a forked child."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from shiftguard import _parallel as P
+
+OPENMP_HERE = (os.path.exists("/proc/self/maps") and "parallel backend: OpenMP" in torch.__config__.parallel_info()
+               and os.environ.get("SHIFTGUARD_THREADS", "").strip().lower() != "pool")
+
+
+@pytest.fixture(params=["default", "pool"])
+def backend(request, monkeypatch):
+    """Each test runs on the default back end and on the thread-pool fallback."""
+    monkeypatch.setattr(P, "_STATE", {})
+    if request.param == "pool":
+        monkeypatch.setenv("SHIFTGUARD_THREADS", "pool")
+    yield request.param
+    P._STATE.clear()
+
+
+@pytest.mark.parametrize("n_parts", [0, 1, 2, 3, 17])
+def test_every_part_runs_exactly_once(backend, n_parts):
+    calls = np.zeros(max(n_parts, 1), dtype=np.int64)
+    lock = threading.Lock()
+
+    def part(i):
+        with lock:
+            calls[i] += 1
+
+    P.parallel_parts(part, n_parts)
+    assert (calls[:n_parts] == 1).all()
+    assert n_parts > 0 or calls.sum() == 0
+
+
+def test_backend_is_named(backend):
+    got = P.backend()
+    if backend == "pool":
+        assert got == "pool"
+    else:
+        assert got == ("openmp" if OPENMP_HERE else "pool")
+
+
+@pytest.mark.skipif(not OPENMP_HERE, reason="torch here does not run on a GNU-ABI OpenMP runtime under /proc/self/maps")
+def test_parts_run_on_torch_openmp_team_including_the_caller(monkeypatch):
+    monkeypatch.setattr(P, "_STATE", {})
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 20).sum()  # torch's team exists
+        idents = [None, None]
+
+        def part(i):
+            idents[i] = threading.get_ident()
+            time.sleep(0.01)  # a part that releases the GIL
+
+        P.parallel_parts(part, 2)
+    finally:
+        torch.set_num_threads(old)
+    assert P.backend() == "openmp"
+    # the calling thread is thread 0 of the team; the other part ran on a second team thread
+    assert idents[0] == threading.get_ident()
+    assert idents[1] is not None and idents[1] != idents[0]
+
+
+@pytest.mark.parametrize("bad_part", [0, 1, 4])
+def test_an_exception_in_any_part_is_raised_to_the_caller(backend, bad_part):
+    done = []
+
+    def part(i):
+        if i == bad_part:
+            raise ValueError(f"part {i} failed")
+        done.append(i)
+
+    with pytest.raises(ValueError, match=f"part {bad_part} failed"):
+        P.parallel_parts(part, 5)
+    assert sorted(done) == [i for i in range(5) if i != bad_part]
+
+
+def test_calls_from_several_python_threads_at_once_do_not_mix(backend):
+    results = {}
+    errors = []
+
+    def caller(k):
+        try:
+            for rep in range(20):
+                out = np.zeros(6)
+
+                def part(i, out=out):
+                    time.sleep(0.0005)
+                    out[i] = k * 100 + i
+
+                P.parallel_parts(part, 6)
+                np.testing.assert_array_equal(out, k * 100 + np.arange(6))
+            results[k] = True
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert sorted(results) == [0, 1, 2, 3]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_falls_back_to_the_pool_and_does_not_hang():
+    torch.ones(1 << 20).sum()
+    out = np.zeros(2)
+    P.parallel_parts(lambda i: out.__setitem__(i, 1.0), 2)  # the parent has used its back end
+    pid = os.fork()
+    if pid == 0:
+        try:
+            res = np.zeros(3)
+            P.parallel_parts(lambda i: res.__setitem__(i, i + 1.0), 3)
+            os._exit(0 if P.backend() == "pool" and res.tolist() == [1.0, 2.0, 3.0] else 1)
+        except BaseException:
+            os._exit(2)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("parallel_parts hung in a forked child")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0
