@@ -101,6 +101,54 @@ def test_samples_follow_the_grounding_weights():
     assert abs(counts[:3].sum() - 120_000) < 5 * np.sqrt(60_000)
 
 
+def _reference_draws(row: np.ndarray, channel: int, n_samples: int, seed: int) -> np.ndarray:
+    """The draws of grounded_samples written out in numpy: SplitMix64 of seed + channel * S + s;
+    the top bit picks the side, the low 32 bits the entry within it (multiply-shift); sorted."""
+    with np.errstate(over="ignore"):
+        key = np.uint64(seed) + np.uint64(channel) * np.uint64(n_samples) + np.arange(n_samples, dtype=np.uint64)
+        z = key * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    nn = int((row < 0).sum())
+    pos_side = (z >> np.uint64(63)) == 1
+    size = np.where(pos_side, row.size - nn, nn).astype(np.uint64)
+    first = np.where(pos_side, nn, 0).astype(np.uint64)
+    idx = first + (((z & np.uint64(0xFFFFFFFF)) * size) >> np.uint64(32))
+    return np.sort(row[idx.astype(np.int64)])
+
+
+@pytest.mark.parametrize("case", list(_contexts()) + [("long", np.random.default_rng(3).standard_normal((9000, 2, 1)))],
+                         ids=lambda c: c[0])
+def test_samples_equal_the_reference_draws(case):
+    # covers the tally read-out (an entry drawn more than 8 times: the +-c of one-sided channels)
+    # and, for contexts longer than 8 S ("long"), the sorted draws
+    _, x3 = case
+    ctx = K.sorted_grounded_context(np.ascontiguousarray(x3), 100.0)
+    samples, bw = K.grounded_samples(ctx, 1000, seed=123)
+    for ch in range(ctx.shape[0]):
+        np.testing.assert_array_equal(samples[ch], _reference_draws(ctx[ch], ch, 1000, 123))
+    np.testing.assert_allclose(bw, kde.silverman_bandwidth(torch.from_numpy(samples)).numpy(), rtol=1e-12)
+
+
+def test_grid_layout_equals_the_eager_layout():
+    g = np.random.default_rng(6)
+    n = 400
+    smin = g.standard_normal(n) * 3
+    smax = smin + g.exponential(2.0, n)
+    h = g.exponential(0.3, n) + 1e-6
+    xmin = smin + g.standard_normal(n)
+    xmax = np.maximum(smax + g.standard_normal(n), xmin)
+    h[:20] = 1e-7  # wide ranges in bandwidths: capped at max_points nodes
+    lo, delta, nodes = kde.grid_layout(*(torch.from_numpy(a) for a in (smin, smax, h, xmin, xmax)))
+    for c in range(n):
+        got = K._layout(smin[c], smax[c], h[c], xmin[c], xmax[c], 16.0, 6.0, 4096)
+        assert got == (lo[c].item(), delta[c].item(), nodes[c].item())
+    # ceil((hi - lo) / delta) with delta = (hi - lo) / 4095 rounds to at most 4096: at most 4098
+    # nodes, the scratch size of the fused kernel (_batch_channels)
+    assert nodes[:20].max().item() <= 4096 + 2
+
+
 def test_samples_are_deterministic_sorted_and_match_silverman():
     x3 = np.random.default_rng(1).standard_normal((100, 70, 9))
     ctx = K.sorted_grounded_context(x3, 100.0)
@@ -254,20 +302,49 @@ def test_value_range_read_off_the_sorted_context(case):
     assert K.sorted_value_range(K.sorted_grounded_context(np.ascontiguousarray(v), 100.0), 100.0) is None
 
 
-@pytest.mark.parametrize("shape", [(64, 3), (40, 4, 6, 6), (1, 3)])
-def test_density_computed_in_the_forward_equals_the_separate_backward(shape):
-    x = torch.randn(shape)
-    g = torch.randn(shape)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(64, 3), (40, 4, 6, 6), (1, 3), (3, 2, 40, 40)])
+def test_density_computed_in_the_forward_equals_the_separate_backward(shape, dtype):
+    # (3, 2, 40, 40): a context longer than 8 S, whose draws are sorted rather than tallied
+    x = torch.randn(shape, dtype=dtype)
+    g = torch.randn(shape, dtype=dtype)
     stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(2), density=True)
     assert "density" in pre
+    # the same statistics as the separate kernels with the same seed
+    ctx = K.sorted_grounded_context(Q._as3(x), 100.0)
+    seed = Q._draw_seed(torch.Generator().manual_seed(2))
+    samples, bw = K.grounded_samples(ctx, 1000, seed)
+    np.testing.assert_array_equal(stats.quantiles.numpy(), K.grounded_quantiles(ctx, 100))
+    np.testing.assert_array_equal(stats.samples.numpy(), samples)
+    np.testing.assert_array_equal(stats.bandwidth.numpy(), bw.astype(stats.bandwidth.numpy().dtype))
     # the separate path: output and backward from the same statistics
     xi = x.clone().requires_grad_(True)
     y = Q.qact_apply(xi, stats)
     y.backward(g)
     assert torch.equal(pre["output"], y.detach())
     fused = g * pre["density"]
-    # same grid, same interpolation; the fused path rounds the density to float32 before the product
-    torch.testing.assert_close(fused, xi.grad, rtol=2e-7, atol=1e-12)
+    # Same grid layout and interpolation. The fused pass bins each drawn entry once, weighted by
+    # its number of draws, where the separate grid bins draw by draw: the float64 bins differ by
+    # rounding (~1e-16), so in float64 the two agree to ~1e-13. A float32 layer convolves in
+    # float32; each grid is then within the convolution's rounding bound, (2 * 96 + 1 + 4) * 2^-24
+    # relative, of the float64 grid, so the two within twice that.
+    rtol = 1e-12 if dtype == torch.float64 else 2 * 197 * 2.0**-24
+    torch.testing.assert_close(fused, xi.grad, rtol=rtol, atol=1e-12)
+
+
+def test_fused_density_on_a_grid_capped_at_max_points():
+    # a tight cluster and far outliers: the bandwidth is tiny against the range, so the grid is
+    # capped at max_points nodes (the fused kernel's scratch size) and coarser than h / 16
+    g = np.random.default_rng(8)
+    v = np.concatenate([g.standard_normal(997) * 1e-4, [-50.0, 40.0, 50.0]])
+    x = torch.from_numpy(np.stack([v, g.standard_normal(1000)], axis=1))
+    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True)
+    xi = x.clone().requires_grad_(True)
+    Q.qact_apply(xi, stats).backward(torch.ones_like(x))
+    torch.testing.assert_close(pre["density"], xi.grad, rtol=1e-12, atol=1e-12)
+    xmin, xmax = torch.aminmax(Q.channel_values(x), dim=1)
+    _, _, nodes = kde.grid_layout(stats.samples.min(1).values, stats.samples.max(1).values, stats.bandwidth, xmin, xmax)
+    assert nodes[0].item() > 4096  # the cap was reached
 
 
 def test_non_finite_input_with_gradient_is_a_value_error():

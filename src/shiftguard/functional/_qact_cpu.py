@@ -20,8 +20,7 @@ What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py`
   table over ``[q_1, q_n]`` holds, per cell, the number of quantiles in earlier cells; the cell
   index is monotone in ``x``, so only the quantiles in ``x``'s own cell are compared and the count
   equals ``torch.searchsorted(q, x, right=True)`` whatever the rounding. The same pass checks for
-  NaN/inf and records the range, or, given the KDE grid, interpolates the density (Alg. 2, eq. (7))
-  at every value for the backward.
+  NaN/inf and records the range.
 - :func:`grounded_samples`: the ``S`` KDE points of Alg. 2, i.i.d. draws with the grounding weights
   (each draw picks a negative with probability 1/2, uniformly among the ``n_-``, or a non-negative,
   uniformly among the ``n_+``), returned sorted (a tally of the draws per context entry read out in
@@ -35,6 +34,10 @@ What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py`
   direct convolution per channel instead of one FFT over all, in the samples' precision like the
   eager grid) and, for statistics that did not come
   with the density (frozen context, DDP), ``grad_output * f_grid(x)`` in one pass.
+- :func:`batch_channels`: all of the above for a batch context whose gradient will be needed, one
+  channel at a time (quantiles, draws and bandwidth, grid, then every value's output and density,
+  Alg. 2 eq. (7), for the backward), with the channel's scratch in cache and no Python between
+  the steps. The drawn entries are binned once each with their number of draws as weight.
 
 The tests check each kernel against the eager implementation it replaces and against the slow
 references (``tests/test_qact_cpu.py``).
@@ -43,7 +46,6 @@ references (``tests/test_qact_cpu.py``).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import numpy as np
 import torch
@@ -57,7 +59,7 @@ if AVAILABLE:
 
 __all__ = [
     "AVAILABLE", "sorted_grounded_context", "sorted_value_range", "grounded_quantiles", "counts_output",
-    "grounded_samples", "kde_grid", "kde_density_times",
+    "grounded_samples", "kde_grid", "kde_density_times", "batch_channels",
 ]
 
 if AVAILABLE:
@@ -85,37 +87,41 @@ if AVAILABLE:
             return (k + 0.5) / (2.0 * nn)
         return 0.5 + (k - nn + 0.5) / (2.0 * (k_dim - nn))
 
+    @njit(inline="always")
+    def _channel_quantiles(row, n_tau, q_row):
+        # the weighted quantiles of one sorted grounded context row (grounded_quantiles)
+        k_dim = row.shape[0]
+        nn = _n_negative(row)
+        run = -np.inf
+        for i in range(n_tau):
+            tau = (i + 1.0) / (n_tau + 1.0)
+            if tau < 0.5:
+                k = int(math.floor(2.0 * tau * nn - 0.5))
+            else:
+                k = nn + int(math.floor((tau - 0.5) * 2.0 * (k_dim - nn) - 0.5))
+            k = min(max(k, -1), k_dim - 1)
+            # enforce p_k <= tau < p_{k+1} (guards the rounding of the inversion)
+            while k + 1 <= k_dim - 1 and _position(k + 1, nn, k_dim) <= tau:
+                k += 1
+            while k >= 0 and _position(k, nn, k_dim) > tau:
+                k -= 1
+            if k < 0:
+                v = np.float64(row[0])
+            elif k >= k_dim - 1:
+                v = np.float64(row[k_dim - 1])
+            else:
+                p0 = _position(k, nn, k_dim)
+                p1 = _position(k + 1, nn, k_dim)
+                v0 = np.float64(row[k])
+                v1 = np.float64(row[k + 1])
+                v = v0 + (tau - p0) / (p1 - p0) * (v1 - v0)
+            run = max(run, v)
+            q_row[i] = run
+
     @njit(nogil=True, cache=True)
     def _grounded_quantiles(c0, c1, ctx, n_tau, q_out):
-        c_dim, k_dim = ctx.shape
         for c in range(c0, c1):
-            row = ctx[c]
-            nn = _n_negative(row)
-            run = -np.inf
-            for i in range(n_tau):
-                tau = (i + 1.0) / (n_tau + 1.0)
-                if tau < 0.5:
-                    k = int(math.floor(2.0 * tau * nn - 0.5))
-                else:
-                    k = nn + int(math.floor((tau - 0.5) * 2.0 * (k_dim - nn) - 0.5))
-                k = min(max(k, -1), k_dim - 1)
-                # enforce p_k <= tau < p_{k+1} (guards the rounding of the inversion)
-                while k + 1 <= k_dim - 1 and _position(k + 1, nn, k_dim) <= tau:
-                    k += 1
-                while k >= 0 and _position(k, nn, k_dim) > tau:
-                    k -= 1
-                if k < 0:
-                    v = np.float64(row[0])
-                elif k >= k_dim - 1:
-                    v = np.float64(row[k_dim - 1])
-                else:
-                    p0 = _position(k, nn, k_dim)
-                    p1 = _position(k + 1, nn, k_dim)
-                    v0 = np.float64(row[k])
-                    v1 = np.float64(row[k + 1])
-                    v = v0 + (tau - p0) / (p1 - p0) * (v1 - v0)
-                run = max(run, v)
-                q_out[c, i] = run
+            _channel_quantiles(ctx[c], n_tau, q_out[c])
 
     @njit(inline="always")
     def _cell(v, q_lo, inv_w, top):
@@ -146,6 +152,34 @@ if AVAILABLE:
         return k
 
     @njit(inline="always")
+    def _table_size(n_tau, n_values):
+        # ~4-8 table cells per quantile (finer for longer channels, where the per-value cost
+        # dominates; with 2 per quantile, half the channels of a (256, 512) input had a cell with
+        # more than two quantiles and took the slower count, 1.7x the pass)
+        return max(4 * n_tau, min(8 * n_tau, n_values // 2))
+
+    @njit(inline="always")
+    def _cell_table(q, qp, start, n_lut):
+        # qp = the quantiles q, then +inf twice (for the fixed steps); start = the cumulative counts
+        # per cell; returns (q_lo, 1 / cell width, whether no cell holds more than two quantiles)
+        n_tau = q.shape[0]
+        for i in range(n_tau):
+            qp[i] = q[i]
+        qp[n_tau] = np.inf
+        qp[n_tau + 1] = np.inf
+        q_lo = qp[0]
+        q_hi = qp[n_tau - 1]
+        inv_w = n_lut / (q_hi - q_lo) if q_hi > q_lo else 0.0
+        start[:] = 0
+        for i in range(n_tau):
+            start[_cell(qp[i], q_lo, inv_w, n_lut) + 1] += 1
+        occupancy = 0
+        for j in range(1, n_lut + 2):
+            occupancy = max(occupancy, start[j])
+            start[j] += start[j - 1]
+        return q_lo, inv_w, occupancy <= 2
+
+    @njit(inline="always")
     def _density_at(v, row, origin, inv_delta, top):
         # linear interpolation of the grid row on nodes origin + j / inv_delta (0 outside); the grid
         # is a sum of non-negative terms, so no clamp is needed
@@ -159,51 +193,20 @@ if AVAILABLE:
         return d if inside else 0.0
 
     @njit(nogil=True, cache=True)
-    def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad,
-                grid, origin, inv_delta, n_grid, dens3):
-        # the forward output of every value (and its range, and NaN/inf); with a grid (grid.shape[0]
-        # > 0) also the KDE density at every value, for the backward (dens3)
+    def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad):
+        # the forward output of every value, its range, and NaN/inf
         n_dim, c_dim, l_dim = x3.shape
         n_tau = quantiles.shape[1]
-        with_density = grid.shape[0] > 0
-        # ~2-8 table cells per quantile (finer for longer channels, where the per-value cost dominates)
-        n_lut = max(2 * n_tau, min(8 * n_tau, (n_dim * l_dim) // 2))
+        n_lut = _table_size(n_tau, n_dim * l_dim)
         start = np.zeros(n_lut + 2, np.int64)
-        qp = np.empty(n_tau + 2, np.float64)  # the quantiles, then +inf twice (for the fixed steps)
+        qp = np.empty(n_tau + 2, np.float64)
         for c in range(c0, c1):
-            q = quantiles[c]
-            for i in range(n_tau):
-                qp[i] = q[i]
-            qp[n_tau] = np.inf
-            qp[n_tau + 1] = np.inf
-            q_lo = qp[0]
-            q_hi = qp[n_tau - 1]
-            inv_w = n_lut / (q_hi - q_lo) if q_hi > q_lo else 0.0
-            start[:] = 0
-            for i in range(n_tau):
-                start[_cell(qp[i], q_lo, inv_w, n_lut) + 1] += 1
-            occupancy = 0
-            for j in range(1, n_lut + 2):
-                occupancy = max(occupancy, start[j])
-                start[j] += start[j - 1]
-            few = occupancy <= 2
-            row = grid[min(c, grid.shape[0] - 1)] if with_density else qp
-            a = origin[min(c, origin.shape[0] - 1)]
-            inv = inv_delta[min(c, inv_delta.shape[0] - 1)]
-            top = n_grid[min(c, n_grid.shape[0] - 1)] - 1
+            q_lo, inv_w, few = _cell_table(quantiles[c], qp, start, n_lut)
             lo_v = np.inf
             hi_v = -np.inf
             bad = 0
-            # four copies of the loop so that no branch on the mode sits inside it
-            # with the density the caller has already checked the values (finite) and their range
-            # (read off the sorted context), so those are not tracked again
-            if few and with_density:
-                for n in range(n_dim):
-                    for l in range(l_dim):
-                        v = x3[n, c, l]
-                        out3[n, c, l] = values_by_count[_count_few(v, qp, start, q_lo, inv_w, n_lut)]
-                        dens3[n, c, l] = _density_at(v, row, a, inv, top)
-            elif few:
+            # two copies of the loop so that no branch on the count sits inside it
+            if few:
                 for n in range(n_dim):
                     for l in range(l_dim):
                         v = x3[n, c, l]
@@ -211,12 +214,6 @@ if AVAILABLE:
                         lo_v = min(lo_v, v)
                         hi_v = max(hi_v, v)
                         out3[n, c, l] = values_by_count[_count_few(v, qp, start, q_lo, inv_w, n_lut)]
-            elif with_density:
-                for n in range(n_dim):
-                    for l in range(l_dim):
-                        v = x3[n, c, l]
-                        out3[n, c, l] = values_by_count[_count_many(v, qp, start, q_lo, inv_w, n_lut)]
-                        dens3[n, c, l] = _density_at(v, row, a, inv, top)
             else:
                 for n in range(n_dim):
                     for l in range(l_dim):
@@ -249,143 +246,181 @@ if AVAILABLE:
         hi = min(lo + 1, srt.shape[0] - 1)
         return np.float64(srt[lo]) + (p - lo) * (np.float64(srt[hi]) - np.float64(srt[lo]))
 
+    @njit(inline="always")
+    def _tallied(k_dim, s_dim):
+        # whether the draws of a context of k_dim entries are tallied per entry (else sorted)
+        return k_dim <= 8 * s_dim
+
+    @njit(inline="always")
+    def _channel_samples(row, c, s_dim, seed, draws, tally, spread, out_row):
+        # S draws from one sorted grounded context row with the grounding weights, written sorted
+        # to out_row; returns Silverman's bandwidth. When _tallied, tally[:k_dim] holds the number
+        # of draws of each entry afterwards. draws: S int64, tally: k_dim int32, spread: S + 8 scratch.
+        k_dim = row.shape[0]
+        nn = _n_negative(row)
+        npos = k_dim - nn
+        # one draw = 64 random bits: the top bit picks the side (probability 1/2 each, the
+        # grounding weights), the low 32 bits the entry within it by multiply-shift
+        # (floor(r * size / 2^32): every entry has probability within size / 2^32 relative of
+        # uniform, < 1e-5 for contexts below 40k values). Integer-only, so it vectorises.
+        base = np.uint64(seed) + np.uint64(c) * np.uint64(s_dim)
+        unn = np.uint64(nn)
+        unp = np.uint64(npos)
+        for s in range(s_dim):
+            z = splitmix64(base + np.uint64(s))
+            pos_side = (z >> _S63) == _ONE
+            size = unp if pos_side else unn
+            first = unn if pos_side else _ZERO
+            draws[s] = np.int64(first + (((z & _LOW32) * size) >> _S32))
+        total = 0.0
+        big = 0.0
+        ss = 0.0
+        if not _tallied(k_dim, s_dim):
+            # long context: sort the S drawn entries (the rows are sorted, so entry order is
+            # value order) rather than walk a tally of all M + 2 entries
+            draws.sort()
+            for s in range(s_dim):
+                v = row[draws[s]]
+                out_row[s] = v
+                total += np.float64(v)
+                big = max(big, abs(np.float64(v)))
+            mean = total / s_dim
+            for s in range(s_dim):
+                d = np.float64(out_row[s]) - mean
+                ss += d * d
+        else:
+            tally[:k_dim] = 0
+            for s in range(s_dim):
+                tally[draws[s]] += 1
+            # the sorted sample: entry k repeated tally[k] times. Eight copies are stored whatever
+            # the tally (the next entries overwrite the extra ones; `spread` has 8 spare cells),
+            # so the common case has no branch (a branch per copy cost 1.4 ms at (256, 512))
+            pos = 0
+            for k in range(k_dim):
+                t = tally[k]
+                v = row[k]
+                for i in range(8):
+                    spread[pos + i] = v
+                if t > 8:
+                    for i in range(8, t):
+                        spread[pos + i] = v
+                pos += t
+                total += t * np.float64(v)
+                big = max(big, abs(np.float64(v)) if t > 0 else 0.0)
+            out_row[:] = spread[:s_dim]
+            # the sum of squares over the entries, each weighted by its draws (the values are finite)
+            mean = total / s_dim
+            for k in range(k_dim):
+                d = np.float64(row[k]) - mean
+                ss += tally[k] * (d * d)
+        std = math.sqrt(ss / (s_dim - 1)) if s_dim > 1 else 0.0
+        q25 = _sorted_quantile(out_row, 0.25)
+        q75 = _sorted_quantile(out_row, 0.75)
+        a = min(std, (q75 - q25) / 1.34)
+        if not a > 0:
+            a = std
+        if not a > 0:
+            a = 1e-3 * max(1.0, big)
+        return 0.9 * a * s_dim ** (-0.2)
+
     @njit(nogil=True, cache=True)
     def _grounded_samples(c0, c1, ctx, n_samples, seed, out, bandwidth):
-        c_dim, k_dim = ctx.shape
-        s_dim = n_samples
-        draws = np.empty(s_dim, np.int64)
+        k_dim = ctx.shape[1]
+        draws = np.empty(n_samples, np.int64)
         tally = np.empty(k_dim, np.int32)
+        spread = np.empty(n_samples + 8, ctx.dtype)
         for c in range(c0, c1):
-            row = ctx[c]
-            nn = _n_negative(row)
-            npos = k_dim - nn
-            # one draw = 64 random bits: the top bit picks the side (probability 1/2 each, the
-            # grounding weights), the low 32 bits the entry within it by multiply-shift
-            # (floor(r * size / 2^32): every entry has probability within size / 2^32 relative of
-            # uniform, < 1e-5 for contexts below 40k values). Integer-only, so it vectorises.
-            base = np.uint64(seed) + np.uint64(c) * np.uint64(s_dim)
-            unn = np.uint64(nn)
-            unp = np.uint64(npos)
-            for s in range(s_dim):
-                z = splitmix64(base + np.uint64(s))
-                pos_side = (z >> _S63) == _ONE
-                size = unp if pos_side else unn
-                start = unn if pos_side else _ZERO
-                draws[s] = np.int64(start + (((z & _LOW32) * size) >> _S32))
-            total = 0.0
-            big = 0.0
-            if k_dim > 8 * s_dim:
-                # long context: sort the S drawn entries (the rows are sorted, so entry order is
-                # value order) rather than walk a tally of all M + 2 entries
-                draws.sort()
-                for s in range(s_dim):
-                    v = row[draws[s]]
-                    out[c, s] = v
-                    total += np.float64(v)
-                    big = max(big, abs(np.float64(v)))
-            else:
-                tally[:k_dim] = 0
-                for s in range(s_dim):
-                    tally[draws[s]] += 1
-                pos = 0
-                for k in range(k_dim):
-                    t = tally[k]
-                    if t:
-                        v = row[k]
-                        for _ in range(t):
-                            out[c, pos] = v
-                            pos += 1
-                        total += t * np.float64(v)
-                        big = max(big, abs(np.float64(v)))
-            # Silverman's rule on the sorted sample (kde.silverman_bandwidth), in float64
-            mean = total / s_dim
-            ss = 0.0
-            for s in range(s_dim):
-                d = np.float64(out[c, s]) - mean
-                ss += d * d
-            std = math.sqrt(ss / (s_dim - 1)) if s_dim > 1 else 0.0
-            q25 = _sorted_quantile(out[c], 0.25)
-            q75 = _sorted_quantile(out[c], 0.75)
-            a = min(std, (q75 - q25) / 1.34)
-            if not a > 0:
-                a = std
-            if not a > 0:
-                a = 1e-3 * max(1.0, big)
-            bandwidth[c] = 0.9 * a * s_dim ** (-0.2)
+            bandwidth[c] = _channel_samples(ctx[c], c, n_samples, seed, draws, tally, spread, out[c])
+
+    @njit(inline="always")
+    def _layout(smin, smax, h, xmin, xmax, points_per_bandwidth, truncate, max_points):
+        # kde.grid_layout for one channel (the same float64 operations, so the same grid)
+        lo = max(xmin, smin - truncate * h)
+        hi = max(min(xmax, smax + truncate * h), lo)
+        delta = max(h / points_per_bandwidth, (hi - lo) / (max_points - 1))
+        return lo, delta, int(math.ceil((hi - lo) / delta)) + 2
+
+    @njit(inline="always")
+    def _bin(bins, v, weight, lo, inv_d, half, top):
+        # linear binning of one point in float64: bins[2 + e] <-> node lo + (e - half) * delta;
+        # two guard cells at each end take the weight of points off the grid, so there is no
+        # branch (summing runs of equal bins behind a branch cost ~15-25% more)
+        u = (np.float64(v) - lo) * inv_d + half
+        i0 = math.floor(u)
+        frac = u - i0
+        i0 = i0 if i0 > -2.0 else -2.0  # (the points are finite)
+        i0 = i0 if i0 < top else top
+        i = int(i0) + 2
+        bins[i] += (1.0 - frac) * weight
+        bins[i + 1] += frac * weight
+
+    @njit(inline="always")
+    def _smooth(bins, binned, taps, taps_key, acc, g_dim, half, ratio, truncate):
+        # acc[j] = sum_t phi(t delta / h) bins[j + t + 2], t = -half..half, in the precision of
+        # `binned` (the samples' dtype: float32 layers have twice the SIMD width; the eager grid
+        # of a float32 layer is float32 too). phi(t delta / h) is the same for every channel whose
+        # spacing is h / points_per_bandwidth (delta / h is then exact), so the taps are computed
+        # again only when the ratio or the half-width changes (taps_key holds both; the rounding
+        # of truncate * h / delta can differ between such channels).
+        n_taps = 2 * half + 1
+        for e in range(2, g_dim + 2 * half + 2):
+            binned[e] = bins[e]
+        if ratio != taps_key[0] or half != taps_key[1]:
+            taps_key[0] = ratio
+            taps_key[1] = half
+            inv_sqrt_2pi = 1.0 / math.sqrt(2.0 * math.pi)
+            for t in range(-half, half + 1):
+                z = t * ratio
+                taps[t + half] = math.exp(-0.5 * z * z) * inv_sqrt_2pi if abs(z) <= truncate else 0.0
+        # four taps per pass over acc (vectorised over j)
+        for j in range(g_dim):
+            acc[j] = 0.0
+        t = 0
+        while t + 4 <= n_taps:
+            k0 = taps[t]
+            k1 = taps[t + 1]
+            k2 = taps[t + 2]
+            k3 = taps[t + 3]
+            for j in range(g_dim):
+                acc[j] += k0 * binned[j + t + 2] + k1 * binned[j + t + 3] + k2 * binned[j + t + 4] + k3 * binned[j + t + 5]
+            t += 4
+        while t < n_taps:
+            k0 = taps[t]
+            for j in range(g_dim):
+                acc[j] += k0 * binned[j + t + 2]
+            t += 1
+
+    @njit(inline="always")
+    def _grid_scratch(max_g, max_half, dtype):
+        # bins (float64), binned (the convolution's precision), taps, acc, and the taps' key
+        size = max_g + 2 * max_half + 4
+        return (np.empty(size, np.float64), np.zeros(size, dtype), np.empty(2 * max_half + 1, dtype),
+                np.empty(max_g, dtype), np.full(2, -1.0))
 
     @njit(nogil=True, cache=True)
     def _kde_grid(c0, c1, samples, bandwidth, lo, delta, n_grid, truncate, grid):
-        # kde.kde_grid per channel: linear binning of the samples on nodes lo + (e - half) * delta,
-        # convolution with phi(t delta / h) / h on taps |t delta| <= truncate * h, grid = the part
-        # on nodes lo + j * delta, j < n_grid[c] (the rest of the row stays 0)
+        # kde.kde_grid per channel: linear binning of the samples, convolution with
+        # phi(t delta / h) / h on taps |t delta| <= truncate * h, grid = the part on nodes
+        # lo + j * delta, j < n_grid[c] (the rest of the row stays 0)
         c_dim, s_dim = samples.shape
-        inv_sqrt_2pi = 1.0 / math.sqrt(2.0 * math.pi)
         w = 1.0 / s_dim
-        # scratch rows sized for the widest channel of the range
         max_half = 0
         max_g = 0
         for c in range(c0, c1):
             max_half = max(max_half, int(math.ceil(truncate * bandwidth[c] / delta[c])))
             max_g = max(max_g, n_grid[c])
-        # the convolution runs in the samples' precision (float32 layers: twice the SIMD width; the
-        # eager grid of a float32 layer is float32 too), the binning sums in float64
-        bins = np.empty(max_g + 2 * max_half + 4, np.float64)
-        binned = np.zeros(max_g + 2 * max_half + 4, samples.dtype)
-        taps = np.empty(2 * max_half + 1, samples.dtype)
-        acc = np.empty(max_g, samples.dtype)
-        ratio = -1.0  # delta / h and half-width of the taps in `taps` (phi only; 1/h is applied to the sums)
-        taps_half = -1
+        bins, binned, taps, acc, taps_key = _grid_scratch(max_g, max_half, samples.dtype)
         for c in range(c0, c1):
             h = bandwidth[c]
             d = delta[c]
             g_dim = n_grid[c]
             half = int(math.ceil(truncate * h / d))
             length = g_dim + 2 * half
-            # linear binning in float64: bins[2 + e] <-> node lo + (e - half) * delta, two guard
-            # cells at each end take the weight of samples off the grid, so the loop has no branch
-            # (summing runs of equal bins behind a branch, as before, cost ~15-25% more)
-            for e in range(length + 4):
-                bins[e] = 0.0
+            bins[:length + 4] = 0.0
             inv_d = 1.0 / d
-            top = np.float64(length)
             for s in range(s_dim):
-                u = (np.float64(samples[c, s]) - lo[c]) * inv_d + half
-                i0 = math.floor(u)
-                frac = u - i0
-                i0 = i0 if i0 > -2.0 else -2.0  # (the samples are finite)
-                i0 = i0 if i0 < top else top
-                i = int(i0) + 2
-                bins[i] += (1.0 - frac) * w
-                bins[i + 1] += frac * w
-            for e in range(2, length + 2):
-                binned[e] = bins[e]  # into the convolution's precision
-            n_taps = 2 * half + 1
-            # phi(t delta / h): the same for every channel whose spacing is h / points_per_bandwidth
-            # (delta / h is then exact), so computed again only when the ratio or the half-width
-            # changes (the rounding of truncate * h / d can differ between such channels)
-            if d / h != ratio or half != taps_half:
-                ratio = d / h
-                taps_half = half
-                for t in range(-half, half + 1):
-                    z = t * ratio
-                    taps[t + half] = math.exp(-0.5 * z * z) * inv_sqrt_2pi if abs(z) <= truncate else 0.0
-            # acc[j] = sum_t taps[t] binned[j + t], four taps per pass over acc (vectorised over j)
-            for j in range(g_dim):
-                acc[j] = 0.0
-            t = 0
-            while t + 4 <= n_taps:
-                k0 = taps[t]
-                k1 = taps[t + 1]
-                k2 = taps[t + 2]
-                k3 = taps[t + 3]
-                for j in range(g_dim):
-                    acc[j] += k0 * binned[j + t + 2] + k1 * binned[j + t + 3] + k2 * binned[j + t + 4] + k3 * binned[j + t + 5]
-                t += 4
-            while t < n_taps:
-                k0 = taps[t]
-                for j in range(g_dim):
-                    acc[j] += k0 * binned[j + t + 2]
-                t += 1
+                _bin(bins, samples[c, s], w, lo[c], inv_d, half, np.float64(length))
+            _smooth(bins, binned, taps, taps_key, acc, g_dim, half, d / h, truncate)
             inv_h = 1.0 / h
             for j in range(g_dim):
                 grid[c, j] = acc[j] * inv_h
@@ -401,6 +436,72 @@ if AVAILABLE:
             for n in range(n_dim):
                 for l in range(l_dim):
                     out3[n, c, l] = g3[n, c, l] * _density_at(x3[n, c, l], row, a, inv, top)
+
+    @njit(nogil=True, cache=True)
+    def _batch_channels(c0, c1, ctx, x3, seed, xmin, xmax, points_per_bandwidth, truncate, max_points,
+                        values_by_count, q_out, samples, bandwidth, out3, dens3):
+        # everything the batch context computes for a channel, one channel at a time with its
+        # scratch in cache (no per-pass arrays, no Python between passes): the quantiles
+        # (_channel_quantiles), the KDE draws and bandwidth (_channel_samples), the KDE grid
+        # (_layout, _bin, _smooth: the grid of kde_grid, the drawn entries binned once each with
+        # their number of draws as weight instead of draw by draw), and every value's output and
+        # density (as _counts and _density_at). The caller has checked the values are finite and
+        # read their range (xmin, xmax) off the sorted context.
+        n_dim, c_dim, l_dim = x3.shape
+        k_dim = ctx.shape[1]
+        n_tau = q_out.shape[1]
+        s_dim = samples.shape[1]
+        w = 1.0 / s_dim
+        draws = np.empty(s_dim, np.int64)
+        tally = np.empty(k_dim, np.int32)
+        spread = np.empty(s_dim + 8, ctx.dtype)
+        n_lut = _table_size(n_tau, n_dim * l_dim)
+        start = np.zeros(n_lut + 2, np.int64)
+        qp = np.empty(n_tau + 2, np.float64)
+        # a grid has at most max_points + 2 nodes (kde.grid_layout: ceil((hi - lo) / delta) <=
+        # max_points after rounding, tested) and, as delta >= h /
+        # points_per_bandwidth, a half-width of at most ceil(truncate * points_per_bandwidth) (+1
+        # for the rounding of h / delta)
+        max_half = int(math.ceil(truncate * points_per_bandwidth)) + 1
+        bins, binned, taps, acc, taps_key = _grid_scratch(max_points + 2, max_half, samples.dtype)
+        row_grid = np.empty(max_points + 2, np.float64)
+        for c in range(c0, c1):
+            row = ctx[c]
+            _channel_quantiles(row, n_tau, q_out[c])
+            h = _channel_samples(row, c, s_dim, seed, draws, tally, spread, samples[c])
+            bandwidth[c] = h
+            lo, d, g_dim = _layout(np.float64(samples[c, 0]), np.float64(samples[c, s_dim - 1]), h, xmin[c], xmax[c],
+                                   points_per_bandwidth, truncate, max_points)
+            half = int(math.ceil(truncate * h / d))
+            length = g_dim + 2 * half
+            bins[:length + 4] = 0.0
+            inv_d = 1.0 / d
+            top = np.float64(length)
+            if _tallied(k_dim, s_dim):
+                for k in range(k_dim):  # entries never drawn add 0
+                    _bin(bins, row[k], tally[k] * w, lo, inv_d, half, top)
+            else:
+                for s in range(s_dim):
+                    _bin(bins, samples[c, s], w, lo, inv_d, half, top)
+            _smooth(bins, binned, taps, taps_key, acc, g_dim, half, d / h, truncate)
+            inv_h = 1.0 / h
+            for j in range(g_dim):
+                row_grid[j] = acc[j] * inv_h
+            q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut)
+            g_top = g_dim - 1
+            # two copies of the loop so that no branch on the count sits inside it
+            if few:
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        v = x3[n, c, l]
+                        out3[n, c, l] = values_by_count[_count_few(v, qp, start, q_lo, inv_w, n_lut)]
+                        dens3[n, c, l] = _density_at(v, row_grid, lo, inv_d, g_top)
+            else:
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        v = x3[n, c, l]
+                        out3[n, c, l] = values_by_count[_count_many(v, qp, start, q_lo, inv_w, n_lut)]
+                        dens3[n, c, l] = _density_at(v, row_grid, lo, inv_d, g_top)
 
 
 def _threads() -> int:
@@ -425,7 +526,7 @@ def _sort_rows_inplace(a: np.ndarray, threads: int) -> None:
     """``a.sort(axis=1)`` with the rows split over ``threads`` threads (numpy's sort releases the
     GIL) when there is enough work to pay for it."""
     rows = a.shape[0]
-    if threads < 2 or a.size < (1 << 18) or rows < 2:
+    if threads < 2 or a.size < (1 << 15) or rows < 2:
         a.sort(axis=1)
         return
     bounds = np.linspace(0, rows, min(threads, rows) + 1).astype(np.int64)
@@ -451,55 +552,54 @@ def grounded_quantiles(ctx: np.ndarray, n_tau: int) -> np.ndarray:
     return q
 
 
-def _channel_major(x3: np.ndarray) -> tuple[np.ndarray, bool]:
-    """The kernels walk each channel's values in memory order; when a channel's values are
-    scattered (``L`` small, e.g. a dense ``(N, C)`` input has stride ``C`` between them) a
-    ``(1, C, N * L)`` transposed copy is much faster to walk."""
-    n, ch, length = x3.shape
-    if length >= 16 or n == 1:
-        return x3, False
-    return np.ascontiguousarray(x3.transpose(1, 0, 2)).reshape(1, ch, n * length), True
+# The kernels read x3 (and write their results) in place, also where a channel's values are
+# scattered (a dense (N, C) input, stride C): channels are walked in order, so the cache lines a
+# channel touches are still cached for its neighbours. A transposed copy in and out cost more
+# (measured at (256, 512), (1024, 128), (4096, 64): the output pass 1.9-2.7x, the density pass
+# 1.2-2.1x, the whole (1024, 128) QACT block 4.2 -> 3.3 ms).
 
 
-def _back(out: np.ndarray, shape: tuple, transposed: bool) -> np.ndarray:
-    if not transposed:
-        return out
-    n, ch, length = shape
-    return np.ascontiguousarray(out.reshape(ch, n, length).transpose(1, 0, 2))
-
-
-def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.ndarray, name: str = "input",
-                  grid: Optional[tuple] = None):
+def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.ndarray, name: str = "input"):
     """Forward output of every value of ``x3`` ``(N, C, L)`` given ``quantiles`` ``(C, n_tau)``:
     ``values_by_count[#{i : q_i <= x}]`` (``values_by_count[k] = k / n_tau`` in the dtype), and the
     per-channel range ``xmin, xmax`` (float64) of ``x3``. Raises ``ValueError`` naming ``name`` if
-    ``x3`` holds NaN or inf (checked in the same pass).
-
-    ``grid``: ``(grid, origin, delta, n_nodes)`` of :func:`kde_grid`; then the same pass also
-    interpolates the KDE at every value and the result is ``(out, density)``, the density shaped
-    like ``x3`` in its dtype (what the backward multiplies the gradient by). The caller has then
-    already checked that ``x3`` is finite and knows its range (:func:`sorted_value_range`).
-    """
-    xc, transposed = _channel_major(x3)
-    out = np.empty_like(xc)
+    ``x3`` holds NaN or inf (checked in the same pass)."""
+    out = np.empty_like(x3)
     xmin = np.empty(x3.shape[1], dtype=np.float64)
     xmax = np.empty(x3.shape[1], dtype=np.float64)
     n_bad = np.zeros(x3.shape[1], dtype=np.int64)
-    if grid is None:  # placeholders of the right types: the kernel skips the density
-        g, origin, inv_delta, n_nodes = np.zeros((0, 1)), np.zeros(1), np.ones(1), np.ones(1, np.int64)
-        dens = np.zeros((1, 1, 1), dtype=xc.dtype)
-    else:
-        g, origin, delta, n_nodes = grid
-        inv_delta = 1.0 / delta
-        dens = np.empty_like(xc)
-    _run(_counts, xc.shape[1], xc.size * 8, xc, quantiles, values_by_count, out, xmin, xmax, n_bad,
-         g, origin, inv_delta, n_nodes, dens)
-    if grid is not None:
-        return _back(out, x3.shape, transposed), _back(dens, x3.shape, transposed)
+    _run(_counts, x3.shape[1], x3.size * 8, x3, quantiles, values_by_count, out, xmin, xmax, n_bad)
     if n_bad.any():
         n_nan = int(np.isnan(x3).sum())
         raise ValueError(f"{name}: contains non-finite values ({n_nan} NaN, {int(n_bad.sum()) - n_nan} inf)")
-    return _back(out, x3.shape, transposed), xmin, xmax
+    return out, xmin, xmax
+
+
+def batch_channels(x3: np.ndarray, ctx: np.ndarray, n_tau: int, n_samples: int, seed: int, xmin: np.ndarray,
+                   xmax: np.ndarray, values_by_count: np.ndarray, points_per_bandwidth: int = 16,
+                   truncate: float = 6.0, max_points: int = 4096):
+    """Everything the batch context of a layer that needs its gradient computes, in one pass per
+    channel: the quantiles (as :func:`grounded_quantiles`), the KDE samples and bandwidths (as
+    :func:`grounded_samples` with ``seed``), the KDE grid (as :func:`kde_grid`; the drawn entries
+    are binned once each, weighted by their number of draws) and every value's forward output (as
+    :func:`counts_output`) and KDE density (what the backward multiplies the gradient by).
+
+    ``x3`` ``(N, C, L)`` finite, ``ctx`` its sorted grounded context (:func:`sorted_grounded_context`),
+    ``xmin, xmax`` its per-channel range (:func:`sorted_value_range`), ``n_samples >= 1``.
+
+    Returns ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)`` float64, and the
+    output and the density, both shaped like ``x3`` in its dtype.
+    """
+    ch = ctx.shape[0]
+    q = np.empty((ch, n_tau), dtype=ctx.dtype)
+    samples = np.empty((ch, n_samples), dtype=ctx.dtype)
+    bw = np.empty(ch, dtype=np.float64)
+    out = np.empty_like(x3)
+    dens = np.empty_like(x3)
+    _run(_batch_channels, ch, x3.size * 8 + ch * n_samples * 64, ctx, x3, seed, np.asarray(xmin, np.float64),
+         np.asarray(xmax, np.float64), float(points_per_bandwidth), float(truncate), int(max_points),
+         values_by_count, q, samples, bw, out, dens)
+    return q, samples, bw, out, dens
 
 
 def sorted_value_range(ctx: np.ndarray, c: float):
@@ -547,8 +647,6 @@ def kde_density_times(x3: np.ndarray, g3: np.ndarray, samples: np.ndarray, bandw
     ``x3``'s per-channel range ``xmin, xmax``) linearly interpolated at every value of ``x3`` (0
     outside the grid; the grid is a sum of non-negative terms) and multiplied by the incoming gradient ``g3``, all ``(N, C, L)``."""
     grid, lo, delta, n_grid = kde_grid(samples, bandwidth, xmin, xmax)
-    xc, transposed = _channel_major(x3)
-    gc, _ = _channel_major(g3)
-    out = np.empty_like(xc)
-    _run(_grid_density_times, xc.shape[1], xc.size * 8, xc, gc, grid, lo, 1.0 / delta, n_grid, out)
-    return _back(out, x3.shape, transposed)
+    out = np.empty_like(x3)
+    _run(_grid_density_times, x3.shape[1], x3.size * 8, x3, g3, grid, lo, 1.0 / delta, n_grid, out)
+    return out

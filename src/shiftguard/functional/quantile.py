@@ -433,6 +433,11 @@ def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, genera
         return stats, {"counts": counts}
 
 
+def _draw_seed(generator) -> int:
+    """The seed of the compiled kernels' KDE draws, from the caller's torch generator."""
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+
+
 def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator, like: torch.Tensor,
                          quantiles: Optional[np.ndarray] = None) -> QACTStatistics:
     """Statistics from the sorted grounded context ``ctx`` ``(C, M + 2)`` by the compiled kernels
@@ -443,8 +448,7 @@ def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator,
     ch = ctx.shape[0]
     if not n_samples:
         return QACTStatistics(q, like.new_zeros(ch, 0), like.new_zeros(ch))
-    seed = int(torch.randint(0, 2**62, (1,), generator=generator).item())
-    samples, bw = _qact_cpu.grounded_samples(ctx, n_samples, seed)
+    samples, bw = _qact_cpu.grounded_samples(ctx, n_samples, _draw_seed(generator))
     return QACTStatistics(q, torch.from_numpy(samples), torch.from_numpy(bw).to(like.dtype))
 
 
@@ -452,22 +456,22 @@ def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: in
                             density: bool = False) -> tuple:
     """:func:`_batch_context` by the compiled CPU kernels (same statistics and output).
 
-    ``density``: the gradient will be needed, so the KDE grid is laid out first (its range read off
-    the sorted context) and the pass that computes the output also interpolates the density at
-    every value; the backward is then one multiplication."""
+    ``density``: the gradient will be needed, so one pass per channel (:func:`_qact_cpu.batch_channels`,
+    after the context sort, whose ends give the range the KDE grid must cover) computes the
+    statistics, the output and the density at every value; the backward is then one multiplication."""
     x3 = _as3(x)
     ctx = _qact_cpu.sorted_grounded_context(x3, c)
-    q = _qact_cpu.grounded_quantiles(ctx, n_tau)
     vbc = _values_by_count(n_tau, x.dtype)
     xrange = _qact_cpu.sorted_value_range(ctx, c) if density and n_samples else None
     if xrange is None:
+        q = _qact_cpu.grounded_quantiles(ctx, n_tau)
         # the output pass also checks for NaN/inf, before any random draw or stored statistic
         out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
         stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
         return stats, {"output": torch.from_numpy(out3).view(x.shape), "xrange": (xmin, xmax)}
-    stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
-    grid = _qact_cpu.kde_grid(stats.samples.numpy(), stats.bandwidth.double().numpy(), *xrange)
-    out3, dens3 = _qact_cpu.counts_output(x3, q, vbc, grid=grid)
+    q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, n_tau, n_samples, _draw_seed(generator), *xrange,
+                                                           vbc)
+    stats = QACTStatistics(torch.from_numpy(q), torch.from_numpy(samples), torch.from_numpy(bw).to(x.dtype))
     return stats, {"output": torch.from_numpy(out3).view(x.shape), "density": torch.from_numpy(dens3).view(x.shape)}
 
 
