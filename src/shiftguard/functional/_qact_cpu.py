@@ -252,6 +252,36 @@ if AVAILABLE:
         return k_dim <= 8 * s_dim
 
     @njit(inline="always")
+    def _tally_moment(row, tally, centre, square):
+        # sum_k tally[k] * (row[k] - centre) (or its square), in four partial sums
+        k_dim = row.shape[0]
+        a0 = 0.0
+        a1 = 0.0
+        a2 = 0.0
+        a3 = 0.0
+        k4 = k_dim - k_dim % 4
+        for k in range(0, k4, 4):
+            d0 = np.float64(row[k]) - centre
+            d1 = np.float64(row[k + 1]) - centre
+            d2 = np.float64(row[k + 2]) - centre
+            d3 = np.float64(row[k + 3]) - centre
+            if square:
+                d0 *= d0
+                d1 *= d1
+                d2 *= d2
+                d3 *= d3
+            a0 += tally[k] * d0
+            a1 += tally[k + 1] * d1
+            a2 += tally[k + 2] * d2
+            a3 += tally[k + 3] * d3
+        for k in range(k4, k_dim):
+            d0 = np.float64(row[k]) - centre
+            if square:
+                d0 *= d0
+            a0 += tally[k] * d0
+        return (a0 + a1) + (a2 + a3)
+
+    @njit(inline="always")
     def _channel_samples(row, c, s_dim, seed, draws, tally, spread, out_row):
         # S draws from one sorted grounded context row with the grounding weights, written sorted
         # to out_row; returns Silverman's bandwidth. When _tallied, tally[:k_dim] holds the number
@@ -272,19 +302,17 @@ if AVAILABLE:
             size = unp if pos_side else unn
             first = unn if pos_side else _ZERO
             draws[s] = np.int64(first + (((z & _LOW32) * size) >> _S32))
-        total = 0.0
-        big = 0.0
-        ss = 0.0
         if not _tallied(k_dim, s_dim):
             # long context: sort the S drawn entries (the rows are sorted, so entry order is
             # value order) rather than walk a tally of all M + 2 entries
             draws.sort()
+            total = 0.0
             for s in range(s_dim):
                 v = row[draws[s]]
                 out_row[s] = v
                 total += np.float64(v)
-                big = max(big, abs(np.float64(v)))
             mean = total / s_dim
+            ss = 0.0
             for s in range(s_dim):
                 d = np.float64(out_row[s]) - mean
                 ss += d * d
@@ -305,14 +333,14 @@ if AVAILABLE:
                     for i in range(8, t):
                         spread[pos + i] = v
                 pos += t
-                total += t * np.float64(v)
-                big = max(big, abs(np.float64(v)) if t > 0 else 0.0)
             out_row[:] = spread[:s_dim]
-            # the sum of squares over the entries, each weighted by its draws (the values are finite)
-            mean = total / s_dim
-            for k in range(k_dim):
-                d = np.float64(row[k]) - mean
-                ss += tally[k] * (d * d)
+            # sum and sum of squares over the entries, each weighted by its draws (the values are
+            # finite), in separate loops of four interleaved partial sums (a serial chain of
+            # additions in the read-out loop doubled its time)
+            mean = _tally_moment(row, tally, 0.0, False) / s_dim
+            ss = _tally_moment(row, tally, mean, True)
+        big = max(abs(np.float64(out_row[0])), abs(np.float64(out_row[s_dim - 1])))  # (sorted)
+        # Silverman's rule on the sorted sample (kde.silverman_bandwidth), in float64
         std = math.sqrt(ss / (s_dim - 1)) if s_dim > 1 else 0.0
         q25 = _sorted_quantile(out_row, 0.25)
         q75 = _sorted_quantile(out_row, 0.75)
