@@ -54,3 +54,33 @@ def torch_one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def run_forked():
+    """``run_forked(body, what)``: call ``body()`` in a forked child and return its exit code (0:
+    ``body`` returned True, 1: False, 2: it raised); fails the test if the child has not finished
+    within 60 s (a hang). Skips where there is no ``os.fork``."""
+    if not hasattr(os, "fork"):
+        pytest.skip("needs os.fork")
+    import time
+
+    def run(body, what: str) -> int:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os._exit(0 if body() else 1)
+            except BaseException:
+                os._exit(2)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return os.waitstatus_to_exitcode(status)
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail(f"{what} hung in a forked child")
+            time.sleep(0.05)
+
+    return run

@@ -113,27 +113,14 @@ def test_calls_from_several_python_threads_at_once_do_not_mix(backend):
     assert sorted(results) == [0, 1, 2, 3]
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_forked_child_falls_back_to_the_pool_and_does_not_hang():
+def test_a_forked_child_falls_back_to_the_pool_and_does_not_hang(run_forked):
     torch.ones(1 << 20).sum()
     out = np.zeros(2)
     P.parallel_parts(lambda i: out.__setitem__(i, 1.0), 2)  # the parent has used its back end
-    pid = os.fork()
-    if pid == 0:
-        try:
-            res = np.zeros(3)
-            P.parallel_parts(lambda i: res.__setitem__(i, i + 1.0), 3)
-            os._exit(0 if P.backend() == "pool" and res.tolist() == [1.0, 2.0, 3.0] else 1)
-        except BaseException:
-            os._exit(2)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("parallel_parts hung in a forked child")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child():
+        res = np.zeros(3)
+        P.parallel_parts(lambda i: res.__setitem__(i, i + 1.0), 3)
+        return P.backend() == "pool" and res.tolist() == [1.0, 2.0, 3.0]
+
+    assert run_forked(child, "parallel_parts") == 0

@@ -4,9 +4,6 @@ sampling law)."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -262,28 +259,14 @@ def test_compiled_and_eager_layers_agree(monkeypatch):
     assert (diff.abs() <= 2 * bound[:, None] * 1.0001 + 1e-12).all()
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_works_in_a_forked_child_after_the_parent_used_threads():
-    x = torch.randn(64, 16, 12, 12)  # large enough for the thread pool
+def test_works_in_a_forked_child_after_the_parent_used_threads(run_forked):
+    x = torch.randn(64, 16, 12, 12)  # large enough to be split over threads
     Q.quantile_activation(x)
-    pid = os.fork()
-    if pid == 0:  # child: the parent's pool threads do not exist here; this must not hang
-        try:
-            y = Q.quantile_activation(x, generator=torch.Generator().manual_seed(0))
-            os._exit(0 if y.shape == x.shape else 1)
-        except BaseException:
-            os._exit(2)
-    deadline = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("QACT hung in a forked child")
-        time.sleep(0.05)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child():  # the parent's threads do not exist here; this must not hang
+        return Q.quantile_activation(x, generator=torch.Generator().manual_seed(0)).shape == x.shape
+
+    assert run_forked(child, "QACT") == 0
 
 
 @pytest.mark.parametrize("case", list(_contexts()), ids=lambda c: c[0])
