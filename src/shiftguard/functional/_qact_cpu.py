@@ -546,8 +546,8 @@ def _run(kernel, n_channels: int, work: int, *args) -> None:
     if threads < 2 or work < (1 << 16):
         kernel(0, n_channels, *args)
         return
-    bounds = np.linspace(0, n_channels, threads + 1).astype(np.int64)
-    parallel_parts(lambda i: kernel(int(bounds[i]), int(bounds[i + 1]), *args), threads)
+    bounds = [n_channels * i // threads for i in range(threads + 1)]  # (np.linspace: ~35 us a call)
+    parallel_parts(lambda i: kernel(bounds[i], bounds[i + 1], *args), threads)
 
 
 def _gather_and_sort(c0: int, c1: int, x3: np.ndarray, c: float, ctx: np.ndarray) -> None:
