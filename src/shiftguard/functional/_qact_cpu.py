@@ -100,21 +100,25 @@ if AVAILABLE:
             else:
                 k = nn + int(math.floor((tau - 0.5) * 2.0 * (k_dim - nn) - 0.5))
             k = min(max(k, -1), k_dim - 1)
-            # enforce p_k <= tau < p_{k+1} (guards the rounding of the inversion)
-            while k + 1 <= k_dim - 1 and _position(k + 1, nn, k_dim) <= tau:
+            # enforce p_k <= tau < p_{k+1} (guards the rounding of the inversion), keeping p_k and
+            # p_{k+1} for the interpolation (p_-1 = -inf, p_K = +inf)
+            p_next = _position(k + 1, nn, k_dim) if k + 1 <= k_dim - 1 else np.inf
+            while p_next <= tau:
                 k += 1
-            while k >= 0 and _position(k, nn, k_dim) > tau:
+                p_next = _position(k + 1, nn, k_dim) if k + 1 <= k_dim - 1 else np.inf
+            p_here = _position(k, nn, k_dim) if k >= 0 else -np.inf
+            while p_here > tau:
                 k -= 1
+                p_next = p_here
+                p_here = _position(k, nn, k_dim) if k >= 0 else -np.inf
             if k < 0:
                 v = np.float64(row[0])
             elif k >= k_dim - 1:
                 v = np.float64(row[k_dim - 1])
             else:
-                p0 = _position(k, nn, k_dim)
-                p1 = _position(k + 1, nn, k_dim)
                 v0 = np.float64(row[k])
                 v1 = np.float64(row[k + 1])
-                v = v0 + (tau - p0) / (p1 - p0) * (v1 - v0)
+                v = v0 + (tau - p_here) / (p_next - p_here) * (v1 - v0)
             run = max(run, v)
             q_row[i] = run
 
