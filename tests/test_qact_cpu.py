@@ -177,6 +177,28 @@ def test_results_do_not_depend_on_the_thread_count():
     assert torch.equal(results[0][1], results[1][1])
 
 
+def test_results_do_not_depend_on_the_thread_back_end(monkeypatch):
+    # torch's OpenMP team (shiftguard._parallel, where available) or the thread-pool fallback
+    from shiftguard import _parallel
+
+    x = torch.randn(64, 16, 12, 12)  # large enough to be split over threads
+    g = torch.randn_like(x)
+    results = []
+    for env in (None, "pool"):
+        monkeypatch.setattr(_parallel, "_STATE", {})
+        if env is None:
+            monkeypatch.delenv("SHIFTGUARD_THREADS", raising=False)
+        else:
+            monkeypatch.setenv("SHIFTGUARD_THREADS", env)
+        xi = x.clone().requires_grad_(True)
+        y = Q.quantile_activation(xi, generator=torch.Generator().manual_seed(0))
+        y.backward(g)
+        results.append((_parallel.backend(), y, xi.grad))
+    assert results[1][0] == "pool"
+    assert torch.equal(results[0][1], results[1][1])
+    assert torch.equal(results[0][2], results[1][2])
+
+
 def test_grid_equals_the_eager_grid():
     x3 = np.random.default_rng(2).standard_normal((200, 5, 1)) * np.array([0.1, 1.0, 3.0, 10.0, 1.0])[None, :, None]
     ctx = K.sorted_grounded_context(x3, 100.0)
