@@ -170,7 +170,7 @@ def jpeg_roundtrip(x: Tensor, quality: int) -> Tensor:
     qc = _tiled_table(tuple(CHROMA_TABLE), quality, Fcr.shape[0], Fcc.shape[0], dt, dev)
     fwd = torch.tensor(_RGB2YCC, dtype=dt, device=x.device)
     inv = torch.tensor(_YCC2RGB, dtype=dt, device=x.device)[:, 1:].contiguous()  # the Y column is 1
-    compiled = _kernels.AVAILABLE and x.device.type == "cpu"
+    compiled = _kernels.serves(x)
     for i in range(0, N, BLOCK):
         v = x[i : i + BLOCK]
         B = v.shape[0]

@@ -36,14 +36,21 @@ and the path for other devices (``tests/test_corruptions_fastpaths.py`` checks b
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from shiftguard._numba import AVAILABLE, njit  # numba is a dependency; the torch code works without it
 
 if AVAILABLE:
     from shiftguard._numba import splitmix64
 
+
+def serves(x: torch.Tensor, floating: bool = False) -> bool:
+    """Whether the kernels handle tensor ``x``: numba is importable and ``x`` is on the CPU (and,
+    with ``floating``, float32 or float64); otherwise the torch code runs."""
+    return AVAILABLE and x.device.type == "cpu" and (not floating or x.dtype in (torch.float32, torch.float64))
+
 __all__ = [
-    "AVAILABLE", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
+    "AVAILABLE", "serves", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
     "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid",
 ]
 

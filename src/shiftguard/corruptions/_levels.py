@@ -132,7 +132,7 @@ def sample_levels(x: Tensor, tables: AliasTables, gen: torch.Generator) -> Tenso
     if tables.thresholds.device != x.device:
         tables = tables.to(x.device)
     thresholds, alias = tables.thresholds, tables.outcomes[: K * K]
-    if _kernels.AVAILABLE and x.device.type == "cpu":  # one compiled loop, counter-based bits
+    if _kernels.serves(x):  # one compiled loop, counter-based bits
         seed = int(torch.randint(0, 2**63 - 1, (1,), generator=gen))
         flat = x.reshape(-1).contiguous().numpy()
         return torch.from_numpy(_kernels.sample_levels(flat, thresholds.numpy(), alias.numpy(), seed)).view(x.shape)

@@ -356,7 +356,7 @@ def motion_blur(x: Tensor, radius: float, sigma: float, angle_deg: Tensor) -> Te
         oy = torch.ceil(t * sin_a - 0.5).long().to(x.device)
         ox = torch.ceil(t * cos_a - 0.5).long().to(x.device)
         taps.append((k[t], oy, ox, ((oy.abs() < H) & (ox.abs() < W)).to(x.dtype)))
-    if _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and taps:
+    if _kernels.serves(x, floating=True) and taps:
         oy = torch.stack([t[1] for t in taps]).numpy()
         ox = torch.stack([t[2] for t in taps]).numpy()
         w = torch.stack([kt * valid for kt, _, _, valid in taps]).numpy()
@@ -461,10 +461,6 @@ def _grid_sample(x: Tensor, grid: Tensor, padding: str) -> Tensor:
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=mode, align_corners=align)
 
 
-def _compiled_grid(x: Tensor) -> bool:
-    return _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
-
-
 def _sample_compiled(x: Tensor, matrix: Optional[Tensor], dx: Optional[Tensor], dy: Optional[Tensor],
                      padding: str) -> Tensor:
     """:func:`sample_at` at source coordinates ``matrix @ (col, row, 1)`` (identity if None) plus
@@ -489,7 +485,7 @@ def _sample_compiled(x: Tensor, matrix: Optional[Tensor], dx: Optional[Tensor], 
 def displaced_sample(x: Tensor, dx: Tensor, dy: Tensor, padding: str) -> Tensor:
     """Bilinear sample ``x`` (N, C, H, W) at ``(col + dx, row + dy)`` (dx, dy: (N, H, W)):
     :func:`sample_at` of the displaced pixel grid."""
-    if _compiled_grid(x):
+    if _kernels.serves(x, floating=True):
         return _sample_compiled(x, None, dx, dy, padding)
     xx, yy = pixel_grid(x.shape[-2], x.shape[-1], x)
     return sample_at(x, xx + dx, yy + dy, padding)
@@ -521,7 +517,7 @@ def affine_warp(x: Tensor, matrix: Tensor, padding: str = "zeros") -> Tensor:
     """``out(p) = x(M p)`` for a per-image inverse map ``matrix`` (N, 2, 3) acting on pixel
     coordinates ``p = (col, row, 1)`` (skimage ``warp(x, inverse_map=M, order=1)``)."""
     N, C, H, W = x.shape
-    if _compiled_grid(x):
+    if _kernels.serves(x, floating=True):
         return _sample_compiled(x, matrix, None, None, padding)
     xx, yy = pixel_grid(H, W, x)
     M = matrix.to(x.dtype)
@@ -709,7 +705,7 @@ def canny(
     gi = separable_filter(s, d, sm, "reflect")  # derivative along rows (axis 0)
     gj = separable_filter(s, sm, d, "reflect")  # derivative along columns (axis 1)
     H, W = x.shape[-2:]
-    if _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and H > 2 and W > 2:
+    if _kernels.serves(x, floating=True) and H > 2 and W > 2:
         with torch.no_grad():
             mag = gi.abs() + gj.abs() if l1 else torch.hypot(gi, gj)
             dt = mag.numpy().dtype.type
@@ -760,7 +756,7 @@ def distance_to_edges(edges: Tensor, cap: float) -> Tensor:
     Huttenlocher style): the 1-D distance ``g`` to the nearest edge along each row by a forward
     and a backward scan, then ``min over |dy| <= cap of dy^2 + g(y + dy)^2``."""
     N, _, H, W = edges.shape
-    if _kernels.AVAILABLE and edges.device.type == "cpu" and float(cap) == int(cap):
+    if _kernels.serves(edges) and float(cap) == int(cap):
         d2 = torch.from_numpy(_kernels.edge_distance(edges[:, 0].contiguous().numpy(), float(cap)))
         return d2.sqrt_().clamp_(max=cap)[:, None]
     far = float(cap) + 1.0

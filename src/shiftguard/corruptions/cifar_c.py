@@ -291,7 +291,7 @@ def _spatter_block(x: Tensor, liquid: Tensor, c, s) -> Tensor:
         edges = _ops.canny(l8, sigma=0.0, low=50.0, high=150.0, l1=True)
         dist = _ops.distance_to_edges(edges, 20.0).to(x.dtype)
         colour = torch.tensor([175.0, 238.0, 238.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1) / 255
-        if _kernels.AVAILABLE and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        if _kernels.serves(x, floating=True):
             ker = np.array([[-2.0, -1.0, 0.0], [-1.0, 1.0, 1.0], [0.0, 1.0, 2.0]], dtype=dist.numpy().dtype)
             args = (liquid[:, 0].contiguous().numpy(), dist[:, 0].contiguous().numpy(), ker)
             add = torch.from_numpy(_kernels.spatter_water(*args, ker.dtype.type(intensity), colour.view(3).numpy()))
@@ -343,7 +343,7 @@ def contrast(x, c, gen, s):
 def contrast_u8(x, c, gen, s):
     """:func:`contrast` of uint8 images on the 0..255 scale (it is affine), rounded and clipped;
     one compiled pass per image and channel on CPU with numba."""
-    if _kernels.AVAILABLE and x.device.type == "cpu":
+    if _kernels.serves(x):
         planes = x.reshape(-1, x.shape[-2] * x.shape[-1]).contiguous().numpy()
         return torch.from_numpy(_kernels.contrast_u8(planes, float(c))).view(x.shape)
     return _u8_blocks(x, lambda b, i: contrast(b, c, gen, s), 1024)
@@ -383,7 +383,7 @@ def _fast_uniform(shape, low: float, high: float, gen: torch.Generator, like: Te
     """:func:`._ops.uniform` (same law: float uniforms from 24 random bits, mapped affinely); on
     CPU with numba from a counter-based generator seeded by one draw of ``gen`` (several times
     faster than torch's CPU generator), elsewhere :func:`._ops.uniform` itself."""
-    if not (_kernels.AVAILABLE and like.device.type == "cpu" and like.dtype in (torch.float32, torch.float64)):
+    if not _kernels.serves(like, floating=True):
         return _ops.uniform(shape, low, high, gen, like)
     seed = int(torch.randint(0, 2**63 - 1, (1,), generator=gen))
     n = int(np.prod(shape))
@@ -450,7 +450,7 @@ def pixelate_u8(x, c, gen, s):
     otherwise row gathers of the images transposed in between)."""
     H, W = x.shape[-2:]
     (ri, rw, rp), (ci, cw, cp) = (_pixelate_axis(n, float(c), str(x.device)) for n in (H, W))
-    if _kernels.AVAILABLE and x.device.type == "cpu":
+    if _kernels.serves(x):
         planes = x.reshape(-1, H, W).contiguous().numpy()
         if rp is not None and cp is not None:
             y = _kernels.pil_box_pairs(planes, *(t.numpy() for t in (rp[0], rp[1], cp[0], cp[1])))
