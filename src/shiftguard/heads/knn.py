@@ -260,3 +260,19 @@ def _knn_dispatch(query, support, k, backend, self_index, chunk_size, index=None
             raise ValueError("backend: 'faiss' (faiss-cpu) needs CPU tensors; use backend='torch' on GPU")
         return _faiss_knn(query, support, k, self_index, keys=keys)
     return _torch_knn(query, support, k, self_index, chunk_size, keys=keys)
+
+
+def _search_state(support: torch.Tensor, backend: str) -> dict:
+    """What every search of ``support`` with ``backend`` can share, as keyword arguments of
+    :func:`_knn_dispatch`: the pruned ``index``, or the ``keys`` of the torch search (the centred
+    key rows, :func:`_key_rows`) or of the faiss search (:func:`_faiss_index`). Built once by
+    callers that search one support in many query chunks (the retrieval metrics)."""
+    if backend == "pruned":
+        from shiftguard.heads.knn_pruned import PrunedKNNIndex  # noqa: PLC0415 - imports this module
+
+        return {"index": PrunedKNNIndex(support)}
+    if _resolve_backend(backend, support, support.shape[0]) == "torch":
+        return {"keys": _key_rows(support)}
+    if support.device.type == "cpu":
+        return {"keys": _faiss_index(support)}
+    return {}  # faiss on another device: the search refuses it by name

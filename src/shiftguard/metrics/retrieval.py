@@ -30,8 +30,7 @@ from typing import Sequence
 import torch
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
-from shiftguard.heads.knn import (_BACKENDS, DEFAULT_MEMORY_BUDGET_BYTES, _faiss_index, _key_rows, _knn_dispatch,
-                                  _resolve_backend, default_chunk_size)
+from shiftguard.heads.knn import _BACKENDS, DEFAULT_MEMORY_BUDGET_BYTES, _knn_dispatch, _search_state, default_chunk_size
 
 __all__ = ["retrieval_metrics"]
 
@@ -101,19 +100,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     n_used = 0
     nearest = torch.empty(n, dtype=torch.long, device=emb.device) if return_nearest else None
     block_rows = default_chunk_size(n, emb.dtype, memory_budget_bytes)
-    # what every query chunk searches against, built once: the pruned index, the centred key rows
-    # of the torch search, or the faiss index
-    resolved = _resolve_backend(backend, emb, n)
-    if backend == "pruned":
-        from shiftguard.heads.knn_pruned import PrunedKNNIndex  # noqa: PLC0415 - imports heads.knn
-
-        search_state = {"index": PrunedKNNIndex(emb)}
-    elif resolved == "torch":
-        search_state = {"keys": _key_rows(emb)}
-    elif resolved == "faiss" and emb.device.type == "cpu":  # (on GPU the search refuses faiss by name)
-        search_state = {"keys": _faiss_index(emb)}
-    else:
-        search_state = {}
+    search_state = _search_state(emb, backend)  # what every query chunk searches against, built once
     start = 0
     while start < n:
         # Rows whose neighbour list and per-query temporaries (rows x L, ~8 float64 tensors,
