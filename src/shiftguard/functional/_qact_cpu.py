@@ -209,7 +209,8 @@ if AVAILABLE:
             lo_v = np.inf
             hi_v = -np.inf
             bad = 0
-            # two copies of the loop so that no branch on the count sits inside it
+            # two copies of the loop so that no branch on the count sits inside it (one loop with
+            # the choice per value was not unswitched by the compiler: the fused pass ran 1.3-2x slower)
             if few:
                 for n in range(n_dim):
                     for l in range(l_dim):
@@ -521,7 +522,8 @@ if AVAILABLE:
                 row_grid[j] = acc[j] * inv_h
             q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut)
             g_top = g_dim - 1
-            # two copies of the loop so that no branch on the count sits inside it
+            # two copies of the loop so that no branch on the count sits inside it (one loop with
+            # the choice per value was not unswitched by the compiler: the fused pass ran 1.3-2x slower)
             if few:
                 for n in range(n_dim):
                     for l in range(l_dim):
