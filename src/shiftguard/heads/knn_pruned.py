@@ -83,7 +83,7 @@ from typing import Optional
 
 import torch
 
-from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES, _exact_sq_dist, _key_centre, _key_rows, _resort, _torch_knn
+from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES, _exact_sq_dist, _key_rows, _resort, _torch_knn
 
 __all__ = ["PrunedKNNIndex"]
 
@@ -145,10 +145,9 @@ class PrunedKNNIndex:
         self._support_version = support._version
         n, dim = support.shape
         self.n_support, self.dim = n, dim
-        # The same ||s||^2 as the torch back end (computed on the original order, then permuted).
-        self.centre = _key_centre(support)  # the key rows are support - centre, as in the torch back end
-        centred = support - self.centre
-        s_sq = centred.pow(2).sum(1)
+        # The torch back end's key rows support - centre and their ||.||^2 (computed on the original
+        # order, then permuted).
+        self.centre, centred, s_sq = _key_rows(support)
         gen = torch.Generator().manual_seed(seed)
         self.origin = self._chunked_mean(support)  # o, float64 (D,)
 
