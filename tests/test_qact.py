@@ -27,6 +27,7 @@ from shiftguard.functional import (
     quantile_activation,
     weighted_quantiles,
 )
+import shiftguard.functional.quantile as quantile_module
 from shiftguard.nn import QACTBlock, QuantileActivation, make_activation
 
 
@@ -202,15 +203,27 @@ def test_grid_kde_close_to_exact_kde_on_wide_ranges():
     assert ((fast - exact).abs() <= kde_grid_error_bound(h, spacing)[:, None] * 1.0001 + 1e-12).all()
 
 
-def test_kde_samples_are_drawn_with_the_grounding_weights():
-    # 10 negatives and 990 positives: grounding gives each side half the draws.
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_kde_samples_are_systematic_draws_with_the_grounding_weights(compiled, monkeypatch):
+    monkeypatch.setattr(quantile_module, "USE_COMPILED", compiled)
+    # 10 negatives and 990 positives (+-100 appended): grounding gives each side half the draws,
+    # and systematic sampling draws each entry floor or ceil of S w_k times
     z = torch.cat([-torch.rand(10) - 0.1, torch.rand(990) + 0.1]).double()[:, None].expand(-1, 4).T.contiguous()
     stats = qact_statistics(z, n_samples=5000, generator=_gen(5))
-    allowed = set(z[0].tolist()) | {-100.0, 100.0}
-    assert set(stats.samples.flatten().tolist()) <= allowed
-    frac_neg = float((stats.samples < 0).double().mean())
-    assert abs(frac_neg - 0.5) < 4 * 0.5 / math.sqrt(20000)
     assert torch.all(stats.samples[:, 1:] >= stats.samples[:, :-1])
+    for ch in range(4):
+        grounded = torch.cat([z[ch], torch.tensor([-100.0, 100.0], dtype=torch.float64)])
+        expected = 5000 * grounding_weights(grounded[None])[0]
+        counts = (stats.samples[ch][:, None] == grounded[None, :]).sum(0).double()
+        assert int(counts.sum()) == 5000
+        assert bool(((counts >= expected.floor()) & (counts <= expected.ceil())).all())
+    # unbiased: over many channels (one offset each) the mean count of each entry is S w_k
+    row = torch.tensor([-1.0, 0.5, 2.0], dtype=torch.float64)
+    stats = qact_statistics(row.expand(20_000, -1).contiguous(), n_samples=7, generator=_gen(6))
+    grounded = torch.cat([row, torch.tensor([-100.0, 100.0], dtype=torch.float64)])
+    mean_counts = (stats.samples[:, :, None] == grounded).sum(1).double().mean(0)
+    want = 7 * grounding_weights(grounded[None])[0]
+    assert torch.allclose(mean_counts, want, atol=5 * 0.5 / math.sqrt(20_000))
 
 
 def test_same_generator_seed_gives_same_gradient():

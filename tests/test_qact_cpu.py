@@ -4,10 +4,11 @@ sampling law)."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
-from scipy import stats as sps
 
 import shiftguard.functional.quantile as Q
 from shiftguard.functional import _qact_cpu as K
@@ -86,45 +87,72 @@ def test_non_finite_input_is_a_value_error(bad):
         assert layer.num_batches_tracked == 0  # nothing stored
 
 
-def test_samples_follow_the_grounding_weights():
+def _grounding_weights(row: np.ndarray) -> np.ndarray:
+    nn = (row < 0).sum()
+    return np.where(row < 0, 0.5 / nn, 0.5 / (row.size - nn))
+
+
+def test_samples_are_systematic_draws_with_the_grounding_weights():
     # one channel: 3 negatives (-100 appended) and 5 non-negatives (+100 appended)
     row = np.array([[-100.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 100.0]])
-    s, _ = K.grounded_samples(row, 240_000, seed=11)
-    assert (np.diff(s[0]) >= 0).all()
-    counts = np.array([(s[0] == v).sum() for v in row[0]])
-    expected = 240_000 * np.array([1 / 6] * 3 + [1 / 10] * 5)
-    assert sps.chisquare(counts, expected).pvalue > 1e-3
-    # the sides carry exactly probability 1/2 each: the split is Binomial(S, 1/2)
-    assert abs(counts[:3].sum() - 120_000) < 5 * np.sqrt(60_000)
+    expected = _grounding_weights(row[0])
+    for n_samples in (240_000, 1000, 7):
+        s, _ = K.grounded_samples(row, n_samples, seed=11)
+        assert (np.diff(s[0]) >= 0).all()
+        counts = np.array([(s[0] == v).sum() for v in row[0]])
+        # stratified: each entry is drawn floor or ceil of S w_k times
+        assert ((counts >= np.floor(n_samples * expected)) & (counts <= np.ceil(n_samples * expected))).all()
+    # unbiased: over many offsets (one per channel) the mean count is S w_k
+    many = np.repeat(row, 20_000, axis=0)
+    s, _ = K.grounded_samples(many, 7, seed=3)
+    mean_counts = np.array([(s == v).sum(axis=1).mean() for v in row[0]])
+    np.testing.assert_allclose(mean_counts, 7 * expected, atol=5 * 0.5 / np.sqrt(20_000))
 
 
-def _reference_draws(row: np.ndarray, channel: int, n_samples: int, seed: int) -> np.ndarray:
-    """The draws of grounded_samples written out in numpy: SplitMix64 of seed + channel * S + s;
-    the top bit picks the side, the low 32 bits the entry within it (multiply-shift); sorted."""
+def _offset(seed: int, channel: int) -> Fraction:
+    """The comb offset U of a channel: the top 32 bits of SplitMix64(seed + channel), over 2^32."""
     with np.errstate(over="ignore"):
-        key = np.uint64(seed) + np.uint64(channel) * np.uint64(n_samples) + np.arange(n_samples, dtype=np.uint64)
-        z = key * np.uint64(0x9E3779B97F4A7C15)
+        z = np.uint64(seed) + np.uint64(channel)
+        z = z * np.uint64(0x9E3779B97F4A7C15)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         z = z ^ (z >> np.uint64(31))
+    return Fraction(int(z >> np.uint64(32)), 2**32)
+
+
+def _reference_draws(row: np.ndarray, channel: int, n_samples: int, seed: int) -> np.ndarray:
+    """The draws of grounded_samples written out from the definition, in exact rational arithmetic:
+    draw s is the first sorted entry whose cumulative grounding weight P_k exceeds (s + U) / S."""
+    u = _offset(seed, channel)
     nn = int((row < 0).sum())
-    pos_side = (z >> np.uint64(63)) == 1
-    size = np.where(pos_side, row.size - nn, nn).astype(np.uint64)
-    first = np.where(pos_side, nn, 0).astype(np.uint64)
-    idx = first + (((z & np.uint64(0xFFFFFFFF)) * size) >> np.uint64(32))
-    return np.sort(row[idx.astype(np.int64)])
+    k_dim = row.size
+    out = np.empty(n_samples, row.dtype)
+    k = 0
+    cum = Fraction(1, 2 * nn)  # P_0
+    for s in range(n_samples):
+        level = (s + u) / n_samples
+        while cum <= level:
+            k += 1
+            cum = Fraction(k + 1, 2 * nn) if k < nn else Fraction(1, 2) + Fraction(k + 1 - nn, 2 * (k_dim - nn))
+        out[s] = row[k]
+    return out
 
 
 @pytest.mark.parametrize("case", list(_contexts()) + [("long", np.random.default_rng(3).standard_normal((9000, 2, 1)))],
                          ids=lambda c: c[0])
 def test_samples_equal_the_reference_draws(case):
-    # covers the tally read-out (an entry drawn more than 8 times: the +-c of one-sided channels)
-    # and, for contexts longer than 8 S ("long"), the sorted draws
+    # covers the tally read-out (an entry drawn more than 4 times: the +-c of one-sided channels)
+    # and, for contexts longer than 8 S ("long"), the draws found one by one; the eager code's
+    # counts (quantile._comb_counts) give the same sample for the same offsets
     _, x3 = case
     ctx = K.sorted_grounded_context(np.ascontiguousarray(x3), 100.0)
     samples, bw = K.grounded_samples(ctx, 1000, seed=123)
     for ch in range(ctx.shape[0]):
         np.testing.assert_array_equal(samples[ch], _reference_draws(ctx[ch], ch, 1000, 123))
+        u = torch.tensor([[float(_offset(123, ch))]], dtype=torch.float64)
+        counts = Q._comb_counts(torch.tensor([int((ctx[ch] < 0).sum())]), ctx.shape[1], 1000, u)
+        eager = torch.searchsorted(counts, torch.arange(1000)[None], right=True)[0].numpy()
+        np.testing.assert_array_equal(samples[ch], ctx[ch][eager])
     np.testing.assert_allclose(bw, kde.silverman_bandwidth(torch.from_numpy(samples)).numpy(), rtol=1e-12)
 
 

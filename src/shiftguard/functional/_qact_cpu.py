@@ -21,12 +21,13 @@ What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py`
   index is monotone in ``x``, so only the quantiles in ``x``'s own cell are compared and the count
   equals ``torch.searchsorted(q, x, right=True)`` whatever the rounding. The same pass checks for
   NaN/inf and records the range.
-- :func:`grounded_samples`: the ``S`` KDE points of Alg. 2, i.i.d. draws with the grounding weights
-  (each draw picks a negative with probability 1/2, uniformly among the ``n_-``, or a non-negative,
-  uniformly among the ``n_+``), returned sorted (a tally of the draws per context entry read out in
-  order, or, for long contexts, the drawn entries sorted), the same law as sorting ``S`` i.i.d.
-  draws. Random bits come from a counter-based generator (SplitMix64 of ``seed``, channel and draw
-  index), so the result is deterministic given ``seed`` (drawn from the caller's
+- :func:`grounded_samples`: the ``S`` KDE points of Alg. 2, drawn with the grounding weights by
+  systematic sampling (``quantile.py``, "Sampling"): draw ``s`` takes the sorted entry whose
+  cumulative grounding weight first exceeds ``(s + U) / S``, one offset ``U`` per channel. Entry
+  ``k`` is drawn ``c_k - c_{k-1}`` times, ``c_k = ceil(S P_k - U)`` in float64 (the eager code's
+  arithmetic: the same sample for the same ``U``); short contexts tally every entry and read the tally out in
+  order, long ones find each draw's entry from its CDF position. ``U`` is 32 bits of SplitMix64
+  of ``seed + channel``, so the result is deterministic given ``seed`` (drawn from the caller's
   ``torch.Generator``) and independent of the thread count. Silverman's bandwidth of the sorted
   sample (``kde.py``) is computed on the way.
 - :func:`kde_grid`, :func:`kde_density_times`: the grid KDE of ``kde.py`` (linear binning, Gaussian
@@ -64,10 +65,6 @@ __all__ = [
 
 if AVAILABLE:
     _S32 = np.uint64(32)
-    _S63 = np.uint64(63)
-    _LOW32 = np.uint64(0xFFFFFFFF)
-    _ONE = np.uint64(1)
-    _ZERO = np.uint64(0)
 
     @njit(inline="always")
     def _n_negative(row):
@@ -253,7 +250,8 @@ if AVAILABLE:
 
     @njit(inline="always")
     def _tallied(k_dim, s_dim):
-        # whether the draws of a context of k_dim entries are tallied per entry (else sorted)
+        # whether the draws of a context of k_dim entries are tallied per entry (else each draw's
+        # entry is found on its own)
         return k_dim <= 8 * s_dim
 
     @njit(inline="always")
@@ -287,33 +285,55 @@ if AVAILABLE:
         return (a0 + a1) + (a2 + a3)
 
     @njit(inline="always")
-    def _channel_samples(row, c, s_dim, seed, draws, tally, spread, out_row):
-        # S draws from one sorted grounded context row with the grounding weights, written sorted
-        # to out_row; returns Silverman's bandwidth. When _tallied, tally[:k_dim] holds the number
-        # of draws of each entry afterwards. draws: S int64, tally: k_dim int32, spread: S + 8 scratch.
+    def _comb_offset(seed, c):
+        # the offset U in [0, 1) of channel c's comb: 32 random bits of SplitMix64(seed + c), exact in
+        # float64 (U = r / 2^32)
+        return np.float64(splitmix64(np.uint64(seed) + np.uint64(c)) >> _S32) * (1.0 / 4294967296.0)
+
+    @njit(inline="always")
+    def _comb_count(k, nn, k_dim, s_dim, u):
+        # c_k = #{s : (s + U) / S < P_k} = ceil(S P_k - U): the draws on sorted entries 0..k, with
+        # P_k the cumulative grounding weight through entry k, S P_k = S (k + 1) / (2 n_-) for a
+        # negative entry, S / 2 + S (k + 1 - n_-) / (2 n_+) for a non-negative one (float64, these
+        # operations in this order; monotone in k); c_-1 = 0, c_{K-1} = S. (quantile._comb_counts:
+        # the same arithmetic in torch; the tally loops below inline it per side.)
+        if k < 0:
+            return 0
+        if k >= k_dim - 1:
+            return s_dim
+        s_f = np.float64(s_dim)
+        if k < nn:
+            a = (s_f * (k + 1)) / (2.0 * nn)
+        else:
+            a = 0.5 * s_f + (s_f * (k + 1 - nn)) / (2.0 * (k_dim - nn))
+        return int(math.ceil(a - u))
+
+    @njit(inline="always")
+    def _channel_samples(row, c, s_dim, seed, tally, through, spread, out_row):
+        # the S points of one sorted grounded context row drawn with the grounding weights by
+        # systematic sampling (quantile.py, "Sampling"), written sorted to out_row; returns
+        # Silverman's bandwidth. When _tallied, tally[:k_dim] holds the number of draws of each
+        # entry afterwards. tally, through: k_dim int32, spread: S + 4 scratch.
         k_dim = row.shape[0]
         nn = _n_negative(row)
         npos = k_dim - nn
-        # one draw = 64 random bits: the top bit picks the side (probability 1/2 each, the
-        # grounding weights), the low 32 bits the entry within it by multiply-shift
-        # (floor(r * size / 2^32): every entry has probability within size / 2^32 relative of
-        # uniform, < 1e-5 for contexts below 40k values). Integer-only, so it vectorises.
-        base = np.uint64(seed) + np.uint64(c) * np.uint64(s_dim)
-        unn = np.uint64(nn)
-        unp = np.uint64(npos)
-        for s in range(s_dim):
-            z = splitmix64(base + np.uint64(s))
-            pos_side = (z >> _S63) == _ONE
-            size = unp if pos_side else unn
-            first = unn if pos_side else _ZERO
-            draws[s] = np.int64(first + (((z & _LOW32) * size) >> _S32))
+        u = _comb_offset(seed, c)
         if not _tallied(k_dim, s_dim):
-            # long context: sort the S drawn entries (the rows are sorted, so entry order is
-            # value order) rather than walk a tally of all M + 2 entries
-            draws.sort()
+            # long context: draw s lies on the entry k with c_{k-1} <= s < c_k; its position in the
+            # grounded CDF gives k to within rounding, then the counts decide (monotone in k)
             total = 0.0
             for s in range(s_dim):
-                v = row[draws[s]]
+                p = 2.0 * (s + u) / s_dim
+                if p < 1.0:
+                    k = int(p * nn)
+                else:
+                    k = nn + int((p - 1.0) * npos)
+                k = min(max(k, 0), k_dim - 1)
+                while k > 0 and _comb_count(k - 1, nn, k_dim, s_dim, u) > s:
+                    k -= 1
+                while _comb_count(k, nn, k_dim, s_dim, u) <= s:
+                    k += 1
+                v = row[k]
                 out_row[s] = v
                 total += np.float64(v)
             mean = total / s_dim
@@ -322,20 +342,32 @@ if AVAILABLE:
                 d = np.float64(out_row[s]) - mean
                 ss += d * d
         else:
-            tally[:k_dim] = 0
-            for s in range(s_dim):
-                tally[draws[s]] += 1
-            # the sorted sample: entry k repeated tally[k] times. Eight copies are stored whatever
-            # the tally (the next entries overwrite the extra ones; `spread` has 8 spare cells),
+            # the tally c_k - c_{k-1} of every entry: the counts c_k (_comb_count, one vectorised
+            # loop per side, into `through`), then their differences (a running difference in the
+            # same loop is a carried dependency: not vectorised, 1.6x the time)
+            s_f = np.float64(s_dim)
+            half = 0.5 * s_f
+            for k in range(nn):
+                through[k] = np.int32(math.ceil((s_f * (k + 1)) / (2.0 * nn) - u))
+            for k in range(nn, k_dim - 1):
+                through[k] = np.int32(math.ceil(half + (s_f * (k + 1 - nn)) / (2.0 * npos) - u))
+            through[k_dim - 1] = s_dim
+            tally[0] = through[0]
+            for k in range(1, k_dim):
+                tally[k] = through[k] - through[k - 1]
+            # the sorted sample: entry k repeated tally[k] times. Four copies are stored whatever
+            # the tally (the next entries overwrite the extra ones; `spread` has 4 spare cells),
             # so the common case has no branch (a branch per copy cost 1.4 ms at (256, 512))
             pos = 0
             for k in range(k_dim):
                 t = tally[k]
                 v = row[k]
-                for i in range(8):
-                    spread[pos + i] = v
-                if t > 8:
-                    for i in range(8, t):
+                spread[pos] = v
+                spread[pos + 1] = v
+                spread[pos + 2] = v
+                spread[pos + 3] = v
+                if t > 4:
+                    for i in range(4, t):
                         spread[pos + i] = v
                 pos += t
             out_row[:] = spread[:s_dim]
@@ -359,11 +391,11 @@ if AVAILABLE:
     @njit(nogil=True, cache=True)
     def _grounded_samples(c0, c1, ctx, n_samples, seed, out, bandwidth):
         k_dim = ctx.shape[1]
-        draws = np.empty(n_samples, np.int64)
         tally = np.empty(k_dim, np.int32)
-        spread = np.empty(n_samples + 8, ctx.dtype)
+        through = np.empty(k_dim, np.int32)
+        spread = np.empty(n_samples + 4, ctx.dtype)
         for c in range(c0, c1):
-            bandwidth[c] = _channel_samples(ctx[c], c, n_samples, seed, draws, tally, spread, out[c])
+            bandwidth[c] = _channel_samples(ctx[c], c, n_samples, seed, tally, through, spread, out[c])
 
     @njit(inline="always")
     def _layout(smin, smax, h, xmin, xmax, points_per_bandwidth, truncate, max_points):
@@ -485,9 +517,9 @@ if AVAILABLE:
         n_tau = q_out.shape[1]
         s_dim = samples.shape[1]
         w = 1.0 / s_dim
-        draws = np.empty(s_dim, np.int64)
         tally = np.empty(k_dim, np.int32)
-        spread = np.empty(s_dim + 8, ctx.dtype)
+        through = np.empty(k_dim, np.int32)
+        spread = np.empty(s_dim + 4, ctx.dtype)
         n_lut = _table_size(n_tau, n_dim * l_dim)
         start = np.zeros(n_lut + 2, np.int64)
         qp = np.empty(n_tau + 2, np.float64)
@@ -501,7 +533,7 @@ if AVAILABLE:
         for c in range(c0, c1):
             row = ctx[c]
             _channel_quantiles(row, n_tau, q_out[c])
-            h = _channel_samples(row, c, s_dim, seed, draws, tally, spread, samples[c])
+            h = _channel_samples(row, c, s_dim, seed, tally, through, spread, samples[c])
             bandwidth[c] = h
             lo, d, g_dim = _layout(np.float64(samples[c, 0]), np.float64(samples[c, s_dim - 1]), h, xmin[c], xmax[c],
                                    points_per_bandwidth, truncate, max_points)

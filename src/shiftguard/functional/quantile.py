@@ -19,6 +19,16 @@ layers": every value of ``x[:, c, ...]``, i.e. all of the batch and all spatial 
    (:mod:`shiftguard.functional.kde`). As in Alg. 2, the quantiles and samples are treated as
    constants (no gradient flows through the context statistics).
 
+*Sampling* (Alg. 2 "obtain a weighted sample ... S"): systematic sampling, one uniform offset
+``U`` per channel. With ``P_k`` the cumulative grounding weight through the ``k``-th smallest
+grounded value, draw ``s = 0..S-1`` takes the first entry with ``P_k > (s + U) / S``. Each draw on
+its own follows the weighted law exactly (``(s + U) / S`` is uniform on its stratum, a random one of
+the ``S`` strata is uniform on [0, 1)), so the KDE has the expectation it has with i.i.d. draws;
+but the sample is stratified: entry ``k`` is drawn ``floor`` or ``ceil`` of ``S w_k`` times (an
+i.i.d. sample's counts are binomial), so the density estimate carries less sampling noise, and
+the draws come out sorted. Entry ``k`` is drawn ``c_k - c_{k-1}`` times with
+``c_k = ceil(S P_k - U)`` (:func:`_comb_counts`).
+
 The computation is split in two so that the context can come from anywhere (the current batch, a
 frozen running estimate, a reference set, or values gathered from every DDP process):
 
@@ -35,8 +45,8 @@ device and floating dtype, and is deterministic given the ``generator`` used for
 On CPU float32/float64 the same computation runs through compiled kernels
 (:mod:`shiftguard.functional._qact_cpu`, numba): the values of the forward are identical (float64:
 bit for bit; float32: the quantiles are rounded once from float64 instead of computed in float32),
-the KDE samples are drawn with the same law from a counter-based generator seeded from
-``generator``, and the backward uses the same grid KDE with the same error bound. The eager code
+the KDE samples are drawn by the same arithmetic with the offsets from a counter-based generator
+seeded from ``generator``, and the backward uses the same grid KDE with the same error bound. The eager code
 below is what runs elsewhere (CUDA, half precision) and is the reference the kernels are tested
 against; ``USE_COMPILED = False`` forces it.
 """
@@ -209,6 +219,22 @@ def _grounded_quantiles(ctx: torch.Tensor, n_neg: torch.Tensor, levels: torch.Te
     return torch.cummax(q, dim=1).values
 
 
+def _comb_counts(n_neg: torch.Tensor, k_dim: int, n_samples: int, u: torch.Tensor) -> torch.Tensor:
+    """``(C, K)`` int64 ``c_k``: the number of the ``S`` systematic draws (module doc, "Sampling") on
+    sorted grounded entries ``0..k``, ``ceil(S P_k - U)`` with ``P_k`` the cumulative grounding
+    weight through entry ``k``, in float64 in the order of the compiled kernels
+    (``_qact_cpu._comb_count``) so that both give the same sample for the same offsets ``u``
+    ``(C, 1)``; ``c_{K-1} = S``."""
+    k = torch.arange(k_dim, device=n_neg.device, dtype=torch.float64)[None, :]
+    nn_ = n_neg.to(torch.float64)[:, None]
+    s_f = float(n_samples)
+    neg = (s_f * (k + 1)) / (2.0 * nn_)
+    pos = 0.5 * s_f + (s_f * (k + 1 - nn_)) / (2.0 * (k_dim - nn_))
+    counts = torch.ceil(torch.where(k < nn_, neg, pos) - u).long()
+    counts[:, -1] = n_samples
+    return counts
+
+
 def qact_statistics(
     values: torch.Tensor,
     n_tau: int = 100,
@@ -283,21 +309,12 @@ def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool =
         empty = values.new_zeros(ch, 0)
         stats = QACTStatistics(quantiles, empty, values.new_zeros(ch))
         return (stats, counts) if with_counts else stats
-    # Alg. 2: S points drawn with the grounding weights, i.e. from the step CDF that gives the sorted
-    # negatives (first n_- entries of ctx) mass 1/2 and the non-negatives the other 1/2. They are
-    # drawn already sorted: sorted uniforms U_(1..S) = cumsum(E) / sum(E) with E ~ Exp(1) i.i.d.
-    # (Renyi's representation), pushed through the monotone inverse CDF -- the same law as S i.i.d.
-    # weighted draws followed by a sort, without the O(S log S) sort.
-    e = -torch.log1p(-torch.rand(ch, n_samples + 1, generator=generator, device=values.device, dtype=torch.float64))
-    cum = torch.cumsum(e, dim=1)
-    u = cum[:, :-1] / cum[:, -1:]
-    nn_ = n_neg[:, None]
-    np_ = k_dim - nn_
-    idx = torch.where(
-        u < 0.5,
-        torch.minimum(torch.floor(2.0 * u * nn_).long(), nn_ - 1),
-        nn_ + torch.minimum(torch.floor((2.0 * u - 1.0) * np_).long(), np_ - 1),
-    )
+    # Alg. 2: S points drawn with the grounding weights by systematic sampling (module doc): entry k
+    # of the sorted grounded context is drawn c_k - c_{k-1} times, so draw s is entry #{k : c_k <= s}
+    u = torch.randint(0, 2**32, (ch, 1), generator=generator, device=values.device).double() * 2.0**-32
+    counts_through = _comb_counts(n_neg, k_dim, n_samples, u)
+    draw = torch.arange(n_samples, device=values.device).expand(ch, -1).contiguous()
+    idx = torch.searchsorted(counts_through, draw, right=True)
     samples = torch.gather(ctx, 1, idx)
     stats = QACTStatistics(quantiles, samples, silverman_bandwidth(samples))
     return (stats, counts) if with_counts else stats
