@@ -41,6 +41,37 @@ def test_every_part_runs_exactly_once(backend, n_parts):
     assert n_parts > 0 or calls.sum() == 0
 
 
+@pytest.mark.parametrize("n_parts, threads", [(8, 2), (17, 3), (5, 1), (3, 8)])
+def test_fewer_threads_than_parts_run_every_part_once_on_at_most_that_many_threads(backend, n_parts, threads):
+    calls = np.zeros(n_parts, dtype=np.int64)
+    idents = set()
+    lock = threading.Lock()
+
+    def part(i):
+        with lock:
+            calls[i] += 1
+            idents.add(threading.get_ident())
+        time.sleep(0.002)  # releases the GIL: the other threads take parts meanwhile
+
+    P.parallel_parts(part, n_parts, threads)
+    assert (calls == 1).all()
+    assert 1 <= len(idents) <= min(threads, n_parts)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_an_exception_with_fewer_threads_than_parts_is_raised_after_the_others_ran(backend, threads):
+    done = []
+
+    def part(i):
+        if i in (2, 5):
+            raise ValueError(f"part {i} failed")
+        done.append(i)
+
+    with pytest.raises(ValueError, match="part 2 failed"):
+        P.parallel_parts(part, 7, threads)
+    assert sorted(done) == [0, 1, 3, 4, 6]
+
+
 def test_backend_is_named(backend):
     got = P.backend()
     if backend == "pool":
