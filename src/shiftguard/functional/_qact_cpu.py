@@ -25,9 +25,9 @@ What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py`
   systematic sampling (``quantile.py``, "Sampling"): draw ``s`` takes the sorted entry whose
   cumulative grounding weight first exceeds ``(s + U) / S``, one offset ``U`` per channel. Entry
   ``k`` is drawn ``c_k - c_{k-1}`` times, ``c_k = ceil(S P_k - U)`` in float64 (the eager code's
-  arithmetic: the same sample for the same ``U``); short contexts tally every entry and read the tally out in
-  order, long ones find each draw's entry from its CDF position. ``U`` is 32 bits of SplitMix64
-  of ``seed + channel``, so the result is deterministic given ``seed`` (drawn from the caller's
+  arithmetic: the same sample for the same ``U``); short contexts tally every entry and read the
+  tally out in order, long ones find each draw's entry from its CDF position. ``U`` is 32 bits of
+  SplitMix64 of ``seed + channel``, so the result is deterministic given ``seed`` (drawn from the caller's
   ``torch.Generator``) and independent of the thread count. Silverman's bandwidth of the sorted
   sample (``kde.py``) is computed on the way.
 - :func:`kde_grid`, :func:`kde_density_times`: the grid KDE of ``kde.py`` (linear binning, Gaussian

@@ -46,9 +46,9 @@ On CPU float32/float64 the same computation runs through compiled kernels
 (:mod:`shiftguard.functional._qact_cpu`, numba): the values of the forward are identical (float64:
 bit for bit; float32: the quantiles are rounded once from float64 instead of computed in float32),
 the KDE samples are drawn by the same arithmetic with the offsets from a counter-based generator
-seeded from ``generator``, and the backward uses the same grid KDE with the same error bound. The eager code
-below is what runs elsewhere (CUDA, half precision) and is the reference the kernels are tested
-against; ``USE_COMPILED = False`` forces it.
+seeded from ``generator``, and the backward uses the same grid KDE with the same error bound. The
+eager code below is what runs elsewhere (CUDA, half precision) and is the reference the kernels are
+tested against; ``USE_COMPILED = False`` forces it.
 """
 
 from __future__ import annotations
