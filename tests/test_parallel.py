@@ -88,10 +88,12 @@ def test_parts_run_on_torch_openmp_team_including_the_caller(monkeypatch):
     try:
         torch.ones(1 << 20).sum()  # torch's team exists
         idents = [None, None]
+        both = threading.Barrier(2, timeout=30)
 
         def part(i):
             idents[i] = threading.get_ident()
-            time.sleep(0.01)  # a part that releases the GIL
+            both.wait()  # a part waits for the other: the caller cannot take both (parts are
+            # handed out as threads free up), so a second team thread must run one
 
         P.parallel_parts(part, 2)
     finally:
