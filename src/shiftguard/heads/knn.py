@@ -169,9 +169,14 @@ def _validate(query, support, k, backend):
     if support.dtype != query.dtype:
         support = support.to(query.dtype)
     check_positive(k, "k", integer=True)
+    _check_backend(backend)
+    return query, support
+
+
+def _check_backend(backend: str) -> None:
+    """``ValueError`` naming ``backend`` unless it is one of the back ends ``knn_search`` takes."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
-    return query, support
 
 
 def _resolve_backend(backend: str, query: torch.Tensor, n_support: int) -> str:

@@ -30,7 +30,13 @@ from typing import Sequence
 import torch
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
-from shiftguard.heads.knn import _BACKENDS, DEFAULT_MEMORY_BUDGET_BYTES, _knn_dispatch, _search_state, default_chunk_size
+from shiftguard.heads.knn import (
+    DEFAULT_MEMORY_BUDGET_BYTES,
+    _check_backend,
+    _knn_dispatch,
+    _search_state,
+    default_chunk_size,
+)
 
 __all__ = ["retrieval_metrics"]
 
@@ -83,8 +89,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     """
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend: expected one of {_BACKENDS}, got {backend!r}")
+    _check_backend(backend)
     check_same_length([("embeddings", emb), ("labels", y)])
     y = y.to(emb.device)
     ks = [int(k) for k in ks]
