@@ -462,33 +462,45 @@ if AVAILABLE:
         return (np.empty(size, np.float64), np.zeros(size, dtype), np.empty(2 * max_half + 1, dtype),
                 np.empty(max_g, dtype), np.full(2, -1.0))
 
+    @njit(inline="always")
+    def _channel_grid(scratch, row, tally, sample_row, tallied, lo, d, h, g_dim, truncate, out_row):
+        # one channel's grid KDE on nodes lo + j * d, j < g_dim, into out_row: the points linearly
+        # binned (tallied: the sorted entries `row` weighted by their draws `tally`, each binned
+        # once; else the S points of `sample_row` one by one), convolved (_smooth), divided by h
+        bins, binned, taps, acc, taps_key = scratch
+        s_dim = sample_row.shape[0]
+        w = 1.0 / s_dim
+        half = int(math.ceil(truncate * h / d))
+        length = g_dim + 2 * half
+        bins[:length + 4] = 0.0
+        inv_d = 1.0 / d
+        top = np.float64(length)
+        if tallied:
+            for k in range(row.shape[0]):  # entries never drawn add 0
+                _bin(bins, row[k], tally[k] * w, lo, inv_d, half, top)
+        else:
+            for s in range(s_dim):
+                _bin(bins, sample_row[s], w, lo, inv_d, half, top)
+        _smooth(bins, binned, taps, taps_key, acc, g_dim, half, d / h, truncate)
+        inv_h = 1.0 / h
+        for j in range(g_dim):
+            out_row[j] = acc[j] * inv_h
+
     @njit(nogil=True, cache=True)
     def _kde_grid(c0, c1, samples, bandwidth, lo, delta, n_grid, truncate, grid):
         # kde.kde_grid per channel: linear binning of the samples, convolution with
         # phi(t delta / h) / h on taps |t delta| <= truncate * h, grid = the part on nodes
         # lo + j * delta, j < n_grid[c] (the rest of the row stays 0)
-        c_dim, s_dim = samples.shape
-        w = 1.0 / s_dim
         max_half = 0
         max_g = 0
         for c in range(c0, c1):
             max_half = max(max_half, int(math.ceil(truncate * bandwidth[c] / delta[c])))
             max_g = max(max_g, n_grid[c])
-        bins, binned, taps, acc, taps_key = _grid_scratch(max_g, max_half, samples.dtype)
+        scratch = _grid_scratch(max_g, max_half, samples.dtype)
+        no_tally = np.empty(0, np.int32)
         for c in range(c0, c1):
-            h = bandwidth[c]
-            d = delta[c]
-            g_dim = n_grid[c]
-            half = int(math.ceil(truncate * h / d))
-            length = g_dim + 2 * half
-            bins[:length + 4] = 0.0
-            inv_d = 1.0 / d
-            for s in range(s_dim):
-                _bin(bins, samples[c, s], w, lo[c], inv_d, half, np.float64(length))
-            _smooth(bins, binned, taps, taps_key, acc, g_dim, half, d / h, truncate)
-            inv_h = 1.0 / h
-            for j in range(g_dim):
-                grid[c, j] = acc[j] * inv_h
+            _channel_grid(scratch, samples[c], no_tally, samples[c], False, lo[c], delta[c], bandwidth[c], n_grid[c],
+                          truncate, grid[c])
 
     @njit(nogil=True, cache=True)
     def _grid_density_times(c0, c1, x3, g3, grid, lo, inv_delta, n_grid, out3):
@@ -508,7 +520,7 @@ if AVAILABLE:
         # everything the batch context computes for a channel, one channel at a time with its
         # scratch in cache (no per-pass arrays, no Python between passes): the quantiles
         # (_channel_quantiles), the KDE draws and bandwidth (_channel_samples), the KDE grid
-        # (_layout, _bin, _smooth: the grid of kde_grid, the drawn entries binned once each with
+        # (_layout, _channel_grid: the grid of kde_grid, the drawn entries binned once each with
         # their number of draws as weight instead of draw by draw), and every value's output and
         # density (as _counts and _density_at). The caller has checked the values are finite and
         # read their range (xmin, xmax) off the sorted context.
@@ -516,7 +528,6 @@ if AVAILABLE:
         k_dim = ctx.shape[1]
         n_tau = q_out.shape[1]
         s_dim = samples.shape[1]
-        w = 1.0 / s_dim
         tally = np.empty(k_dim, np.int32)
         through = np.empty(k_dim, np.int32)
         spread = np.empty(s_dim + 4, ctx.dtype)
@@ -528,7 +539,7 @@ if AVAILABLE:
         # points_per_bandwidth, a half-width of at most ceil(truncate * points_per_bandwidth) (+1
         # for the rounding of h / delta)
         max_half = int(math.ceil(truncate * points_per_bandwidth)) + 1
-        bins, binned, taps, acc, taps_key = _grid_scratch(max_points + 2, max_half, samples.dtype)
+        scratch = _grid_scratch(max_points + 2, max_half, samples.dtype)
         row_grid = np.empty(max_points + 2, np.float64)
         for c in range(c0, c1):
             row = ctx[c]
@@ -537,21 +548,8 @@ if AVAILABLE:
             bandwidth[c] = h
             lo, d, g_dim = _layout(np.float64(samples[c, 0]), np.float64(samples[c, s_dim - 1]), h, xmin[c], xmax[c],
                                    points_per_bandwidth, truncate, max_points)
-            half = int(math.ceil(truncate * h / d))
-            length = g_dim + 2 * half
-            bins[:length + 4] = 0.0
+            _channel_grid(scratch, row, tally, samples[c], _tallied(k_dim, s_dim), lo, d, h, g_dim, truncate, row_grid)
             inv_d = 1.0 / d
-            top = np.float64(length)
-            if _tallied(k_dim, s_dim):
-                for k in range(k_dim):  # entries never drawn add 0
-                    _bin(bins, row[k], tally[k] * w, lo, inv_d, half, top)
-            else:
-                for s in range(s_dim):
-                    _bin(bins, samples[c, s], w, lo, inv_d, half, top)
-            _smooth(bins, binned, taps, taps_key, acc, g_dim, half, d / h, truncate)
-            inv_h = 1.0 / h
-            for j in range(g_dim):
-                row_grid[j] = acc[j] * inv_h
             q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut)
             g_top = g_dim - 1
             # two copies of the loop so that no branch on the count sits inside it (one loop with
