@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import _ddp_worker as W
-from shiftguard.functional.kde import gaussian_kde, kde_grid_error_bound
+from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, gaussian_kde, kde_grid_error_bound
 from shiftguard.functional.quantile import channel_values, qact_statistics
 from shiftguard.nn.qact import QACTBlock, QuantileActivation
 from shiftguard.nn.sync_qact import SyncQuantileActivation, convert_sync_qact, sketch_context, sketch_statistics
@@ -88,7 +88,7 @@ def _check_exact(inputs, results, name):
             torch.testing.assert_close(r["buffers"][k], v, rtol=0, atol=0)
     # Backward: same KDE; the grid KDE lays its grid over each process's own inputs, so the two
     # may differ by twice its error bound (docs/qact.md), scaled by |grad_output|.
-    bound = kde_grid_error_bound(s.bandwidth, s.bandwidth / 16).max()
+    bound = kde_grid_error_bound(s.bandwidth, s.bandwidth / POINTS_PER_BANDWIDTH).max()
     grad = torch.cat([r["grad"] for r in res])
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=float(2 * bound * d["gout"].abs().max()) + 1e-12)
     # ... and both follow the exact KDE of the shared samples (000 Alg. 2, eq. (7)).

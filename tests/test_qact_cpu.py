@@ -4,6 +4,7 @@ sampling law)."""
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -16,6 +17,9 @@ from shiftguard.functional import kde
 from shiftguard.nn import QuantileActivation
 
 pytestmark = pytest.mark.skipif(not K.AVAILABLE, reason="numba is not installed: QACT runs on the eager torch path only")
+
+# kernel taps of the default grid: 2 * ceil(truncate * points_per_bandwidth) + 1 (kde.py)
+_N_TAPS = 2 * math.ceil(kde.TRUNCATE * kde.POINTS_PER_BANDWIDTH) + 1
 
 
 def _contexts():
@@ -156,7 +160,8 @@ def test_samples_equal_the_reference_draws(case):
     np.testing.assert_allclose(bw, kde.silverman_bandwidth(torch.from_numpy(samples)).numpy(), rtol=1e-12)
 
 
-def test_grid_layout_equals_the_eager_layout():
+@pytest.mark.parametrize("ppb, truncate", [(kde.POINTS_PER_BANDWIDTH, kde.TRUNCATE), (16, 6.0)])
+def test_grid_layout_equals_the_eager_layout(ppb, truncate):
     g = np.random.default_rng(6)
     n = 400
     smin = g.standard_normal(n) * 3
@@ -165,9 +170,9 @@ def test_grid_layout_equals_the_eager_layout():
     xmin = smin + g.standard_normal(n)
     xmax = np.maximum(smax + g.standard_normal(n), xmin)
     h[:20] = 1e-7  # wide ranges in bandwidths: capped at max_points nodes
-    lo, delta, nodes = kde.grid_layout(*(torch.from_numpy(a) for a in (smin, smax, h, xmin, xmax)))
+    lo, delta, nodes = kde.grid_layout(*(torch.from_numpy(a) for a in (smin, smax, h, xmin, xmax)), ppb, truncate)
     for c in range(n):
-        got = K._layout(smin[c], smax[c], h[c], xmin[c], xmax[c], 16.0, 6.0, 4096)
+        got = K._layout(smin[c], smax[c], h[c], xmin[c], xmax[c], float(ppb), truncate, 4096)
         assert got == (lo[c].item(), delta[c].item(), nodes[c].item())
     # ceil((hi - lo) / delta) with delta = (hi - lo) / 4095 rounds to at most 4096: at most 4098
     # nodes, the scratch size of the fused kernel (_batch_channels)
@@ -258,9 +263,9 @@ def test_grid_equals_the_eager_grid_on_many_channels():
 
 
 def test_float32_grid_is_the_float64_grid_to_float32_rounding():
-    # a float32 layer's grid is convolved in float32: every node is a sum of <= 2 * 96 + 1
+    # a float32 layer's grid is convolved in float32: every node is a sum of <= _N_TAPS (65)
     # non-negative products, each rounded a few times, so its relative error is below
-    # (193 + 4) * 2**-24 < 1.2e-5 (and the node value is at most the kernel peak)
+    # (_N_TAPS + 4) * 2**-24 (and the node value is at most the kernel peak)
     x3 = np.random.default_rng(6).standard_normal((3000, 8, 1)).astype(np.float32)
     ctx = K.sorted_grounded_context(x3, 100.0)
     samples, bw = K.grounded_samples(ctx, 1000, seed=2)
@@ -269,7 +274,7 @@ def test_float32_grid_is_the_float64_grid_to_float32_rounding():
     g64, _, _, _ = K.kde_grid(samples.astype(np.float64), bw, xmin, xmax)
     for c in range(8):
         ref = g64[c, :n_grid[c]]
-        assert np.all(np.abs(g32[c, :n_grid[c]] - ref) <= 1.2e-5 * ref + 1e-12 / bw[c])
+        assert np.all(np.abs(g32[c, :n_grid[c]] - ref) <= (_N_TAPS + 4) * 2.0**-24 * ref + 1e-12 / bw[c])
 
 
 @pytest.mark.parametrize("shape", [(64, 3), (4, 2, 6, 6), (300, 5), (1, 3)])
@@ -304,7 +309,7 @@ def test_compiled_and_eager_layers_agree(monkeypatch):
         stats_b, pre = Q._batch_context(x, 100, 100.0, 0, None)
         torch.testing.assert_close(Q._apply(x, stats_b, pre), Q.qact_apply(x, stats_b), rtol=0, atol=0)
     assert torch.equal(outs[True][0], outs[False][0])
-    bound = kde.kde_grid_error_bound(stats.bandwidth, stats.bandwidth / 16)
+    bound = kde.kde_grid_error_bound(stats.bandwidth, stats.bandwidth / kde.POINTS_PER_BANDWIDTH)
     diff = Q.channel_values((outs[True][1] - outs[False][1]) / g)
     assert (diff.abs() <= 2 * bound[:, None] * 1.0001 + 1e-12).all()
 
@@ -359,15 +364,15 @@ def test_density_computed_in_the_forward_equals_the_separate_backward(shape, dty
     # Same grid layout and interpolation. The fused pass bins each drawn entry once, weighted by
     # its number of draws, where the separate grid bins draw by draw: the float64 bins differ by
     # rounding (~1e-16), so in float64 the two agree to ~1e-13. A float32 layer convolves in
-    # float32; each grid is then within the convolution's rounding bound, (2 * 96 + 1 + 4) * 2^-24
+    # float32; each grid is then within the convolution's rounding bound, (_N_TAPS + 4) * 2^-24
     # relative, of the float64 grid, so the two within twice that.
-    rtol = 1e-12 if dtype == torch.float64 else 2 * 197 * 2.0**-24
+    rtol = 1e-12 if dtype == torch.float64 else 2 * (_N_TAPS + 4) * 2.0**-24
     torch.testing.assert_close(fused, xi.grad, rtol=rtol, atol=1e-12)
 
 
 def test_fused_density_on_a_grid_capped_at_max_points():
     # a tight cluster and far outliers: the bandwidth is tiny against the range, so the grid is
-    # capped at max_points nodes (the fused kernel's scratch size) and coarser than h / 16
+    # capped at max_points nodes (the fused kernel's scratch size) and coarser than h / kde.POINTS_PER_BANDWIDTH
     g = np.random.default_rng(8)
     v = np.concatenate([g.standard_normal(997) * 1e-4, [-50.0, 40.0, 50.0]])
     x = torch.from_numpy(np.stack([v, g.standard_normal(1000)], axis=1))

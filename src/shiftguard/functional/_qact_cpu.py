@@ -31,7 +31,7 @@ What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py`
   ``torch.Generator``) and independent of the thread count. Silverman's bandwidth of the sorted
   sample (``kde.py``) is computed on the way.
 - :func:`kde_grid`, :func:`kde_density_times`: the grid KDE of ``kde.py`` (linear binning, Gaussian
-  kernel truncated at ``6 h``, 16 nodes per bandwidth: same nodes, weights and error bound; a
+  kernel truncated at ``4 h``, 8 nodes per bandwidth: same nodes, weights and error bound; a
   direct convolution per channel instead of one FFT over all, in the samples' precision like the
   eager grid) and, for statistics that did not come
   with the density (frozen context, DDP), ``grad_output * f_grid(x)`` in one pass.
@@ -53,7 +53,7 @@ import torch
 
 from shiftguard._numba import AVAILABLE, njit  # numba is a dependency; the eager torch path works without it
 from shiftguard._parallel import parallel_parts
-from shiftguard.functional.kde import grid_layout
+from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE, grid_layout
 
 if AVAILABLE:
     from shiftguard._numba import splitmix64
@@ -642,8 +642,8 @@ def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.nda
 
 
 def batch_channels(x3: np.ndarray, ctx: np.ndarray, n_tau: int, n_samples: int, seed: int, xmin: np.ndarray,
-                   xmax: np.ndarray, values_by_count: np.ndarray, points_per_bandwidth: int = 16,
-                   truncate: float = 6.0, max_points: int = 4096):
+                   xmax: np.ndarray, values_by_count: np.ndarray, points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
+                   truncate: float = TRUNCATE, max_points: int = 4096):
     """Everything the batch context of a layer that needs its gradient computes, in one pass per
     channel: the quantiles (as :func:`grounded_quantiles`), the KDE samples and bandwidths (as
     :func:`grounded_samples` with ``seed``), the KDE grid (as :func:`kde_grid`; the drawn entries
@@ -690,7 +690,7 @@ def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
 
 
 def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray,
-             points_per_bandwidth: int = 16, truncate: float = 6.0, max_points: int = 4096):
+             points_per_bandwidth: int = POINTS_PER_BANDWIDTH, truncate: float = TRUNCATE, max_points: int = 4096):
     """:func:`shiftguard.functional.kde.kde_grid` per channel (the same
     :func:`~shiftguard.functional.kde.grid_layout`; each channel's grid has its own length
     ``n_grid[c]``, so a wide channel does not widen the others). The convolution runs in the
