@@ -11,7 +11,8 @@ kernels release the GIL).
 What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py``):
 
 - :func:`sorted_grounded_context`: the channel's values and ``-c, +c``, sorted;
-  :func:`sorted_value_range` reads the values' range (and finiteness) off it.
+  :func:`sorted_context_finite` and :func:`sorted_value_range` read the values' finiteness and
+  range off it.
 - :func:`grounded_quantiles`: ``n_-`` (values < 0 in the sorted grounded context) and the weighted
   quantiles ``q_1..q_{n_tau}`` by the closed-form midpoint positions of the grounding weights
   (eqs. (8)-(9)) with linear interpolation, made non-decreasing (running max) -- the arithmetic of
@@ -59,7 +60,8 @@ if AVAILABLE:
     from shiftguard._numba import splitmix64
 
 __all__ = [
-    "AVAILABLE", "sorted_grounded_context", "sorted_value_range", "grounded_quantiles", "counts_output",
+    "AVAILABLE", "sorted_grounded_context", "sorted_context_finite", "sorted_value_range", "grounded_quantiles",
+    "counts_output",
     "grounded_samples", "kde_grid", "kde_density_times", "batch_channels",
 ]
 
@@ -227,6 +229,22 @@ if AVAILABLE:
             xmin[c] = lo_v
             xmax[c] = hi_v
             n_bad[c] = bad
+
+    @njit(inline="always")
+    def _row_range(row, c_bound):
+        # (min, max) in float64 of the values of a finite sorted grounded row (the row without one -c
+        # and one +c). min: row[0] if below -c; else row[0] is a -c (drop it): row[1], unless that
+        # is the +c (row[1] >= c: then row[1] == c), then row[2]; max likewise from the top
+        k_dim = row.shape[0]
+        first = row[0] if row[0] < -c_bound else (row[1] if row[1] < c_bound else row[2])
+        last = row[k_dim - 1] if row[k_dim - 1] > c_bound else (row[k_dim - 2] if row[k_dim - 2] > -c_bound
+                                                                 else row[k_dim - 3])
+        return np.float64(first), np.float64(last)
+
+    @njit(nogil=True, cache=True)
+    def _value_ranges(c0, c1, ctx, c_bound, xmin, xmax):
+        for c in range(c0, c1):
+            xmin[c], xmax[c] = _row_range(ctx[c], c_bound)
 
     @njit(nogil=True, cache=True)
     def _grounded_context(c0, c1, x3, c_bound, ctx):
@@ -515,15 +533,15 @@ if AVAILABLE:
                     out3[n, c, l] = g3[n, c, l] * _density_at(x3[n, c, l], row, a, inv, top)
 
     @njit(nogil=True, cache=True)
-    def _batch_channels(c0, c1, ctx, x3, seed, xmin, xmax, points_per_bandwidth, truncate, max_points,
+    def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, truncate, max_points,
                         values_by_count, q_out, samples, bandwidth, out3, dens3):
         # everything the batch context computes for a channel, one channel at a time with its
         # scratch in cache (no per-pass arrays, no Python between passes): the quantiles
         # (_channel_quantiles), the KDE draws and bandwidth (_channel_samples), the KDE grid
         # (_layout, _channel_grid: the grid of kde_grid, the drawn entries binned once each with
         # their number of draws as weight instead of draw by draw), and every value's output and
-        # density (as _counts and _density_at). The caller has checked the values are finite and
-        # read their range (xmin, xmax) off the sorted context.
+        # density (as _counts and _density_at). The caller has checked the values are finite; their
+        # range, which the grid must cover, is read off the sorted context row (_row_range).
         n_dim, c_dim, l_dim = x3.shape
         k_dim = ctx.shape[1]
         n_tau = q_out.shape[1]
@@ -546,7 +564,8 @@ if AVAILABLE:
             _channel_quantiles(row, n_tau, q_out[c])
             h = _channel_samples(row, c, s_dim, seed, tally, through, spread, samples[c])
             bandwidth[c] = h
-            lo, d, g_dim = _layout(np.float64(samples[c, 0]), np.float64(samples[c, s_dim - 1]), h, xmin[c], xmax[c],
+            xmin, xmax = _row_range(row, c_bound)
+            lo, d, g_dim = _layout(np.float64(samples[c, 0]), np.float64(samples[c, s_dim - 1]), h, xmin, xmax,
                                    points_per_bandwidth, truncate, max_points)
             _channel_grid(scratch, row, tally, samples[c], _tallied(k_dim, s_dim), lo, d, h, g_dim, truncate, row_grid)
             inv_d = 1.0 / d
@@ -641,8 +660,8 @@ def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.nda
     return out, xmin, xmax
 
 
-def batch_channels(x3: np.ndarray, ctx: np.ndarray, n_tau: int, n_samples: int, seed: int, xmin: np.ndarray,
-                   xmax: np.ndarray, values_by_count: np.ndarray, points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
+def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samples: int, seed: int,
+                   values_by_count: np.ndarray, points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
                    truncate: float = TRUNCATE, max_points: int = 4096):
     """Everything the batch context of a layer that needs its gradient computes, in one pass per
     channel: the quantiles (as :func:`grounded_quantiles`), the KDE samples and bandwidths (as
@@ -650,8 +669,9 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, n_tau: int, n_samples: int, 
     are binned once each, weighted by their number of draws) and every value's forward output (as
     :func:`counts_output`) and KDE density (what the backward multiplies the gradient by).
 
-    ``x3`` ``(N, C, L)`` finite, ``ctx`` its sorted grounded context (:func:`sorted_grounded_context`),
-    ``xmin, xmax`` its per-channel range (:func:`sorted_value_range`), ``n_samples >= 1``.
+    ``x3`` ``(N, C, L)``, ``ctx`` its sorted grounded context with bound ``c``
+    (:func:`sorted_grounded_context`), finite (:func:`sorted_context_finite`), ``n_samples >= 1``.
+    The grid covers each channel's value range, read off ``ctx`` (as :func:`sorted_value_range`).
 
     Returns ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)`` float64, and the
     output and the density, both shaped like ``x3`` in its dtype.
@@ -662,22 +682,27 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, n_tau: int, n_samples: int, 
     bw = np.empty(ch, dtype=np.float64)
     out = np.empty_like(x3)
     dens = np.empty_like(x3)
-    _run(_batch_channels, ch, x3.size * 8 + ch * n_samples * 64, ctx, x3, seed, np.asarray(xmin, np.float64),
-         np.asarray(xmax, np.float64), float(points_per_bandwidth), float(truncate), int(max_points),
-         values_by_count, q, samples, bw, out, dens)
+    _run(_batch_channels, ch, x3.size * 8 + ch * n_samples * 64, ctx, x3, seed, float(c), float(points_per_bandwidth),
+         float(truncate), int(max_points), values_by_count, q, samples, bw, out, dens)
     return q, samples, bw, out, dens
+
+
+def sorted_context_finite(ctx: np.ndarray) -> bool:
+    """Whether the sorted grounded context ``ctx`` holds no NaN or inf (sorted rows keep them at the
+    ends: numpy sorts NaN last)."""
+    return bool(np.isfinite(ctx[:, 0]).all() and np.isfinite(ctx[:, -1]).all())
 
 
 def sorted_value_range(ctx: np.ndarray, c: float):
     """Per-channel ``(min, max)`` of the values in the sorted grounded context ``ctx`` (the rows
-    without one ``-c`` and one ``+c``), float64; ``None`` if a row holds NaN or inf (sorted rows
-    keep them at the ends). Lets the backward's grid be laid out before the pass over the values."""
-    if not (np.isfinite(ctx[:, 0]).all() and np.isfinite(ctx[:, -1]).all()):
+    without one ``-c`` and one ``+c``), float64; ``None`` if a row holds NaN or inf. (The fused
+    :func:`batch_channels` reads the same per row.)"""
+    if not sorted_context_finite(ctx):
         return None
-    # min: ctx[0] if below -c; else ctx[0] is a -c (drop it): ctx[1], unless that is the +c, then ctx[2]
-    first = np.where(ctx[:, 0] < -c, ctx[:, 0], np.where(ctx[:, 1] < c, ctx[:, 1], ctx[:, 2]))
-    last = np.where(ctx[:, -1] > c, ctx[:, -1], np.where(ctx[:, -2] > -c, ctx[:, -2], ctx[:, -3]))
-    return first.astype(np.float64), last.astype(np.float64)
+    xmin = np.empty(ctx.shape[0], dtype=np.float64)
+    xmax = np.empty(ctx.shape[0], dtype=np.float64)
+    _value_ranges(0, ctx.shape[0], ctx, float(c), xmin, xmax)
+    return xmin, xmax
 
 
 def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
