@@ -390,3 +390,56 @@ def test_non_finite_input_with_gradient_is_a_value_error():
     x[4, 2] = float("nan")
     with pytest.raises(ValueError, match="input: contains non-finite values"):
         Q.quantile_activation(x.requires_grad_(True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("momentum", [0.1, 0.7, None])
+def test_running_statistics_moved_in_the_fused_pass_equal_the_torch_update(momentum, dtype):
+    # a layer whose input needs a gradient updates its running statistics inside the fused pass;
+    # one whose input does not takes the separate kernels (same statistics for the same seed) and
+    # then the separate update (_running_lerp): the same buffers, bit for bit
+    a = QuantileActivation(momentum=momentum).to(dtype)
+    b = QuantileActivation(momentum=momentum).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x = torch.randn(80, 6, dtype=dtype, generator=g) * (step + 1)
+        torch.manual_seed(10 + step)
+        a(x.clone().requires_grad_(True))
+        torch.manual_seed(10 + step)
+        b(x)
+    assert int(a.num_batches_tracked) == int(b.num_batches_tracked) == 3
+    for name in ("running_quantiles", "running_samples", "running_bandwidth"):
+        got, want = getattr(a, name), getattr(b, name)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(a.running_samples, QuantileActivation(num_features=6).running_samples.to(dtype))
+
+
+def test_running_statistics_of_another_dtype_are_left_to_the_caller():
+    x = torch.randn(40, 3)
+    buffers = (torch.zeros(3, 100, dtype=torch.float64), torch.zeros(3, 1000, dtype=torch.float64),
+               torch.ones(3, dtype=torch.float64))
+    _, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
+                              running=(0.5,) + buffers)
+    assert pre["running_updated"] is False
+    assert not buffers[0].any() and not buffers[1].any() and (buffers[2] == 1).all()
+    same = tuple(b.float() for b in buffers)
+    _, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
+                              running=(0.5,) + same)
+    assert pre["running_updated"] is True and same[1].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m", [0.1, 0.5, 0.9, 1.0])
+def test_running_update_follows_torch_lerp(m, dtype):
+    # the compiled update computes torch.lerp's formula in float64 and rounds once: within one
+    # rounding of torch's own lerp_, and exact at the ends (m = 1 gives the new value)
+    g = torch.Generator().manual_seed(3)
+    buf = torch.randn(7, 300, dtype=dtype, generator=g) * 10
+    new = torch.randn(7, 300, dtype=torch.float64, generator=g) * 10
+    want = buf.clone().lerp_(new.to(dtype), m)
+    Q._running_lerp(buf, new, m)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(buf, want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()))
+    if m == 1.0:
+        assert torch.equal(buf, new.to(dtype))

@@ -60,8 +60,8 @@ if AVAILABLE:
     from shiftguard._numba import splitmix64
 
 __all__ = [
-    "AVAILABLE", "sorted_grounded_context", "sorted_context_finite", "sorted_value_range", "grounded_quantiles",
-    "counts_output",
+    "AVAILABLE", "lerp_rows_", "sorted_grounded_context", "sorted_context_finite", "sorted_value_range",
+    "grounded_quantiles", "counts_output",
     "grounded_samples", "kde_grid", "kde_density_times", "batch_channels",
 ]
 
@@ -532,16 +532,34 @@ if AVAILABLE:
                 for l in range(l_dim):
                     out3[n, c, l] = g3[n, c, l] * _density_at(x3[n, c, l], row, a, inv, top)
 
+    @njit(inline="always")
+    def _lerp_row(run, new, m):
+        # run += m * (new - run), torch.lerp's formula (the form chosen by the weight), in float64
+        # and rounded to run's dtype; new is first rounded to run's dtype (by storing it there), as
+        # the module's torch update converts it before the lerp
+        for i in range(run.shape[0]):
+            a = np.float64(run[i])
+            run[i] = new[i]
+            b = np.float64(run[i])
+            run[i] = a + m * (b - a) if m < 0.5 else b - (b - a) * (1.0 - m)
+
+    @njit(nogil=True, cache=True)
+    def _lerp_rows(c0, c1, run, new, m):
+        for c in range(c0, c1):
+            _lerp_row(run[c], new[c], m)
+
     @njit(nogil=True, cache=True)
     def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, truncate, max_points,
-                        values_by_count, q_out, samples, bandwidth, out3, dens3):
+                        values_by_count, q_out, samples, bandwidth, out3, dens3, momentum, run_q, run_s, run_b):
         # everything the batch context computes for a channel, one channel at a time with its
         # scratch in cache (no per-pass arrays, no Python between passes): the quantiles
         # (_channel_quantiles), the KDE draws and bandwidth (_channel_samples), the KDE grid
         # (_layout, _channel_grid: the grid of kde_grid, the drawn entries binned once each with
         # their number of draws as weight instead of draw by draw), and every value's output and
         # density (as _counts and _density_at). The caller has checked the values are finite; their
-        # range, which the grid must cover, is read off the sorted context row (_row_range).
+        # range, which the grid must cover, is read off the sorted context row (_row_range). With
+        # momentum > 0 the channel's running statistics (run_q, run_s, run_b) move towards its batch
+        # statistics while these are in cache.
         n_dim, c_dim, l_dim = x3.shape
         k_dim = ctx.shape[1]
         n_tau = q_out.shape[1]
@@ -568,6 +586,10 @@ if AVAILABLE:
             lo, d, g_dim = _layout(np.float64(samples[c, 0]), np.float64(samples[c, s_dim - 1]), h, xmin, xmax,
                                    points_per_bandwidth, truncate, max_points)
             _channel_grid(scratch, row, tally, samples[c], _tallied(k_dim, s_dim), lo, d, h, g_dim, truncate, row_grid)
+            if momentum > 0.0:
+                _lerp_row(run_q[c], q_out[c], momentum)
+                _lerp_row(run_s[c], samples[c], momentum)
+                _lerp_row(run_b[c:c + 1], bandwidth[c:c + 1], momentum)
             inv_d = 1.0 / d
             q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut)
             g_top = g_dim - 1
@@ -662,7 +684,7 @@ def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.nda
 
 def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samples: int, seed: int,
                    values_by_count: np.ndarray, points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
-                   truncate: float = TRUNCATE, max_points: int = 4096):
+                   truncate: float = TRUNCATE, max_points: int = 4096, running=None):
     """Everything the batch context of a layer that needs its gradient computes, in one pass per
     channel: the quantiles (as :func:`grounded_quantiles`), the KDE samples and bandwidths (as
     :func:`grounded_samples` with ``seed``), the KDE grid (as :func:`kde_grid`; the drawn entries
@@ -673,6 +695,10 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     (:func:`sorted_grounded_context`), finite (:func:`sorted_context_finite`), ``n_samples >= 1``.
     The grid covers each channel's value range, read off ``ctx`` (as :func:`sorted_value_range`).
 
+    ``running``: optional ``(momentum, quantiles (C, n_tau), samples (C, S), bandwidth (C,))``,
+    writable arrays of ``x3``'s dtype, moved in place towards this batch's statistics as
+    ``torch.lerp_`` does (a module's running statistics, updated in the same pass).
+
     Returns ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)`` float64, and the
     output and the density, both shaped like ``x3`` in its dtype.
     """
@@ -682,9 +708,20 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     bw = np.empty(ch, dtype=np.float64)
     out = np.empty_like(x3)
     dens = np.empty_like(x3)
+    if running is None:
+        none = np.empty((0, 0), dtype=x3.dtype)
+        running = (0.0, none, none, np.empty(0, dtype=x3.dtype))
+    m, run_q, run_s, run_b = running
     _run(_batch_channels, ch, x3.size * 8 + ch * n_samples * 64, ctx, x3, seed, float(c), float(points_per_bandwidth),
-         float(truncate), int(max_points), values_by_count, q, samples, bw, out, dens)
+         float(truncate), int(max_points), values_by_count, q, samples, bw, out, dens, float(m), run_q, run_s, run_b)
     return q, samples, bw, out, dens
+
+
+def lerp_rows_(run: np.ndarray, new: np.ndarray, m: float) -> None:
+    """``run += m * (new - run)`` in place, rows ``(C, K)`` (``new`` rounded to ``run``'s dtype
+    first): the running-statistics update of the fused :func:`batch_channels`, the same arithmetic
+    for statistics computed apart (DDP, eager), so both give the same buffers bit for bit."""
+    _run(_lerp_rows, run.shape[0], run.size * 4, run, new, float(m))
 
 
 def sorted_context_finite(ctx: np.ndarray) -> bool:

@@ -443,14 +443,20 @@ def _apply(x: torch.Tensor, stats: QACTStatistics, pre: Optional[dict] = None) -
                                pre)
 
 
-def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator, density: bool = False) -> tuple:
+def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator, density: bool = False,
+                   running: Optional[tuple] = None) -> tuple:
     """Statistics of ``x`` as its own context, and what the forward needs beyond them (``pre`` of
     :func:`_apply`): the counts of ``x`` read off the context sort (eager path), or the finished
     output and the value range or, with ``density``, the KDE density at every value (compiled
-    path). No gradient."""
+    path). No gradient.
+
+    ``running``: optional ``(momentum, quantiles, samples, bandwidth)``, a module's running
+    statistics; where the compiled pass can move them towards this batch's statistics itself
+    (:func:`_qact_cpu.batch_channels`: CPU tensors of ``x``'s dtype and the statistics' shapes) it
+    does, and ``pre["running_updated"]`` is True; otherwise the caller updates them."""
     with torch.no_grad():
         if _compiled(x):
-            return _batch_context_compiled(x.detach(), n_tau, float(c), n_samples, generator, density)
+            return _batch_context_compiled(x.detach(), n_tau, float(c), n_samples, generator, density, running)
         stats, counts = _qact_statistics(channel_values(x.detach()), n_tau, float(c), n_samples, generator, with_counts=True)
         return stats, {"counts": counts}
 
@@ -474,8 +480,37 @@ def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator,
     return QACTStatistics(q, torch.from_numpy(samples), torch.from_numpy(bw).to(like.dtype))
 
 
+def _running_lerp(buffer: torch.Tensor, new: torch.Tensor, momentum: float) -> None:
+    """``buffer += momentum * (new - buffer)`` in place (``new`` converted to ``buffer``'s dtype
+    first): a running statistic's update. On CPU through the compiled kernels
+    (:func:`_qact_cpu.lerp_rows_`), the arithmetic the fused training pass uses for the same update,
+    so a layer's buffers do not depend on which pass computed its statistics; else ``lerp_``."""
+    new = new.detach().to(buffer.dtype)
+    if _compiled(buffer) and buffer.is_contiguous() and buffer.shape == new.shape and buffer.dim() <= 2:
+        rows = buffer.shape[0] if buffer.dim() else 1
+        _qact_cpu.lerp_rows_(buffer.detach().numpy().reshape(rows, -1), new.contiguous().numpy().reshape(rows, -1),
+                             momentum)
+    else:
+        buffer.lerp_(new, momentum)
+
+
+def _running_arrays(running: Optional[tuple], x: torch.Tensor, n_tau: int, n_samples: int) -> Optional[tuple]:
+    """``running`` (:func:`_batch_context`) as the numpy arrays the fused kernel updates in place,
+    or None where it cannot (another dtype or device, a shape the torch update would reject)."""
+    if running is None:
+        return None
+    m, rq, rs, rb = running
+    ch = x.shape[1]
+    bufs = (rq, rs, rb)
+    if not all(b.device.type == "cpu" and b.dtype == x.dtype and b.is_contiguous() for b in bufs):
+        return None
+    if rq.shape != (ch, n_tau) or rs.shape != (ch, n_samples) or rb.shape != (ch,):
+        return None
+    return (float(m),) + tuple(b.detach().numpy() for b in bufs)
+
+
 def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator,
-                            density: bool = False) -> tuple:
+                            density: bool = False, running: Optional[tuple] = None) -> tuple:
     """:func:`_batch_context` by the compiled CPU kernels (same statistics and output).
 
     ``density``: the gradient will be needed, so one pass per channel (:func:`_qact_cpu.batch_channels`,
@@ -490,9 +525,12 @@ def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: in
         out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
         stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
         return stats, {"output": torch.from_numpy(out3).view(x.shape), "xrange": (xmin, xmax)}
-    q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc)
+    arrays = _running_arrays(running, x, n_tau, n_samples)
+    q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc,
+                                                           running=arrays)
     stats = QACTStatistics(torch.from_numpy(q), torch.from_numpy(samples), torch.from_numpy(bw).to(x.dtype))
-    return stats, {"output": torch.from_numpy(out3).view(x.shape), "density": torch.from_numpy(dens3).view(x.shape)}
+    return stats, {"output": torch.from_numpy(out3).view(x.shape), "density": torch.from_numpy(dens3).view(x.shape),
+                   "running_updated": arrays is not None}
 
 
 def quantile_activation(

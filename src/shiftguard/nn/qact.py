@@ -39,6 +39,7 @@ from shiftguard.functional.quantile import (
     qact_apply,
     _apply,
     _batch_context,
+    _running_lerp,
 )
 
 __all__ = ["QuantileActivation", "QACTBlock", "make_activation", "CONTEXT_MODES", "ACTIVATION_NAMES"]
@@ -167,13 +168,17 @@ class QuantileActivation(nn.Module):
                 self.running_bandwidth.copy_(saved[2])
             self._context = mode
 
+    def _next_momentum(self) -> float:
+        """The weight of the next batch in the running statistics (cumulative average: 1 / n)."""
+        return 1.0 / float(self.num_batches_tracked + 1) if self.momentum is None else float(self.momentum)
+
     @torch.no_grad()
     def _update_running(self, s: QACTStatistics) -> None:
+        m = self._next_momentum()
         self.num_batches_tracked += 1
-        m = 1.0 / float(self.num_batches_tracked) if self.momentum is None else float(self.momentum)
-        self.running_quantiles.lerp_(s.quantiles.to(self.running_quantiles.dtype), m)
-        self.running_samples.lerp_(s.samples.to(self.running_samples.dtype), m)
-        self.running_bandwidth.lerp_(s.bandwidth.to(self.running_bandwidth.dtype), m)
+        _running_lerp(self.running_quantiles, s.quantiles, m)
+        _running_lerp(self.running_samples, s.samples, m)
+        _running_lerp(self.running_bandwidth, s.bandwidth, m)
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,10 +188,16 @@ class QuantileActivation(nn.Module):
             need_samples = self.training or (torch.is_grad_enabled() and x.requires_grad)
             s = self.n_samples if need_samples else 0
             # The forward output comes with the statistics (one sort, one pass over the values).
+            # In training the compiled pass moves the running statistics itself where it can.
+            running = (self._next_momentum(), self.running_quantiles, self.running_samples,
+                       self.running_bandwidth) if self.training else None
             stats, pre = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device),
-                                        density=torch.is_grad_enabled() and x.requires_grad)
+                                        density=torch.is_grad_enabled() and x.requires_grad, running=running)
             if self.training:
-                self._update_running(stats)
+                if pre.get("running_updated"):
+                    self.num_batches_tracked += 1
+                else:
+                    self._update_running(stats)
             return _apply(x, stats, pre)
         return qact_apply(x, self.statistics())
 
