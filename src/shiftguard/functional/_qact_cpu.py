@@ -247,16 +247,38 @@ if AVAILABLE:
             xmin[c], xmax[c] = _row_range(ctx[c], c_bound)
 
     @njit(nogil=True, cache=True)
-    def _grounded_context(c0, c1, x3, c_bound, ctx):
-        # ctx[c] = every value of channel c, then -c, +c (unsorted)
+    def _grounded_context(c0, c1, x3, c_bound, ctx, bounds_outside):
+        # ctx[c] = every value of channel c (unsorted) and -c, +c: bounds_outside: -c, values, +c;
+        # else values, -c, +c (the values then start on the row's alignment: stores 1 element off
+        # it made the gather of a (256, 64, 144) input 1.6x slower)
         n_dim, c_dim, l_dim = x3.shape
         m = n_dim * l_dim
+        first = 1 if bounds_outside else 0
         for c in range(c0, c1):
             for n in range(n_dim):
                 for l in range(l_dim):
-                    ctx[c, n * l_dim + l] = x3[n, c, l]
-            ctx[c, m] = -c_bound
+                    ctx[c, first + n * l_dim + l] = x3[n, c, l]
+            ctx[c, 0 if bounds_outside else m] = -c_bound
             ctx[c, m + 1] = c_bound
+
+    @njit(nogil=True, cache=True)
+    def _place_bounds(c0, c1, ctx, c_bound):
+        # rows -c, sorted values, +c (numpy's order: -inf first, inf and NaN last): move -c after
+        # the values below it and +c before the values above it (and NaN), so that each row is
+        # sorted as numpy would sort it whole; rows within (-c, c) are left as they are
+        k_dim = ctx.shape[1]
+        for c in range(c0, c1):
+            row = ctx[c]
+            k = 0
+            while k + 1 < k_dim - 1 and row[k + 1] < -c_bound:
+                row[k] = row[k + 1]
+                k += 1
+            row[k] = -c_bound
+            k = k_dim - 1
+            while k - 1 > 0 and not (row[k - 1] <= c_bound):
+                row[k] = row[k - 1]
+                k -= 1
+            row[k] = c_bound
 
     @njit(inline="always")
     def _sorted_quantile(srt, level):
@@ -642,9 +664,21 @@ def _run(kernel, n_channels: int, work: int, *args) -> None:
     parallel_parts(lambda i: kernel(bounds[i], bounds[i + 1], *args), parts, threads)
 
 
+# numpy's sort (x86-simd-sort) sorts rows of up to 256 float32 values by a sorting network, longer
+# ones by quicksort: 512 rows of 256 values and their two bounds, sorted whole, took 1.5x as long as
+# the 256 values alone (0.46 vs 0.31 ms, measured). Short rows therefore sort the values only and
+# place -c and +c after; long ones are sorted whole.
+_SORT_VALUES_ONLY = 256
+
+
 def _gather_and_sort(c0: int, c1: int, x3: np.ndarray, c: float, ctx: np.ndarray) -> None:
-    _grounded_context(c0, c1, x3, c, ctx)
-    ctx[c0:c1].sort(axis=1)  # releases the GIL
+    values_only = ctx.shape[1] - 2 <= _SORT_VALUES_ONLY
+    _grounded_context(c0, c1, x3, c, ctx, values_only)
+    if values_only:
+        ctx[c0:c1, 1:-1].sort(axis=1)  # releases the GIL
+        _place_bounds(c0, c1, ctx, c)
+    else:
+        ctx[c0:c1].sort(axis=1)
 
 
 def sorted_grounded_context(x3: np.ndarray, c: float) -> np.ndarray:
