@@ -740,13 +740,14 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     writable arrays of ``x3``'s dtype, moved in place towards this batch's statistics as
     ``torch.lerp_`` does (a module's running statistics, updated in the same pass).
 
-    Returns ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)`` float64, and the
-    output and the density, both shaped like ``x3`` in its dtype.
+    Returns ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)`` (computed in float64,
+    stored rounded, as the layer keeps it), and the output and the density, shaped like ``x3``; all
+    in the dtype of ``x3``.
     """
     ch = ctx.shape[0]
     q = np.empty((ch, n_tau), dtype=ctx.dtype)
     samples = np.empty((ch, n_samples), dtype=ctx.dtype)
-    bw = np.empty(ch, dtype=np.float64)
+    bw = np.empty(ch, dtype=ctx.dtype)
     out = np.empty_like(x3)
     dens = np.empty_like(x3)
     if running is None:

@@ -528,7 +528,7 @@ def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: in
     arrays = _running_arrays(running, x, n_tau, n_samples)
     q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc,
                                                            running=arrays)
-    stats = QACTStatistics(torch.from_numpy(q), torch.from_numpy(samples), torch.from_numpy(bw).to(x.dtype))
+    stats = QACTStatistics(torch.from_numpy(q), torch.from_numpy(samples), torch.from_numpy(bw))
     return stats, {"output": torch.from_numpy(out3).view(x.shape), "density": torch.from_numpy(dens3).view(x.shape),
                    "running_updated": arrays is not None}
 
