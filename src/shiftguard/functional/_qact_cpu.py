@@ -67,6 +67,8 @@ __all__ = [
 
 if AVAILABLE:
     _S32 = np.uint64(32)
+    _U = np.uint64  # an index known to be >= 0 (no wrap-around code for it)
+    _U1 = np.uint64(1)
 
     @njit(inline="always")
     def _n_negative(row):
@@ -142,9 +144,10 @@ if AVAILABLE:
     @njit(inline="always")
     def _count_few(v, qp, start, q_lo, inv_w, n_lut):
         # no cell holds more than two quantiles: two comparisons without branches (a quantile of a
-        # later cell, or the +inf padding, is > v and adds nothing)
-        k = start[_cell(v, q_lo, inv_w, n_lut)]
-        return k + (qp[k] <= v) + (qp[k + 1] <= v)
+        # later cell, or the +inf padding, is > v and adds nothing). Indices known to be >= 0 are
+        # made unsigned (_U): numba then adds no negative-index wrap-around (value pass 10% faster)
+        k = start[_U(_cell(v, q_lo, inv_w, n_lut))]
+        return k + (qp[_U(k)] <= v) + (qp[_U(k) + _U1] <= v)
 
     @njit(inline="always")
     def _count_many(v, qp, start, q_lo, inv_w, n_lut):
@@ -191,8 +194,8 @@ if AVAILABLE:
         inside = (p >= 0.0) & (p <= top)
         pc = p if p > 0.0 else 0.0
         pc = pc if pc < top - 1 else np.float64(top - 1)
-        j = int(pc)
-        d = row[j] + (p - j) * (row[j + 1] - row[j])
+        j = _U(pc)  # (unsigned: see _count_few)
+        d = row[j] + (p - np.float64(j)) * (row[j + _U1] - row[j])
         return d if inside else 0.0
 
     @njit(nogil=True, cache=True)
