@@ -89,13 +89,23 @@ if AVAILABLE:
         return 0.5 + (k - nn + 0.5) / (2.0 * (k_dim - nn))
 
     @njit(inline="always")
-    def _channel_quantiles(row, n_tau, q_row):
-        # the weighted quantiles of one sorted grounded context row (grounded_quantiles)
+    def _levels(n_tau):
+        # tau_i = i / (n_tau + 1), i = 1..n_tau (quantile.quantile_levels), computed once per call
+        levels = np.empty(n_tau, np.float64)
+        for i in range(n_tau):
+            levels[i] = (i + 1.0) / (n_tau + 1.0)
+        return levels
+
+    @njit(inline="always")
+    def _channel_quantiles(row, levels, q_row):
+        # the weighted quantiles of one sorted grounded context row at `levels` (_levels;
+        # grounded_quantiles)
         k_dim = row.shape[0]
+        n_tau = levels.shape[0]
         nn = _n_negative(row)
         run = -np.inf
         for i in range(n_tau):
-            tau = (i + 1.0) / (n_tau + 1.0)
+            tau = levels[i]
             if tau < 0.5:
                 k = int(math.floor(2.0 * tau * nn - 0.5))
             else:
@@ -125,8 +135,9 @@ if AVAILABLE:
 
     @njit(nogil=True, cache=True)
     def _grounded_quantiles(c0, c1, ctx, n_tau, q_out):
+        levels = _levels(n_tau)
         for c in range(c0, c1):
-            _channel_quantiles(ctx[c], n_tau, q_out[c])
+            _channel_quantiles(ctx[c], levels, q_out[c])
 
     @njit(inline="always")
     def _cell(v, q_lo, inv_w, top):
@@ -599,6 +610,7 @@ if AVAILABLE:
         s_dim = samples.shape[1]
         tally = np.empty(k_dim, np.int32)
         through = np.empty(k_dim, np.int32)
+        levels = _levels(n_tau)
         n_lut = _table_size(n_tau, n_dim * l_dim)
         start = np.zeros(n_lut + 2, np.int64)
         qp = np.empty(n_tau + 2, np.float64)
@@ -611,7 +623,7 @@ if AVAILABLE:
         row_grid = np.empty(max_points + 2, np.float64)
         for c in range(c0, c1):
             row = ctx[c]
-            _channel_quantiles(row, n_tau, q_out[c])
+            _channel_quantiles(row, levels, q_out[c])
             h = _channel_samples(row, c, s_dim, seed, tally, through, samples[c])
             bandwidth[c] = h
             xmin, xmax = _row_range(row, c_bound)
