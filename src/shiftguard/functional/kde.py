@@ -26,7 +26,7 @@ All functions work per channel: ``samples`` is ``(C, S)``, ``bandwidth`` ``(C,)`
   ``max|d^2/du^2 phi(u/h)/h| = phi(0)/h^3``; each truncation drops at most ``phi(truncate)/h``).
   With the defaults (:data:`POINTS_PER_BANDWIDTH` = 8, :data:`TRUNCATE` = 4) that is
   ``(1/256 + 2 e^-8) phi(0)/h``, ``<= 0.46%`` of the kernel peak ``phi(0)/h``, a worst case (all
-  mass on one point; measured on the benchmark's contexts: 0.005-0.025%). Both are below the
+  mass on one point; measured on the benchmark's contexts: 0.005-0.023%). Both are below the
   smoothing bias of the estimate itself: with Silverman's ``h`` for ``S = 1000``, ``E f_hat`` at
   the mode of a normal context is the density of ``N(0, 1 + h^2)``, 0.56% of the kernel peak
   below the true one (``docs/qact.md``).
