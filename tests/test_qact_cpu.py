@@ -440,14 +440,15 @@ def test_running_statistics_of_another_dtype_are_left_to_the_caller():
     x = torch.randn(40, 3)
     buffers = (torch.zeros(3, 100, dtype=torch.float64), torch.zeros(3, 1000, dtype=torch.float64),
                torch.ones(3, dtype=torch.float64))
+    count = torch.tensor(4)
     _, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
-                              running=(0.5,) + buffers)
+                              running=(0.5,) + buffers + (count,))
     assert pre["running_updated"] is False
-    assert not buffers[0].any() and not buffers[1].any() and (buffers[2] == 1).all()
+    assert not buffers[0].any() and not buffers[1].any() and (buffers[2] == 1).all() and int(count) == 4
     same = tuple(b.float() for b in buffers)
     _, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
-                              running=(0.5,) + same)
-    assert pre["running_updated"] is True and same[1].any()
+                              running=(0.5,) + same + (count,))
+    assert pre["running_updated"] is True and same[1].any() and int(count) == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

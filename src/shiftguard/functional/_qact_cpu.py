@@ -751,9 +751,10 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     (:func:`sorted_grounded_context`), finite (:func:`sorted_context_finite`), ``n_samples >= 1``.
     The grid covers each channel's value range, read off ``ctx`` (as :func:`sorted_value_range`).
 
-    ``running``: optional ``(momentum, quantiles (C, n_tau), samples (C, S), bandwidth (C,))``,
+    ``running``: optional ``(momentum, quantiles (C, n_tau), samples (C, S), bandwidth (C,), count)``,
     writable arrays of ``x3``'s dtype, moved in place towards this batch's statistics as
-    ``torch.lerp_`` does (a module's running statistics, updated in the same pass).
+    ``torch.lerp_`` does (a module's running statistics, updated in the same pass), and a 0-d int64
+    array (its count of updates), to which 1 is added after the pass.
 
     Returns ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)`` (computed in float64,
     stored rounded, as the layer keeps it), and the output and the density, shaped like ``x3``; all
@@ -767,10 +768,13 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     dens = np.empty_like(x3)
     if running is None:
         none = np.empty((0, 0), dtype=x3.dtype)
-        running = (0.0, none, none, np.empty(0, dtype=x3.dtype))
-    m, run_q, run_s, run_b = running
+        m, run_q, run_s, run_b, count = 0.0, none, none, np.empty(0, dtype=x3.dtype), None
+    else:
+        m, run_q, run_s, run_b, count = running
     _run(_batch_channels, ch, x3.size * 8 + ch * n_samples * 64, ctx, x3, seed, float(c), float(points_per_bandwidth),
          float(truncate), int(max_points), values_by_count, q, samples, bw, out, dens, float(m), run_q, run_s, run_b)
+    if count is not None:
+        count[()] += 1
     return q, samples, bw, out, dens
 
 

@@ -343,8 +343,13 @@ USE_COMPILED = True
 
 
 def _as3(t: torch.Tensor) -> np.ndarray:
-    """``(N, C, *spatial)`` tensor -> contiguous numpy ``(N, C, L)`` (no copy when contiguous)."""
-    return t.detach().reshape(t.shape[0], t.shape[1], -1).contiguous().numpy()
+    """``(N, C, *spatial)`` tensor -> contiguous numpy ``(N, C, L)`` (no copy when contiguous; the
+    reshape is then numpy's: each torch call costs 10-35 us inside a training step)."""
+    t = t.detach()
+    if t.is_contiguous():
+        a = t.numpy()
+        return a.reshape(a.shape[0], a.shape[1], -1)
+    return t.reshape(t.shape[0], t.shape[1], -1).contiguous().numpy()
 
 
 @functools.lru_cache(maxsize=64)
@@ -356,23 +361,35 @@ def _values_by_count(n_tau: int, dtype: torch.dtype) -> np.ndarray:
     return table
 
 
+class _DensityKnownFunction(torch.autograd.Function):
+    """The compiled batch context's forward, which computed the output and the KDE density at every
+    value in one pass (:func:`_batch_context`, ``pre["output"]``, ``pre["density"]``): returns the
+    output; the backward multiplies the gradient by the density (eq. (7))."""
+
+    @staticmethod
+    def forward(ctx, x, pre):
+        ctx.save_for_backward(pre["density"])
+        return pre["output"]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        (dens,) = ctx.saved_tensors
+        return grad_output * dens, None
+
+
 class _QACTFunction(torch.autograd.Function):
     """Forward eq. (6) given quantiles; backward eq. (7) given the KDE samples and bandwidth.
 
     ``pre`` (optional) carries what the batch-context computation already knows: ``counts`` (eager
-    path), or the finished ``output`` with either the KDE ``density`` at every value (compiled
-    path, gradient needed: the backward multiplies by it) or the per-channel value range ``xrange``
-    (compiled path: the backward lays out the grid over it)."""
+    path), or the finished ``output`` with the per-channel value range ``xrange`` (compiled path:
+    the backward lays out the grid over it). (With the density known too:
+    :class:`_DensityKnownFunction`.)"""
 
     @staticmethod
     def forward(ctx, x, quantiles, samples, bandwidth, pre=None):
         pre = pre or {}
         ctx.x_shape = x.shape
         if _compiled(x):
-            if "density" in pre:  # batch context with the gradient's density already computed
-                ctx.xrange = None
-                ctx.save_for_backward(pre["density"])
-                return pre["output"]
             if "output" in pre:
                 out, xrange = pre["output"], pre["xrange"]
             else:
@@ -393,9 +410,6 @@ class _QACTFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if len(ctx.saved_tensors) == 1:  # compiled batch context: the density at every value
-            (dens,) = ctx.saved_tensors
-            return grad_output * dens, None, None, None, None
         xs, samples, bandwidth = ctx.saved_tensors
         if samples.shape[1] == 0:
             raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
@@ -438,7 +452,9 @@ def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
 
 def _apply(x: torch.Tensor, stats: QACTStatistics, pre: Optional[dict] = None) -> torch.Tensor:
     """:func:`qact_apply` without checks; ``pre``: what the batch context already computed (the
-    forward counts, or the output and value range; :func:`_batch_context`)."""
+    forward counts, the output and value range, or the output and density; :func:`_batch_context`)."""
+    if pre is not None and "density" in pre:
+        return _DensityKnownFunction.apply(x, pre)
     return _QACTFunction.apply(x, stats.quantiles.to(x.dtype), stats.samples.to(x.dtype), stats.bandwidth.to(x.dtype),
                                pre)
 
@@ -450,10 +466,11 @@ def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, genera
     output and the value range or, with ``density``, the KDE density at every value (compiled
     path). No gradient.
 
-    ``running``: optional ``(momentum, quantiles, samples, bandwidth)``, a module's running
-    statistics; where the compiled pass can move them towards this batch's statistics itself
-    (:func:`_qact_cpu.batch_channels`: CPU tensors of ``x``'s dtype and the statistics' shapes) it
-    does, and ``pre["running_updated"]`` is True; otherwise the caller updates them."""
+    ``running``: optional ``(momentum, quantiles, samples, bandwidth, count)``, a module's running
+    statistics and its count of updates (``num_batches_tracked``); where the compiled pass can move
+    them towards this batch's statistics itself (:func:`_qact_cpu.batch_channels`: CPU tensors of
+    ``x``'s dtype and the statistics' shapes, a CPU int64 count) it does, adds 1 to the count, and
+    ``pre["running_updated"]`` is True; otherwise the caller updates them."""
     with torch.no_grad():
         if _compiled(x):
             return _batch_context_compiled(x.detach(), n_tau, float(c), n_samples, generator, density, running)
@@ -499,14 +516,17 @@ def _running_arrays(running: Optional[tuple], x: torch.Tensor, n_tau: int, n_sam
     or None where it cannot (another dtype or device, a shape the torch update would reject)."""
     if running is None:
         return None
-    m, rq, rs, rb = running
+    m, rq, rs, rb, count = running
     ch = x.shape[1]
     bufs = (rq, rs, rb)
-    if not all(b.device.type == "cpu" and b.dtype == x.dtype and b.is_contiguous() for b in bufs):
+    if not all(b.device.type == "cpu" and b.dtype == x.dtype and b.is_contiguous() and not b.requires_grad
+               for b in bufs):
         return None
     if rq.shape != (ch, n_tau) or rs.shape != (ch, n_samples) or rb.shape != (ch,):
         return None
-    return (float(m),) + tuple(b.detach().numpy() for b in bufs)
+    if count.device.type != "cpu" or count.dtype != torch.int64 or count.dim() != 0:
+        return None
+    return (float(m),) + tuple(b.numpy() for b in bufs) + (count.numpy(),)
 
 
 def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator,

@@ -190,14 +190,11 @@ class QuantileActivation(nn.Module):
             # The forward output comes with the statistics (one sort, one pass over the values).
             # In training the compiled pass moves the running statistics itself where it can.
             running = (self._next_momentum(), self.running_quantiles, self.running_samples,
-                       self.running_bandwidth) if self.training else None
+                       self.running_bandwidth, self.num_batches_tracked) if self.training else None
             stats, pre = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device),
                                         density=torch.is_grad_enabled() and x.requires_grad, running=running)
-            if self.training:
-                if pre.get("running_updated"):
-                    self.num_batches_tracked += 1
-                else:
-                    self._update_running(stats)
+            if self.training and not pre.get("running_updated"):
+                self._update_running(stats)
             return _apply(x, stats, pre)
         return qact_apply(x, self.statistics())
 
