@@ -353,12 +353,13 @@ def test_value_range_read_off_the_sorted_context(case):
         if extra is not None:
             v[0, :, 0] = extra
         ctx = K.sorted_grounded_context(np.ascontiguousarray(v), 100.0)
-        lo, hi = K.sorted_value_range(ctx, 100.0)
-        np.testing.assert_array_equal(lo, v.min(axis=(0, 2)))
-        np.testing.assert_array_equal(hi, v.max(axis=(0, 2)))
+        assert K.sorted_context_finite(ctx)
+        ranges = np.array([K._row_range(row, 100.0) for row in ctx])  # what the fused pass reads
+        np.testing.assert_array_equal(ranges[:, 0], v.min(axis=(0, 2)))
+        np.testing.assert_array_equal(ranges[:, 1], v.max(axis=(0, 2)))
     v = x3.copy()
     v[-1, 0, 0] = np.nan
-    assert K.sorted_value_range(K.sorted_grounded_context(np.ascontiguousarray(v), 100.0), 100.0) is None
+    assert not K.sorted_context_finite(K.sorted_grounded_context(np.ascontiguousarray(v), 100.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -11,8 +11,8 @@ kernels release the GIL).
 What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py``):
 
 - :func:`sorted_grounded_context`: the channel's values and ``-c, +c``, sorted;
-  :func:`sorted_context_finite` and :func:`sorted_value_range` read the values' finiteness and
-  range off it.
+  :func:`sorted_context_finite` reads the values' finiteness off its ends (and the fused pass each
+  channel's range, ``_row_range``).
 - :func:`grounded_quantiles`: ``n_-`` (values < 0 in the sorted grounded context) and the weighted
   quantiles ``q_1..q_{n_tau}`` by the closed-form midpoint positions of the grounding weights
   (eqs. (8)-(9)) with linear interpolation, made non-decreasing (running max) -- the arithmetic of
@@ -60,8 +60,8 @@ if AVAILABLE:
     from shiftguard._numba import splitmix64
 
 __all__ = [
-    "AVAILABLE", "lerp_rows_", "sorted_grounded_context", "sorted_context_finite", "sorted_value_range",
-    "grounded_quantiles", "counts_output",
+    "AVAILABLE", "lerp_rows_", "sorted_grounded_context", "sorted_context_finite", "grounded_quantiles",
+    "counts_output",
     "grounded_samples", "kde_grid", "kde_density_times", "batch_channels",
 ]
 
@@ -254,11 +254,6 @@ if AVAILABLE:
         last = row[k_dim - 1] if row[k_dim - 1] > c_bound else (row[k_dim - 2] if row[k_dim - 2] > -c_bound
                                                                  else row[k_dim - 3])
         return np.float64(first), np.float64(last)
-
-    @njit(nogil=True, cache=True)
-    def _value_ranges(c0, c1, ctx, c_bound, xmin, xmax):
-        for c in range(c0, c1):
-            xmin[c], xmax[c] = _row_range(ctx[c], c_bound)
 
     @njit(nogil=True, cache=True)
     def _grounded_context(c0, c1, x3, c_bound, ctx, bounds_outside):
@@ -749,7 +744,7 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
 
     ``x3`` ``(N, C, L)``, ``ctx`` its sorted grounded context with bound ``c``
     (:func:`sorted_grounded_context`), finite (:func:`sorted_context_finite`), ``n_samples >= 1``.
-    The grid covers each channel's value range, read off ``ctx`` (as :func:`sorted_value_range`).
+    The grid covers each channel's value range, read off its row of ``ctx`` (``_row_range``).
 
     ``running``: optional ``(momentum, quantiles (C, n_tau), samples (C, S), bandwidth (C,), count)``,
     writable arrays of ``x3``'s dtype, moved in place towards this batch's statistics as
@@ -789,18 +784,6 @@ def sorted_context_finite(ctx: np.ndarray) -> bool:
     """Whether the sorted grounded context ``ctx`` holds no NaN or inf (sorted rows keep them at the
     ends: numpy sorts NaN last)."""
     return bool(np.isfinite(ctx[:, 0]).all() and np.isfinite(ctx[:, -1]).all())
-
-
-def sorted_value_range(ctx: np.ndarray, c: float):
-    """Per-channel ``(min, max)`` of the values in the sorted grounded context ``ctx`` (the rows
-    without one ``-c`` and one ``+c``), float64; ``None`` if a row holds NaN or inf. (The fused
-    :func:`batch_channels` reads the same per row.)"""
-    if not sorted_context_finite(ctx):
-        return None
-    xmin = np.empty(ctx.shape[0], dtype=np.float64)
-    xmax = np.empty(ctx.shape[0], dtype=np.float64)
-    _value_ranges(0, ctx.shape[0], ctx, float(c), xmin, xmax)
-    return xmin, xmax
 
 
 def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
