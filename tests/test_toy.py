@@ -59,8 +59,8 @@ def test_cli_rejects_bad_arguments():
 
 def test_qact_beats_relu_by_a_wide_margin():
     # 000, Figure 1b: ReLU stays at chance, QACT infers the context. Averaged over three seeds:
-    # single runs diverge with last-bit changes of the gradient (16 seeds: QACT 0.51-0.79, mean
-    # 0.69; docs/qact.md). ~20 s on an idle 2-core box.
+    # single runs diverge with last-bit changes of the gradient (16 seeds: QACT 0.56-0.79, mean
+    # 0.68; docs/qact.md). ~20 s on an idle 2-core box.
     relu = [toy.train_and_evaluate("relu", n_test=100, seed=s)["accuracy"] for s in range(3)]
     qact = [toy.train_and_evaluate("qact", n_test=100, seed=s)["accuracy"] for s in range(3)]
     assert abs(sum(relu) / 3 - 0.5) < 0.05

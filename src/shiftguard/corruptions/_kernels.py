@@ -49,6 +49,7 @@ def serves(x: torch.Tensor, floating: bool = False) -> bool:
     with ``floating``, float32 or float64); otherwise the torch code runs."""
     return AVAILABLE and x.device.type == "cpu" and (not floating or x.dtype in (torch.float32, torch.float64))
 
+
 __all__ = [
     "AVAILABLE", "serves", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
     "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid",
