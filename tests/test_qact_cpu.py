@@ -62,8 +62,13 @@ def test_sorted_context_is_numpy_sort_of_the_grounded_rows(n):
         assert not K.sorted_context_finite(got[3:5]) and K.sorted_context_finite(got[:3])
 
 
+@pytest.mark.parametrize("brackets", ["table", "computed"])
 @pytest.mark.parametrize("case", list(_contexts()), ids=lambda c: c[0])
-def test_quantiles_equal_the_eager_implementation(case):
+def test_quantiles_equal_the_eager_implementation(case, brackets, monkeypatch):
+    # rows of up to _BRACKETS_MAX_ROW entries look their brackets up in a table (_brackets), longer
+    # ones compute them per channel: both must be the eager code's arithmetic
+    if brackets == "computed":
+        monkeypatch.setattr(K, "_BRACKETS_MAX_ROW", 0)
     _, x3 = case
     ctx = K.sorted_grounded_context(np.ascontiguousarray(x3), 100.0)
     want_ctx = np.sort(np.concatenate([x3.transpose(1, 0, 2).reshape(x3.shape[1], -1),
@@ -77,6 +82,30 @@ def test_quantiles_equal_the_eager_implementation(case):
     q32 = K.grounded_quantiles(ctx.astype(np.float32), 100).astype(np.float64)
     q64 = K.grounded_quantiles(ctx.astype(np.float32).astype(np.float64), 100)
     assert (np.abs(q32 - q64) <= np.spacing(np.abs(q64).astype(np.float32)).astype(np.float64)).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bracket_table_gives_the_computed_quantiles_for_every_negative_count(dtype):
+    # every row length 3..40 and every count of negative entries 1..K-1 (-c and +c are always in the
+    # row), n_tau 100 and 7: the looked-up brackets give the quantiles bit for bit
+    g = np.random.default_rng(5)
+    for k_dim in range(3, 41):
+        rows = []
+        for nn in range(1, k_dim):
+            v = np.sort(np.concatenate([-g.random(nn - 1) * 3 - 1e-3, g.random(k_dim - nn - 1) * 3]))
+            rows.append(np.concatenate([[-100.0], v, [100.0]]))
+        ctx = np.sort(np.array(rows), axis=1).astype(dtype)
+        assert ((ctx < 0).sum(1) == np.arange(1, k_dim)).all()
+        for n_tau in (100, 7):
+            kk, ww = K._brackets(k_dim, n_tau)
+            assert kk.shape == (k_dim + 1, n_tau)
+            got = np.empty((ctx.shape[0], n_tau), dtype)
+            K._grounded_quantiles(0, ctx.shape[0], ctx, n_tau, kk, ww, got)
+            want = np.empty_like(got)
+            K._grounded_quantiles(0, ctx.shape[0], ctx, n_tau, *K._NO_BRACKETS, want)
+            np.testing.assert_array_equal(got, want)
+    if dtype == np.float64:
+        np.testing.assert_array_equal(want, _eager_quantiles(ctx, 7).numpy())
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
