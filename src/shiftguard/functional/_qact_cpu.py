@@ -16,7 +16,9 @@ What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py`
 - :func:`grounded_quantiles`: ``n_-`` (values < 0 in the sorted grounded context) and the weighted
   quantiles ``q_1..q_{n_tau}`` by the closed-form midpoint positions of the grounding weights
   (eqs. (8)-(9)) with linear interpolation, made non-decreasing (running max) -- the arithmetic of
-  ``_grounded_quantiles`` done in float64 and rounded once to the tensor dtype.
+  ``_grounded_quantiles`` done in float64 and rounded once to the tensor dtype. The bracket of each
+  level (the two entries and the weight) depends only on the row length and ``n_-``: for rows of
+  up to ``_BRACKETS_MAX_ROW`` entries it is looked up in a table built once (``_brackets``).
 - :func:`counts_output`: every value's forward output ``#{i : q_i <= x} / n_tau`` (eq. (6)): a
   table over ``[q_1, q_n]`` holds, per cell, the number of quantiles in earlier cells; the cell
   index is monotone in ``x``, so only the quantiles in ``x``'s own cell are compared and the count
