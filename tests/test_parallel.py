@@ -99,9 +99,10 @@ def test_parts_run_on_torch_openmp_team_including_the_caller(monkeypatch):
     finally:
         torch.set_num_threads(old)
     assert P.backend() == "openmp"
-    # the calling thread is thread 0 of the team; the other part ran on a second team thread
-    assert idents[0] == threading.get_ident()
-    assert idents[1] is not None and idents[1] != idents[0]
+    # the calling thread (thread 0 of the team) ran one of the parts, a second team thread the
+    # other; which part each took depends on which thread came first to the shared counter
+    assert threading.get_ident() in idents
+    assert None not in idents and idents[0] != idents[1]
 
 
 @pytest.mark.parametrize("bad_part", [0, 1, 4])
