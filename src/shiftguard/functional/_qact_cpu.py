@@ -495,19 +495,48 @@ if AVAILABLE:
         delta = max(h / points_per_bandwidth, (hi - lo) / (max_points - 1))
         return lo, delta, int(math.ceil((hi - lo) / delta)) + 2
 
+    # points binned per chunk of _BIN_CHUNK: first each point's cell and two weights, in one loop
+    # without stores to the bins (vectorised: the cell is converted to int32, which AVX2 has a vector
+    # instruction for, int64 not), then the weights added to the bins in a second loop (the adds to
+    # one bin are a chain through memory, which kept the loop of both at ~14 cycles a point): 0.67
+    # -> 0.34 ms of one thread at (256, 512), the same bins
+    _BIN_CHUNK = 256
+
     @njit(inline="always")
-    def _bin(bins, v, weight, lo, inv_d, half, top):
-        # linear binning of one point in float64: bins[2 + e] <-> node lo + (e - half) * delta;
-        # two guard cells at each end take the weight of points off the grid, so there is no
-        # branch (summing runs of equal bins behind a branch cost ~15-25% more)
-        u = (np.float64(v) - lo) * inv_d + half
-        i0 = math.floor(u)
-        frac = u - i0
-        i0 = i0 if i0 > -2.0 else -2.0  # (the points are finite)
-        i0 = i0 if i0 < top else top
-        i = int(i0) + 2
-        bins[i] += (1.0 - frac) * weight
-        bins[i + 1] += frac * weight
+    def _bin_points(bins, points, tally, w, lo, inv_d, half, top, cell, w0, w1):
+        # linear binning in float64 of points[k] with weight tally[k] * w (w where tally is empty):
+        # bins[2 + e] <-> node lo + (e - half) * delta; two guard cells at each end take the weight of
+        # points off the grid, so there is no branch (summing runs of equal bins behind a branch cost
+        # ~15-25% more). cell, w0, w1: _BIN_CHUNK scratch. (The points are finite.)
+        n_points = points.shape[0]
+        weighted = tally.shape[0] > 0
+        for k0 in range(0, n_points, _BIN_CHUNK):
+            n = min(_BIN_CHUNK, n_points - k0)
+            if weighted:
+                for k in range(n):
+                    u = (np.float64(points[k0 + k]) - lo) * inv_d + half
+                    i0 = np.floor(u)
+                    frac = u - i0
+                    i0 = i0 if i0 > -2.0 else -2.0
+                    i0 = i0 if i0 < top else top
+                    cell[k] = np.int32(i0) + 2
+                    wk = tally[k0 + k] * w
+                    w0[k] = (1.0 - frac) * wk
+                    w1[k] = frac * wk
+            else:
+                for k in range(n):
+                    u = (np.float64(points[k0 + k]) - lo) * inv_d + half
+                    i0 = np.floor(u)
+                    frac = u - i0
+                    i0 = i0 if i0 > -2.0 else -2.0
+                    i0 = i0 if i0 < top else top
+                    cell[k] = np.int32(i0) + 2
+                    w0[k] = (1.0 - frac) * w
+                    w1[k] = frac * w
+            for k in range(n):
+                i = _U(cell[k])  # (unsigned: see _count_few)
+                bins[i] += w0[k]
+                bins[i + _U1] += w1[k]
 
     @njit(inline="always")
     def _smooth(bins, binned, taps, taps_key, acc, g_dim, half, ratio, truncate):
@@ -547,17 +576,19 @@ if AVAILABLE:
 
     @njit(inline="always")
     def _grid_scratch(max_g, max_half, dtype):
-        # bins (float64), binned (the convolution's precision), taps, acc, and the taps' key
+        # bins (float64), binned (the convolution's precision), taps, acc, the taps' key, and the
+        # binning's cells and weights (_bin_points)
         size = max_g + 2 * max_half + 4
         return (np.empty(size, np.float64), np.zeros(size, dtype), np.empty(2 * max_half + 1, dtype),
-                np.empty(max_g, dtype), np.full(2, -1.0))
+                np.empty(max_g, dtype), np.full(2, -1.0), np.empty(_BIN_CHUNK, np.int32),
+                np.empty(_BIN_CHUNK, np.float64), np.empty(_BIN_CHUNK, np.float64))
 
     @njit(inline="always")
     def _channel_grid(scratch, row, tally, sample_row, tallied, lo, d, h, g_dim, truncate, out_row):
         # one channel's grid KDE on nodes lo + j * d, j < g_dim, into out_row: the points linearly
         # binned (tallied: the sorted entries `row` weighted by their draws `tally`, each binned
         # once; else the S points of `sample_row` one by one), convolved (_smooth), divided by h
-        bins, binned, taps, acc, taps_key = scratch
+        bins, binned, taps, acc, taps_key, cell, w0, w1 = scratch
         s_dim = sample_row.shape[0]
         w = 1.0 / s_dim
         half = int(math.ceil(truncate * h / d))
@@ -565,12 +596,10 @@ if AVAILABLE:
         bins[:length + 4] = 0.0
         inv_d = 1.0 / d
         top = np.float64(length)
-        if tallied:
-            for k in range(row.shape[0]):  # entries never drawn add 0
-                _bin(bins, row[k], tally[k] * w, lo, inv_d, half, top)
+        if tallied:  # (entries never drawn add 0)
+            _bin_points(bins, row, tally, w, lo, inv_d, half, top, cell, w0, w1)
         else:
-            for s in range(s_dim):
-                _bin(bins, sample_row[s], w, lo, inv_d, half, top)
+            _bin_points(bins, sample_row, tally[:0], w, lo, inv_d, half, top, cell, w0, w1)
         _smooth(bins, binned, taps, taps_key, acc, g_dim, half, d / h, truncate)
         inv_h = 1.0 / h
         for j in range(g_dim):
