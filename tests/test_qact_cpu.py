@@ -41,13 +41,16 @@ def _eager_quantiles(ctx: np.ndarray, n_tau: int) -> torch.Tensor:
     return Q._grounded_quantiles(t, (t < 0).sum(1), levels)
 
 
-@pytest.mark.parametrize("n", [256, 300, 1])
-def test_sorted_context_is_numpy_sort_of_the_grounded_rows(n):
+@pytest.mark.parametrize("n", [256, 300, 13, 1])
+@pytest.mark.parametrize("channels", [7, 61])
+def test_sorted_context_is_numpy_sort_of_the_grounded_rows(n, channels):
     # up to 256 values only the values are sorted, -c and +c placed after (_place_bounds); longer
     # rows are sorted whole: either way the rows numpy gives, for values beyond, equal to and
-    # inside the bounds, infinities and NaN (last)
+    # inside the bounds, infinities and NaN (last). (N, C) inputs are gathered in tiles of 8 x 8
+    # (_grounded_context): channel and sample counts that are not multiples of 8, and 61 channels
+    # of 256 or more values, which are split into parallel channel ranges (_run)
     g = np.random.default_rng(11)
-    x = (g.standard_normal((n, 7, 1)) * 50).astype(np.float32)
+    x = (g.standard_normal((n, channels, 1)) * 50).astype(np.float32)
     x[:, 0, 0] = -150.0  # all below -c
     x[:, 5, 0] = 150.0  # all above +c
     if n > 8:
@@ -56,7 +59,7 @@ def test_sorted_context_is_numpy_sort_of_the_grounded_rows(n):
         x[3, 3, 0], x[4, 3, 0] = np.inf, -np.inf
         x[7, 4, 0], x[8, 4, 0] = np.nan, 500.0
     got = K.sorted_grounded_context(x, 100.0)
-    want = np.sort(np.concatenate([x[:, :, 0].T, np.tile(np.float32([-100.0, 100.0]), (7, 1))], axis=1), axis=1)
+    want = np.sort(np.concatenate([x[:, :, 0].T, np.tile(np.float32([-100.0, 100.0]), (channels, 1))], axis=1), axis=1)
     np.testing.assert_array_equal(got, want)
     if n > 8:
         assert not K.sorted_context_finite(got[3:5]) and K.sorted_context_finite(got[:3])

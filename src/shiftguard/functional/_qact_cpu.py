@@ -297,10 +297,31 @@ if AVAILABLE:
         n_dim, c_dim, l_dim = x3.shape
         m = n_dim * l_dim
         first = 1 if bounds_outside else 0
+        if l_dim == 1:
+            # (N, C): a transpose, in tiles of 8 x 8 (read channel by channel, the values of a
+            # channel lie C apart, and with C a multiple of 512 all on the same few cache sets: 2x
+            # the time at (256, 512), 0.22 vs 0.11 ms of one thread)
+            x2 = x3.reshape(n_dim, c_dim)
+            n8 = n_dim - n_dim % 8
+            for cb in range(c0, c1, 8):
+                if cb + 8 <= c1:
+                    for nb in range(0, n8, 8):
+                        for i in range(8):
+                            for j in range(8):
+                                ctx[cb + i, first + nb + j] = x2[nb + j, cb + i]
+                    for n in range(n8, n_dim):
+                        for i in range(8):
+                            ctx[cb + i, first + n] = x2[n, cb + i]
+                else:
+                    for n in range(n_dim):
+                        for c in range(cb, c1):
+                            ctx[c, first + n] = x2[n, c]
+        else:
+            for c in range(c0, c1):
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        ctx[c, first + n * l_dim + l] = x3[n, c, l]
         for c in range(c0, c1):
-            for n in range(n_dim):
-                for l in range(l_dim):
-                    ctx[c, first + n * l_dim + l] = x3[n, c, l]
             ctx[c, 0 if bounds_outside else m] = -c_bound
             ctx[c, m + 1] = c_bound
 
