@@ -474,14 +474,19 @@ def test_running_statistics_of_another_dtype_are_left_to_the_caller():
     buffers = (torch.zeros(3, 100, dtype=torch.float64), torch.zeros(3, 1000, dtype=torch.float64),
                torch.ones(3, dtype=torch.float64))
     count = torch.tensor(4)
-    _, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
-                              running=(0.5,) + buffers + (count,))
-    assert pre["running_updated"] is False
+    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
+                                  running=(0.5,) + buffers + (count,))
+    assert pre["running_updated"] is False and stats.samples.shape == (3, 1000)  # the caller's update needs them
     assert not buffers[0].any() and not buffers[1].any() and (buffers[2] == 1).all() and int(count) == 4
     same = tuple(b.float() for b in buffers)
-    _, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
-                              running=(0.5,) + same + (count,))
+    stats_in_pass, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
+                                          running=(0.5,) + same + (count,))
     assert pre["running_updated"] is True and same[1].any() and int(count) == 5
+    # the samples went into the running buffer in the pass and were not kept; the rest is the same
+    assert stats_in_pass.samples.shape == (3, 0)
+    assert torch.equal(same[1], 0.5 * stats.samples.float())  # lerp from 0 with weight 1/2: exact
+    assert torch.equal(stats_in_pass.quantiles, stats.quantiles.float())
+    assert torch.equal(stats_in_pass.bandwidth, stats.bandwidth.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

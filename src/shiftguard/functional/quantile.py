@@ -470,7 +470,8 @@ def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, genera
     statistics and its count of updates (``num_batches_tracked``); where the compiled pass can move
     them towards this batch's statistics itself (:func:`_qact_cpu.batch_channels`: CPU tensors of
     ``x``'s dtype and the statistics' shapes, a CPU int64 count) it does, adds 1 to the count, and
-    ``pre["running_updated"]`` is True; otherwise the caller updates them."""
+    ``pre["running_updated"]`` is True (the returned statistics then hold no samples, ``(C, 0)``:
+    they were drawn, binned and averaged in, not kept); otherwise the caller updates them."""
     with torch.no_grad():
         if _compiled(x):
             return _batch_context_compiled(x.detach(), n_tau, float(c), n_samples, generator, density, running)
@@ -546,9 +547,12 @@ def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: in
         stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
         return stats, {"output": torch.from_numpy(out3).view(x.shape), "xrange": (xmin, xmax)}
     arrays = _running_arrays(running, x, n_tau, n_samples)
+    # where the pass moves the running statistics itself, the samples are not kept (stats then has
+    # none: (C, 0)); the caller needs them only to update the running statistics
     q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc,
-                                                           running=arrays)
-    stats = QACTStatistics(torch.from_numpy(q), torch.from_numpy(samples), torch.from_numpy(bw))
+                                                           running=arrays, keep_samples=arrays is None)
+    samples = x.new_empty(x.shape[1], 0) if samples is None else torch.from_numpy(samples)
+    stats = QACTStatistics(torch.from_numpy(q), samples, torch.from_numpy(bw))
     return stats, {"output": torch.from_numpy(out3).view(x.shape), "density": torch.from_numpy(dens3).view(x.shape),
                    "running_updated": arrays is not None}
 
