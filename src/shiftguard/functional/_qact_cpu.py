@@ -265,7 +265,7 @@ if AVAILABLE:
                         bad += not (v - v == 0)
                         lo_v = min(lo_v, v)
                         hi_v = max(hi_v, v)
-                        out3[n, c, l] = values_by_count[_count_few(v, qp, start, q_lo, inv_w, n_lut)]
+                        out3[n, c, l] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
             else:
                 for n in range(n_dim):
                     for l in range(l_dim):
@@ -273,7 +273,7 @@ if AVAILABLE:
                         bad += not (v - v == 0)
                         lo_v = min(lo_v, v)
                         hi_v = max(hi_v, v)
-                        out3[n, c, l] = values_by_count[_count_many(v, qp, start, q_lo, inv_w, n_lut)]
+                        out3[n, c, l] = values_by_count[_U(_count_many(v, qp, start, q_lo, inv_w, n_lut))]
             xmin[c] = lo_v
             xmax[c] = hi_v
             n_bad[c] = bad
@@ -730,13 +730,13 @@ if AVAILABLE:
                 for n in range(n_dim):
                     for l in range(l_dim):
                         v = x3[n, c, l]
-                        out3[n, c, l] = values_by_count[_count_few(v, qp, start, q_lo, inv_w, n_lut)]
+                        out3[n, c, l] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
                         dens3[n, c, l] = _density_at(v, row_grid, lo, inv_d, g_top)
             else:
                 for n in range(n_dim):
                     for l in range(l_dim):
                         v = x3[n, c, l]
-                        out3[n, c, l] = values_by_count[_count_many(v, qp, start, q_lo, inv_w, n_lut)]
+                        out3[n, c, l] = values_by_count[_U(_count_many(v, qp, start, q_lo, inv_w, n_lut))]
                         dens3[n, c, l] = _density_at(v, row_grid, lo, inv_d, g_top)
 
 
