@@ -469,6 +469,25 @@ def test_running_statistics_moved_in_the_fused_pass_equal_the_torch_update(momen
     assert not torch.equal(a.running_samples, QuantileActivation(num_features=6).running_samples.to(dtype))
 
 
+@pytest.mark.parametrize("shape", [(256, 40, 1), (13, 61, 1), (1, 9, 1), (30, 5, 4)])
+def test_pass_that_sorts_its_own_rows_equals_the_pass_on_the_sorted_context(shape):
+    # batch_channels(ctx=None), the route of an (N, C) input: each thread sorts its channels' rows
+    # right before their pass; the same statistics, outputs, densities and running buffers
+    g = np.random.default_rng(4)
+    x3 = (g.standard_normal(shape) * 3).astype(np.float32)
+    vbc = Q._values_by_count(100, torch.float32)
+    got, want = [], []
+    for ctx, into in ((None, got), (K.sorted_grounded_context(x3, 100.0), want)):
+        run = (0.3, np.ones((shape[1], 100), np.float32), np.ones((shape[1], 1000), np.float32),
+               np.ones(shape[1], np.float32), np.zeros((), np.int64))
+        into.extend(K.batch_channels(x3, ctx, 100.0, 100, 1000, 11, vbc, running=run, keep_samples=False))
+        into.extend(run[1:])
+    assert got[1] is None and want[1] is None  # (samples not kept)
+    for a, b in zip(got, want):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
 def test_running_statistics_of_another_dtype_are_left_to_the_caller():
     x = torch.randn(40, 3)
     buffers = (torch.zeros(3, 100, dtype=torch.float64), torch.zeros(3, 1000, dtype=torch.float64),

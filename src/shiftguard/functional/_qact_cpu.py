@@ -63,7 +63,7 @@ if AVAILABLE:
     from shiftguard._numba import splitmix64
 
 __all__ = [
-    "AVAILABLE", "lerp_rows_", "sorted_grounded_context", "sorted_context_finite", "grounded_quantiles",
+    "AVAILABLE", "lerp_rows_", "sorted_grounded_context", "all_finite", "sorted_context_finite", "grounded_quantiles",
     "counts_output",
     "grounded_samples", "kde_grid", "kde_density_times", "batch_channels",
 ]
@@ -324,6 +324,15 @@ if AVAILABLE:
         for c in range(c0, c1):
             ctx[c, 0 if bounds_outside else m] = -c_bound
             ctx[c, m + 1] = c_bound
+
+    @njit(nogil=True, cache=True)
+    def _all_finite(values):
+        # whether every entry of the 1-d array is finite (vectorised: no branch in the loop)
+        ok = True
+        for i in range(values.shape[0]):
+            v = values[i]
+            ok &= v - v == 0
+        return ok
 
     @njit(nogil=True, cache=True)
     def _ends_finite(ctx):
@@ -781,6 +790,11 @@ def _gather_and_sort(c0: int, c1: int, x3: np.ndarray, c: float, ctx: np.ndarray
         ctx[c0:c1].sort(axis=1)
 
 
+def _sort_and_pass(c0: int, c1: int, ctx: np.ndarray, x3: np.ndarray, seed: int, c_bound: float, *rest) -> None:
+    _gather_and_sort(c0, c1, x3, c_bound, ctx)
+    _batch_channels(c0, c1, ctx, x3, seed, c_bound, *rest)
+
+
 def sorted_grounded_context(x3: np.ndarray, c: float) -> np.ndarray:
     """``(C, M + 2)`` sorted rows: every value of channel ``c`` of ``x3`` ``(N, C, L)``, and ``-c, +c``
     (000, Alg. 1). numpy's sort of the values alone (x86-simd-sort) is ~4x faster than an argsort.
@@ -865,6 +879,9 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     ``x3`` ``(N, C, L)``, ``ctx`` its sorted grounded context with bound ``c``
     (:func:`sorted_grounded_context`), finite (:func:`sorted_context_finite`), ``n_samples >= 1``.
     The grid covers each channel's value range, read off its row of ``ctx`` (``_row_range``).
+    ``ctx=None``: ``x3`` is finite (:func:`all_finite`) and each thread sorts the context rows of its
+    channels right before their pass (one parallel region, the rows still in cache: no wait for
+    every channel's sort, and a thread's sort runs beside the other's pass).
 
     ``running``: optional ``(momentum, quantiles (C, n_tau), samples (C, S), bandwidth (C,), count)``,
     writable arrays of ``x3``'s dtype, moved in place towards this batch's statistics as
@@ -878,10 +895,10 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     stored rounded, as the layer keeps it), and the output and the density, shaped like ``x3``; all
     in the dtype of ``x3``.
     """
-    ch = ctx.shape[0]
-    q = np.empty((ch, n_tau), dtype=ctx.dtype)
-    samples = np.empty((ch if keep_samples else 0, n_samples), dtype=ctx.dtype)
-    bw = np.empty(ch, dtype=ctx.dtype)
+    ch = x3.shape[1]
+    q = np.empty((ch, n_tau), dtype=x3.dtype)
+    samples = np.empty((ch if keep_samples else 0, n_samples), dtype=x3.dtype)
+    bw = np.empty(ch, dtype=x3.dtype)
     out = np.empty_like(x3)
     dens = np.empty_like(x3)
     if running is None:
@@ -889,9 +906,15 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
         m, run_q, run_s, run_b, count = 0.0, none, none, np.empty(0, dtype=x3.dtype), None
     else:
         m, run_q, run_s, run_b, count = running
-    _run(_batch_channels, ch, x3.size * 8 + ch * n_samples * 64, ctx, x3, seed, float(c), float(points_per_bandwidth),
-         float(truncate), int(max_points), values_by_count, *_brackets(ctx.shape[1], n_tau), q, int(n_samples), samples,
-         bw, out, dens, float(m), run_q, run_s, run_b)
+    work = x3.size * 8 + ch * n_samples * 64
+    args = (x3, seed, float(c), float(points_per_bandwidth), float(truncate), int(max_points), values_by_count,
+            *_brackets(x3.shape[0] * x3.shape[2] + 2, n_tau), q, int(n_samples), samples, bw, out, dens, float(m), run_q,
+            run_s, run_b)
+    if ctx is None:
+        ctx = np.empty((ch, x3.shape[0] * x3.shape[2] + 2), dtype=x3.dtype)
+        _run(_sort_and_pass, ch, work, ctx, *args)
+    else:
+        _run(_batch_channels, ch, work, ctx, *args)
     if count is not None:
         count[()] += 1
     return q, samples if keep_samples else None, bw, out, dens
@@ -902,6 +925,11 @@ def lerp_rows_(run: np.ndarray, new: np.ndarray, m: float) -> None:
     first): the running-statistics update of the fused :func:`batch_channels`, the same arithmetic
     for statistics computed apart (DDP, eager), so both give the same buffers bit for bit."""
     _run(_lerp_rows, run.shape[0], run.size * 4, run, new, float(m))
+
+
+def all_finite(x3: np.ndarray) -> bool:
+    """Whether every value of ``x3`` is finite (one vectorised pass)."""
+    return bool(_all_finite(x3.reshape(-1)))
 
 
 def sorted_context_finite(ctx: np.ndarray) -> bool:

@@ -534,12 +534,20 @@ def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: in
     """:func:`_batch_context` by the compiled CPU kernels (same statistics and output).
 
     ``density``: the gradient will be needed, so one pass per channel (:func:`_qact_cpu.batch_channels`,
-    after the context sort, whose ends give the range the KDE grid must cover) computes the
-    statistics, the output and the density at every value; the backward is then one multiplication."""
+    after the context sort, whose ends give the range the KDE grid must cover; for an (N, C) input
+    inside it) computes the statistics, the output and the density at every value; the backward is
+    then one multiplication."""
     x3 = _as3(x)
-    ctx = _qact_cpu.sorted_grounded_context(x3, c)
     vbc = _values_by_count(n_tau, x.dtype)
-    if not (density and n_samples and _qact_cpu.sorted_context_finite(ctx)):
+    fused = bool(density and n_samples)
+    # An (N, C) input, checked finite first (one vectorised pass, ~10 us at (256, 512)), has its
+    # context rows sorted inside the fused pass (ctx=None), each thread its own channels': one
+    # parallel region instead of two (the block 2.5-5% faster at (256, 512) and (1024, 128)). With
+    # spatial positions the rows are long: sorted first, in a region of their own, which balances
+    # the threads better (the one region was 1.5-3% slower at the conv shapes of the benchmark).
+    merged = fused and x3.shape[2] == 1 and _qact_cpu.all_finite(x3)
+    ctx = None if merged else _qact_cpu.sorted_grounded_context(x3, c)
+    if not (merged or (fused and _qact_cpu.sorted_context_finite(ctx))):
         q = _qact_cpu.grounded_quantiles(ctx, n_tau)
         # the output pass also checks for NaN/inf, before any random draw or stored statistic
         out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
