@@ -488,6 +488,22 @@ def test_pass_that_sorts_its_own_rows_equals_the_pass_on_the_sorted_context(shap
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("tiered", [False, True])
+@pytest.mark.parametrize("channels, threads", [(512, 2), (128, 2), (9, 2), (7, 2), (100, 3), (3, 4)])
+def test_channel_ranges_cover_every_channel_once(channels, threads, tiered, monkeypatch):
+    # _run's split into contiguous ranges (even, or tiered: two a thread, the first half of them
+    # 3/4 of the channels): every channel in exactly one range, in order
+    monkeypatch.setattr(K, "_threads", lambda: threads)
+    ranges = []
+    monkeypatch.setattr(K, "parallel_parts", lambda fn, n, t: [fn(i) for i in range(n)])
+    K._run(lambda c0, c1: ranges.append((c0, c1)), channels, 1 << 20, tiered=tiered)
+    assert ranges[0][0] == 0 and ranges[-1][1] == channels
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(c0 < c1 for c0, c1 in ranges)
+    if tiered and channels >= 4 * threads:
+        sizes = [c1 - c0 for c0, c1 in ranges]
+        assert len(sizes) == 2 * threads and sum(sizes[:threads]) == 3 * channels // 4
+
+
 def test_running_statistics_of_another_dtype_are_left_to_the_caller():
     x = torch.randn(40, 3)
     buffers = (torch.zeros(3, 100, dtype=torch.float64), torch.zeros(3, 1000, dtype=torch.float64),
