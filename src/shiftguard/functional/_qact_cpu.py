@@ -214,19 +214,34 @@ if AVAILABLE:
         return max(4 * n_tau, min(8 * n_tau, n_values // 2))
 
     @njit(inline="always")
-    def _cell_table(q, qp, start, n_lut):
+    def _cell_table(q, qp, start, n_lut, xmin, xmax):
         # qp = the quantiles q, then +inf twice (for the fixed steps); start = the cumulative counts
-        # per cell; returns (q_lo, 1 / cell width, whether no cell holds more than two quantiles)
+        # per cell; returns (q_lo, 1 / cell width, whether no cell holds more than two quantiles).
+        # Values known to lie in [xmin, xmax]: the quantiles below xmin are <= every value and
+        # those above xmax > every value, so the table covers only the others, qp[a:b], its counts
+        # starting at a. (With few values a channel, the outer quantiles interpolate with -c or +c,
+        # far from the values, and would crowd the table's end cells: at (128, 512) every channel
+        # had a cell with more than two quantiles and took the slower count.)
         n_tau = q.shape[0]
         for i in range(n_tau):
             qp[i] = q[i]
         qp[n_tau] = np.inf
         qp[n_tau + 1] = np.inf
-        q_lo = qp[0]
-        q_hi = qp[n_tau - 1]
-        inv_w = n_lut / (q_hi - q_lo) if q_hi > q_lo else 0.0
+        a = 0
+        while a < n_tau and qp[a] < xmin:
+            a += 1
+        b = n_tau
+        while b > a and qp[b - 1] > xmax:
+            b -= 1
         start[:] = 0
-        for i in range(n_tau):
+        start[0] = a
+        if b == a:  # no quantile in the values' range: every count is a
+            start[1:] = a
+            return xmin, 0.0, True
+        q_lo = qp[a]
+        q_hi = qp[b - 1]
+        inv_w = n_lut / (q_hi - q_lo) if q_hi > q_lo else 0.0
+        for i in range(a, b):
             start[_U(_cell(qp[i], q_lo, inv_w, n_lut) + 1)] += 1
         occupancy = 0
         for j in range(1, n_lut + 2):
@@ -258,7 +273,7 @@ if AVAILABLE:
         start = np.zeros(n_lut + 2, np.int64)
         qp = np.empty(n_tau + 2, np.float64)
         for c in range(c0, c1):
-            q_lo, inv_w, few = _cell_table(quantiles[c], qp, start, n_lut)
+            q_lo, inv_w, few = _cell_table(quantiles[c], qp, start, n_lut, -np.inf, np.inf)  # (range not known yet)
             lo_v = np.inf
             hi_v = -np.inf
             bad = 0
@@ -738,7 +753,7 @@ if AVAILABLE:
                 _lerp_row(run_s[c], sample_row, momentum)
                 _lerp_row(run_b[c:c + 1], bandwidth[c:c + 1], momentum)
             inv_d = 1.0 / d
-            q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut)
+            q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut, xmin, xmax)
             g_top = g_dim - 1
             # two copies of the loop so that no branch on the count sits inside it (one loop with
             # the choice per value was not unswitched by the compiler: the fused pass ran 1.3-2x slower)
