@@ -442,6 +442,29 @@ def test_fused_density_on_a_grid_capped_at_max_points():
     assert nodes[0].item() > 4096  # the cap was reached
 
 
+def test_fused_density_of_values_off_the_grid():
+    # 5000 values a channel, one far out at 50: the draws (1000 for ~2500 entries a side) often
+    # miss it and stop more than 4 h short of it, where the grid ends: its density is 0, in the
+    # fused pass (the loop that checks each value, _density_at) as in the separate backward; the
+    # channels whose grid covers every value take the loop without checks (_density_on_grid)
+    g = np.random.default_rng(3)
+    v = g.standard_normal((5000, 8))
+    v[0] = 50.0
+    x = torch.from_numpy(v)
+    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True)
+    xi = x.clone().requires_grad_(True)
+    y = Q.qact_apply(xi, stats)
+    y.backward(torch.ones_like(x))
+    assert torch.equal(pre["output"], y.detach())
+    torch.testing.assert_close(pre["density"], xi.grad, rtol=1e-12, atol=1e-12)
+    xmin, xmax = torch.aminmax(Q.channel_values(x), dim=1)
+    lo, delta, nodes = kde.grid_layout(stats.samples.min(1).values, stats.samples.max(1).values, stats.bandwidth,
+                                       xmin, xmax)
+    off = xmax > lo + (nodes - 1) * delta
+    assert off.any() and not off.all()  # both loops ran
+    assert (pre["density"][0][off] == 0).all()
+
+
 def test_non_finite_input_with_gradient_is_a_value_error():
     x = torch.randn(16, 3)
     x[4, 2] = float("nan")

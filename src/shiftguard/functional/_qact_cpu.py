@@ -264,6 +264,15 @@ if AVAILABLE:
         d = row[j] + (p - np.float64(i)) * (row[j + _U1] - row[j])
         return d if inside else 0.0
 
+    @njit(inline="always")
+    def _density_on_grid(v, row, origin, inv_delta):
+        # _density_at for a value known to lie on the grid short of its last node, 0 <= p < top:
+        # the same interpolation without the checks and clamps (the same result there)
+        p = (np.float64(v) - origin) * inv_delta
+        i = int(p)
+        j = _U(i)
+        return row[j] + (p - np.float64(i)) * (row[j + _U1] - row[j])
+
     @njit(nogil=True, cache=True)
     def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad):
         # the forward output of every value, its range, and NaN/inf
@@ -755,9 +764,20 @@ if AVAILABLE:
             inv_d = 1.0 / d
             q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut, xmin, xmax)
             g_top = g_dim - 1
-            # two copies of the loop so that no branch on the count sits inside it (one loop with
-            # the choice per value was not unswitched by the compiler: the fused pass ran 1.3-2x slower)
-            if few:
+            # every value on the grid short of its last node (as a rule: the grid covers the value
+            # range unless the draws stop more than 4 h short of it), known from the two ends (the
+            # position is monotone in the value): the density without checks or clamps, 6
+            # instructions less a value
+            on_grid = (xmin - lo) * inv_d >= 0.0 and (xmax - lo) * inv_d < g_top
+            # copies of the loop so that no branch on the count sits inside it (one loop with the
+            # choice per value was not unswitched by the compiler: the fused pass ran 1.3-2x slower)
+            if few and on_grid:
+                for n in range(n_dim):
+                    for l in range(l_dim):
+                        v = x3[n, c, l]
+                        out3[n, c, l] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
+                        dens3[n, c, l] = _density_on_grid(v, row_grid, lo, inv_d)
+            elif few:
                 for n in range(n_dim):
                     for l in range(l_dim):
                         v = x3[n, c, l]
