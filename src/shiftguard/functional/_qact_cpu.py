@@ -566,6 +566,17 @@ if AVAILABLE:
     _BIN_CHUNK = 256
 
     @njit(inline="always")
+    def _bin_cell(v, lo, inv_d, half, top):
+        # the bin of point v (bins[cell] and bins[cell + 1] share its weight) and its weight's share in
+        # the upper one, frac, in float64
+        u = (np.float64(v) - lo) * inv_d + half
+        i0 = np.floor(u)
+        frac = u - i0
+        i0 = i0 if i0 > -2.0 else -2.0
+        i0 = i0 if i0 < top else top
+        return np.int32(i0) + 2, frac
+
+    @njit(inline="always")
     def _bin_points(bins, points, tally, w, lo, inv_d, half, top, cell, w0, w1):
         # linear binning in float64 of points[k] with weight tally[k] * w (w where tally is empty):
         # bins[2 + e] <-> node lo + (e - half) * delta; two guard cells at each end take the weight of
@@ -577,23 +588,13 @@ if AVAILABLE:
             n = min(_BIN_CHUNK, n_points - k0)
             if weighted:
                 for k in range(n):
-                    u = (np.float64(points[_U(k0 + k)]) - lo) * inv_d + half
-                    i0 = np.floor(u)
-                    frac = u - i0
-                    i0 = i0 if i0 > -2.0 else -2.0
-                    i0 = i0 if i0 < top else top
-                    cell[k] = np.int32(i0) + 2
+                    cell[k], frac = _bin_cell(points[_U(k0 + k)], lo, inv_d, half, top)
                     wk = tally[_U(k0 + k)] * w
                     w0[k] = (1.0 - frac) * wk
                     w1[k] = frac * wk
             else:
                 for k in range(n):
-                    u = (np.float64(points[_U(k0 + k)]) - lo) * inv_d + half
-                    i0 = np.floor(u)
-                    frac = u - i0
-                    i0 = i0 if i0 > -2.0 else -2.0
-                    i0 = i0 if i0 < top else top
-                    cell[k] = np.int32(i0) + 2
+                    cell[k], frac = _bin_cell(points[_U(k0 + k)], lo, inv_d, half, top)
                     w0[k] = (1.0 - frac) * w
                     w1[k] = frac * w
             for k in range(n):
