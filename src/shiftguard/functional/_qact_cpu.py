@@ -253,6 +253,14 @@ if AVAILABLE:
         return q_lo, inv_w, occupancy <= 2
 
     @njit(inline="always")
+    def _interpolate(row, p, i):
+        # row at position p by linear interpolation between nodes i = floor(p) and i + 1. i comes as
+        # an int64 (a float <-> uint64 conversion has no instruction in AVX2: ~8 of them each way)
+        # and indexes as unsigned (see _U)
+        j = _U(i)
+        return row[j] + (p - np.float64(i)) * (row[j + _U1] - row[j])
+
+    @njit(inline="always")
     def _density_at(v, row, origin, inv_delta, top):
         # linear interpolation of the grid row on nodes origin + j / inv_delta (0 outside); the grid
         # is a sum of non-negative terms, so no clamp is needed
@@ -261,10 +269,7 @@ if AVAILABLE:
         inside = (p >= 0.0) & (p <= top)
         pc = p if p > 0.0 else 0.0
         pc = pc if pc < top - 1 else np.float64(top - 1)
-        i = int(pc)  # converted to int64 and back (a float <-> uint64 conversion has no instruction in
-        # AVX2: ~8 of them each way), used as unsigned (see _U)
-        j = _U(i)
-        d = row[j] + (p - np.float64(i)) * (row[j + _U1] - row[j])
+        d = _interpolate(row, p, int(pc))
         return d if inside else 0.0
 
     @njit(inline="always")
@@ -272,9 +277,7 @@ if AVAILABLE:
         # _density_at for a value known to lie on the grid short of its last node, 0 <= p < top:
         # the same interpolation without the checks and clamps (the same result there)
         p = (np.float64(v) - origin) * inv_delta
-        i = int(p)
-        j = _U(i)
-        return row[j] + (p - np.float64(i)) * (row[j + _U1] - row[j])
+        return _interpolate(row, p, int(p))
 
     @njit(nogil=True, cache=True)
     def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad):
@@ -967,11 +970,11 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samp
     else:
         m, run_q, run_s, run_b, count = running
     work = x3.size * 8 + ch * n_samples * 64
+    k_dim = x3.shape[0] * x3.shape[2] + 2  # the context row: every value of a channel and -c, +c
     args = (x3, seed, float(c), float(points_per_bandwidth), float(truncate), int(max_points), values_by_count,
-            *_brackets(x3.shape[0] * x3.shape[2] + 2, n_tau), q, int(n_samples), samples, bw, out, dens, float(m), run_q,
-            run_s, run_b)
+            *_brackets(k_dim, n_tau), q, int(n_samples), samples, bw, out, dens, float(m), run_q, run_s, run_b)
     if ctx is None:
-        ctx = np.empty((ch, x3.shape[0] * x3.shape[2] + 2), dtype=x3.dtype)
+        ctx = np.empty((ch, k_dim), dtype=x3.dtype)
         _run(_sort_and_pass, ch, work, ctx, *args, tiered=True)
     else:
         _run(_batch_channels, ch, work, ctx, *args)
