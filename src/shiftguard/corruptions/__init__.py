@@ -12,12 +12,16 @@ Suites (seed documents 000 and 004 evaluate on "MNISTC" and "CIFAR10C"):
 - ``"cifar-c"``: the 15 benchmark corruptions of Hendrycks & Dietterich (2019) with the
   CIFAR-10-C constants (:mod:`.cifar_c`); ``"cifar-c-extra"``: its 4 extra corruptions.
 
-Images are ``(N, C, H, W)``: ``uint8`` in 0..255 or floating point in [0, 1] (values outside are
-clipped first). The output has the input's shape, dtype and device and is clipped to the valid
-range; ``uint8`` results are rounded to the nearest level (the published scripts truncate, a
-bias of half a level). All randomness comes from one ``torch.Generator`` seeded with ``seed`` on
-the images' device, so the same call gives the same output; the random stream is consumed in
-chunks of ``CHUNK`` images, so an image's noise depends on its position in the batch.
+Images are ``(N, C, H, W)``: ``uint8`` in 0..255 or floating point in [0, 1]. Float input outside
+[0, 1] or not finite is a ``ValueError`` (never clipped: a mean/std-normalised batch must be
+corrupted before its normalisation). The output has the input's shape, dtype and device and is
+clipped to the valid range, as the reference scripts clip theirs; ``uint8`` results are rounded to
+the nearest level (the published scripts truncate, a bias of half a level). Besides a tensor,
+``corrupt`` takes an ``ImageDataset`` (and returns one) or any other labelled form
+:func:`shiftguard.data.as_tensors` reads (and returns ``(images, labels)``). All randomness comes
+from one ``torch.Generator`` seeded with ``seed`` on the images' device, so the same call gives
+the same output; the random stream is consumed in chunks of ``CHUNK`` images, so an image's noise
+depends on its position in the batch.
 """
 
 from __future__ import annotations
@@ -97,7 +101,9 @@ def _check_images(images) -> torch.Tensor:
         raise ValueError(f"images: expected 1 or 3 channels (N, C, H, W), got C={images.shape[1]}")
     if images.shape[2] < 8 or images.shape[3] < 8:
         raise ValueError(f"images: expected H, W >= 8, got shape {tuple(images.shape)}")
-    return images
+    from shiftguard.data.convert import check_pixels  # lazy: data and corruptions are sibling leaves
+
+    return check_pixels(images, "images")  # one aminmax pass for floats; uint8 is valid by its dtype
 
 
 def _check_severity(severity) -> int:
@@ -116,20 +122,34 @@ def _check_severity(severity) -> int:
     return severity
 
 
+def _check_seed(seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    return seed
+
+
 def corrupt(
-    images: torch.Tensor,
+    images,
     name: str,
     severity: int,
     seed: int = 0,
     *,
     suite: Optional[str] = None,
     params=None,
-) -> torch.Tensor:
+):
     """Corrupt a batch of images.
 
+    The return type follows the input's: tensor in, tensor out; ``ImageDataset`` in, a new
+    ``ImageDataset`` out (corrupted images; the same labels, classes, name, split and transform;
+    ``meta`` plus ``corruption``, ``suite``, ``severity``, ``seed`` and, when given, ``params``);
+    any other form :func:`shiftguard.data.as_tensors` reads (a torch ``Dataset`` of
+    ``(image, label)`` pairs, a ``DataLoader``, a tuple ``(images, labels)``) in, the tuple
+    ``(corrupted images, labels)`` out, whatever the dtype. For another layout or a subset, call
+    ``as_tensors`` first.
+
     Args:
-        images: ``(N, C, H, W)`` with C in {1, 3}; ``uint8`` (0..255) or float (assumed in
-            [0, 1]; float16/bfloat16 are computed in float32).
+        images: a tensor ``(N, C, H, W)`` with C in {1, 3}, H, W >= 8; ``uint8`` (0..255) or
+            float in [0, 1] (float16/bfloat16 are computed in float32); or a labelled form above.
         name: corruption name (see :func:`names`), optionally qualified as ``"suite/name"``.
         severity: 1..5, or 0 for the unchanged images (a copy).
         seed: seed of the ``torch.Generator`` (on the images' device) driving all randomness.
@@ -140,13 +160,20 @@ def corrupt(
             in :data:`.cifar_c.IMAGECORRUPTIONS_PARAMS` for comparisons with that package.
 
     Returns:
-        A new tensor with the shape, dtype and device of ``images``, clipped to the valid range.
+        A new tensor with the shape, dtype and device of ``images``, clipped to the valid range
+        (or an ``ImageDataset`` / ``(images, labels)`` holding it, see above).
+
+    Raises:
+        TypeError: ``images`` of another type or dtype; a non-int ``severity`` or ``seed``.
+        ValueError: a wrong shape; float pixels outside [0, 1] (the message gives the min and
+            max found) or not finite (how many); an unknown name or suite; severity outside 0..5.
     """
+    if not isinstance(images, torch.Tensor):
+        return _corrupt_labelled(images, name, severity, seed, suite=suite, params=params)
     images = _check_images(images)
     spec = get(name, suite, channels=images.shape[1])
     severity = _check_severity(severity)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    _check_seed(seed)
     if severity == 0 or images.shape[0] == 0:
         return images.clone()
     work = torch.float64 if images.dtype == torch.float64 else torch.float32
@@ -164,7 +191,8 @@ def corrupt(
                 out[start : start + CHUNK] = y
                 continue
             x = chunk.to(work, copy=True)  # our own buffer: the ops below may work in place
-            x = x.div_(255.0) if images.dtype == torch.uint8 else x.clamp_(0, 1)
+            if images.dtype == torch.uint8:
+                x = x.div_(255.0)  # float input is in [0, 1] already (_check_images)
             if params is None:
                 y = spec(x, severity, gen)
             else:
@@ -175,6 +203,32 @@ def corrupt(
                 y = y.mul_(255).round_()
             out[start : start + CHUNK].copy_(y)
     return out
+
+
+def _corrupt_labelled(data, name, severity, seed, *, suite, params):
+    """:func:`corrupt` for an ``ImageDataset`` (returns one) or any form ``as_tensors`` reads."""
+    import numpy as np
+
+    from shiftguard.data import ImageDataset, as_tensors
+
+    if isinstance(data, np.ndarray):
+        raise TypeError(
+            "images: expected a torch.Tensor (N, C, H, W) (torch.from_numpy converts an array), an ImageDataset "
+            "or a labelled form shiftguard.data.as_tensors reads, got a numpy array"
+        )
+    # the arguments' errors first, before a possibly long pass over a Dataset
+    get(name, suite)
+    severity = _check_severity(severity)
+    _check_seed(seed)
+    if isinstance(data, ImageDataset):
+        out = corrupt(data.images, name, severity, seed, suite=suite, params=params)
+        spec = get(name, suite, channels=data.images.shape[1])
+        meta = {**data.meta, "corruption": spec.name, "suite": spec.suite, "severity": severity, "seed": seed}
+        if params is not None:
+            meta["params"] = params
+        return ImageDataset(out, data.labels, data.classes, data.name, data.split, data.transform, meta)
+    images, labels = as_tensors(data, name="images")
+    return corrupt(images, name, severity, seed, suite=suite, params=params), labels
 
 
 def gallery(images, suite: Optional[str] = None, **kwargs):

@@ -4,10 +4,13 @@
 :class:`ImageDataset` (``.images`` uint8 ``(N, C, H, W)``, ``.labels`` int64 ``(N,)``,
 ``.classes``, ``.name``, ``.split``). ``load_default(split)`` is a real, class-balanced MNIST
 subset shipped inside the package (offline, < 1 s). ``make_loader`` builds a DataLoader whose
-shuffle depends only on its seed. See ``docs/data.md`` for every name, format and error.
+shuffle depends only on its seed. ``as_tensors(data)`` turns a user's Dataset, DataLoader or
+``(images, labels)`` arrays into checked pixel tensors. See ``docs/data.md`` for every name,
+format and error.
 """
 
 from shiftguard.data.base import ImageDataset, make_loader
+from shiftguard.data.convert import as_tensors
 from shiftguard.data.corrupted_sets import (
     CIFAR_C_CORRUPTIONS,
     MNIST_C_CORRUPTIONS,
@@ -21,6 +24,7 @@ from shiftguard.data import toy  # noqa: E402  two-Gaussians failure-mode toy (0
 __all__ = [
     "ImageDataset",
     "make_loader",
+    "as_tensors",
     "load",
     "load_default",
     "names",
