@@ -6,8 +6,20 @@
 - :class:`QuantileClassifier` -- Linear -> QACT -> one-vs-rest probabilities (000, Sec. 3)
 - :class:`SyncQuantileActivation`, :func:`convert_sync_qact` -- QACT whose context is the global
   batch of a torch.distributed job (docs/distributed.md)
+- :func:`convert_activations` -- put QACT (or relu/prelu/selu) into any model in place of its
+  activation modules; :func:`has_qact`, :func:`set_context`, :func:`qact_context`,
+  :func:`fit_context` -- manage the QACT context of a whole model (docs/qact.md)
 """
 
+from shiftguard.nn.convert import (
+    DEFAULT_ACTIVATION_TYPES,
+    ConvertedActivation,
+    convert_activations,
+    fit_context,
+    has_qact,
+    qact_context,
+    set_context,
+)
 from shiftguard.nn.qact import ACTIVATION_NAMES, CONTEXT_MODES, QACTBlock, QuantileActivation, make_activation
 from shiftguard.nn.quantile_classifier import QuantileClassifier, quantile_classifier_loss
 from shiftguard.nn.sync_qact import SyncQuantileActivation, convert_sync_qact
@@ -15,11 +27,18 @@ from shiftguard.nn.sync_qact import SyncQuantileActivation, convert_sync_qact
 __all__ = [
     "ACTIVATION_NAMES",
     "CONTEXT_MODES",
+    "ConvertedActivation",
+    "DEFAULT_ACTIVATION_TYPES",
     "QACTBlock",
     "QuantileActivation",
     "QuantileClassifier",
     "SyncQuantileActivation",
+    "convert_activations",
     "convert_sync_qact",
+    "fit_context",
+    "has_qact",
     "make_activation",
+    "qact_context",
     "quantile_classifier_loss",
+    "set_context",
 ]

@@ -42,6 +42,7 @@ rank 0 alone cannot deadlock.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -254,7 +255,21 @@ def convert_sync_qact(module: nn.Module, process_group=None, exact_max: Optional
     statistics (same tensors) and the training flag are carried over; returns the converted module
     (``module`` itself is converted in place unless it is a QuantileActivation). Layers that are
     already synchronised are left alone.
+
+    Warns (``UserWarning``) when ``module`` holds no QuantileActivation at all (nothing converted): add
+    QACT with :func:`shiftguard.nn.convert_activations` first, with ``example_input`` so that its blocks
+    exist before this conversion (they are otherwise created at the first forward).
     """
+    if not any(isinstance(m, QuantileActivation) for m in module.modules()):
+        warnings.warn("convert_sync_qact: module holds no QuantileActivation; nothing converted. Add QACT with "
+                      "shiftguard.nn.convert_activations(model, example_input=...) first (its blocks are created at "
+                      "the first forward, so pass example_input to create them before this conversion)",
+                      UserWarning, stacklevel=2)
+        return module
+    return _convert_sync(module, process_group, exact_max, sketch_size)
+
+
+def _convert_sync(module: nn.Module, process_group, exact_max: Optional[int], sketch_size: int) -> nn.Module:
     out = module
     if isinstance(module, QuantileActivation) and not isinstance(module, SyncQuantileActivation):
         out = SyncQuantileActivation(n_tau=module.n_tau, c=module.c, n_samples=module.n_samples,
@@ -267,5 +282,5 @@ def convert_sync_qact(module: nn.Module, process_group=None, exact_max: Optional
         out.num_batches_tracked = module.num_batches_tracked
         out.train(module.training)
     for name, child in module.named_children():
-        out.add_module(name, convert_sync_qact(child, process_group, exact_max, sketch_size))
+        out.add_module(name, _convert_sync(child, process_group, exact_max, sketch_size))
     return out

@@ -500,9 +500,9 @@ class DistributedTrainer(Trainer):
         self.process_group = process_group
         device = torch.device(trainer_kwargs.get("device", "cpu"))
         if self.world_size > 1:
-            if sync_qact:
-                from shiftguard.nn.sync_qact import convert_sync_qact
+            from shiftguard.nn import convert_sync_qact, has_qact
 
+            if sync_qact and has_qact(model):  # a model without QACT has no context to synchronise
                 model = convert_sync_qact(model, process_group, qact_exact_max, qact_sketch_size)
             if sync_batchnorm if sync_batchnorm is not None else device.type == "cuda":
                 model = nn.SyncBatchNorm.convert_sync_batchnorm(model, process_group)
