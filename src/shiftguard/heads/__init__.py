@@ -12,6 +12,8 @@ from shiftguard.heads.knn_baselines import KNNVote, OneNN, WeightedKNN
 from shiftguard.heads.logistic import LogisticRegressionHead
 from shiftguard.heads.ned import NED
 from shiftguard.heads.quantile import QuantileClassifierHead
+from shiftguard.heads.registry import EMBEDDING_HEADS, HEAD_NAMES, LOGIT_HEADS, build_head, head_input
+from shiftguard.heads.softmax import SoftmaxHead
 from shiftguard.heads.temperature import TemperatureScaling
 
 __all__ = [
@@ -25,5 +27,11 @@ __all__ = [
     "LogisticRegressionHead",
     "DistanceRatioHead",
     "QuantileClassifierHead",
+    "SoftmaxHead",
     "knn_search",
+    "HEAD_NAMES",
+    "LOGIT_HEADS",
+    "EMBEDDING_HEADS",
+    "build_head",
+    "head_input",
 ]
