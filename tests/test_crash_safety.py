@@ -398,16 +398,22 @@ def _grid(tmp_path):
             return torch.flip(x[40:], dims=[3])
         return (x[40:].int() + 20 * severity).clamp(0, 255).to(torch.uint8)
 
+    from shiftguard.evaluation import ModelOutputs
+
     model = CountingModel()
-    kw = dict(models=[{"name": "m", "model": model, "heads": ["softmax", "knn", "quantile"]}], support=(x[:30], y[:30]),
-              validation=(x[30:40], y[30:40]), test=(x[40:], y[40:]), shifted=shifted,
-              corruptions=["flip", "bright"], severities=[1, 2], num_classes=3, cache_root=tmp_path / "cache",
-              batch_size=10, k=3, retrieval_ks=(1,), progress=False)
+    kw = dict(models=[{"name": "m", "model": model, "outputs": ModelOutputs(model), "heads": ["softmax", "knn", "quantile"]}],
+              support=(x[:30], y[:30]), validation=(x[30:40], y[30:40]), test=(x[40:], y[40:]), shifted=shifted,
+              cells=[(c, s, "benchmark") for c in ("flip", "bright") for s in (1, 2)], num_classes=3,
+              cache_root=tmp_path / "cache", batch_size=10, k=3, retrieval_ks=(1,), progress=False)
     return kw, calls, model
 
 
 def test_finished_evaluation_cells_are_not_recomputed(tmp_path):
-    from shiftguard.experiments.evaluate import evaluate_models
+    from shiftguard.evaluation.grid import run_grid
+
+    def evaluate_models(**kw):
+        out = run_grid(**kw)
+        return out["rows"], out
 
     kw, calls, model = _grid(tmp_path)
     rows1, _ = evaluate_models(**kw)
@@ -531,13 +537,13 @@ elif mode == "model-write":            # die when the final weights' temp file i
         return real_replace(src, dst)
     os.replace = replace
 elif mode == "evaluation":             # die when the first corrupted cell is about to be embedded
-    from shiftguard.experiments import evaluate as E
-    orig_get = E.EmbeddingCache.get_or_compute
+    from shiftguard.evaluation import cache as E
+    orig_get = E.OutputCache.get_or_compute
     def get_or_compute(self, key, fn):
         if key == "rotate-s5":
             die()
         return orig_get(self, key, fn)
-    E.EmbeddingCache.get_or_compute = get_or_compute
+    E.OutputCache.get_or_compute = get_or_compute
 from shiftguard.cli import main
 sys.exit(main(sys.argv[2:]))
 '''

@@ -339,9 +339,9 @@ def test_damaged_file_fails_naming_it_or_loads_valid_data(tmp_path, fmt):
 
 def test_cache_file_damage_is_recomputed_never_raised(tmp_path):
     """Evaluation caches are disposable: any damaged file is recomputed, never trusted."""
-    from shiftguard.experiments.evaluate import EmbeddingCache
+    from shiftguard.evaluation.cache import OutputCache
 
-    cache = EmbeddingCache(tmp_path)
+    cache = OutputCache(tmp_path)
     good = {"embeddings": torch.randn(5, 3), "logits": torch.randn(5, 2)}
     cache.get_or_compute("k", lambda: good)
     pristine = cache.path("k").read_bytes()
@@ -413,10 +413,10 @@ def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
 
 
 def test_malicious_embedding_cache_file_is_recomputed_without_running_it(tmp_path):
-    from shiftguard.experiments.evaluate import EmbeddingCache
+    from shiftguard.evaluation.cache import OutputCache
 
     marker = tmp_path / "pwned"
-    cache = EmbeddingCache(tmp_path / "cache")
+    cache = OutputCache(tmp_path / "cache")
     cache.path("clean-s0").parent.mkdir(parents=True)
     torch.save({"embeddings": Evil(marker)}, cache.path("clean-s0"))
     out = cache.get_or_compute("clean-s0", lambda: {"embeddings": torch.zeros(2, 2)})

@@ -129,7 +129,7 @@ def test_shipped_configs_are_listed(capsys):
 def test_score_retrieval_reads_the_recall_at_1_misses_off_its_own_search():
     import torch
 
-    from shiftguard.experiments.evaluate import score_retrieval
+    from shiftguard.evaluation.scoring import score_retrieval
 
     g = torch.Generator().manual_seed(3)
     y = torch.randint(0, 5, (400,), generator=g)

@@ -13,7 +13,21 @@ Subpackages (each concept lives in the module named after it):
 - ``shiftguard.uncertainty`` uncertainty scores, loss-prediction head
 - ``shiftguard.metrics``     calibration, retrieval and uncertainty metrics
 - ``shiftguard.train``       trainer, checkpoints, multistage large-batch step, distributed helpers
-- ``shiftguard.experiments`` the ``shiftguard run`` pipeline and its report
+- ``shiftguard.evaluation``  ``evaluate(model, test, ...)``: any model, any data, under shift
+- ``shiftguard.experiments`` the ``shiftguard run`` / ``evaluate`` / ``report`` commands
+
+``shiftguard.evaluate`` and ``shiftguard.EvaluationResult`` are imported on first use, so that
+``import shiftguard`` stays light.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["evaluate", "EvaluationResult", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in ("evaluate", "EvaluationResult"):
+        from shiftguard import evaluation
+
+        return getattr(evaluation, name)
+    raise AttributeError(f"module 'shiftguard' has no attribute {name!r}")

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
+from shiftguard.heads.registry import HEAD_NAMES  # the heads [[models]].heads may name
+
 try:  # Python >= 3.11
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10
@@ -32,12 +34,10 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "DataConfig", "TrainConfig", "EvalConfig", "ModelConfig", "RunConfig",
-    "load_config", "config_from_dict", "default_config", "quick_config", "shipped_configs",
+    "load_config", "config_from_dict", "default_config", "quick_config", "shipped_configs", "config_diff",
     "HEAD_NAMES", "LOGIT_LOSSES",
 ]
 
-#: Heads ``[[models]].heads`` may name (see ``experiments.evaluate.build_head``).
-HEAD_NAMES = ("softmax", "logistic", "quantile", "ned", "knn", "wknn", "1nn", "temperature", "distance_ratio")
 #: Losses computed on the logits ``model(x)``; every other loss acts on ``model.embed(x)``.
 LOGIT_LOSSES = ("cross_entropy",)
 
@@ -108,13 +108,19 @@ class EvalConfig:
     ece_bins: int = 15
     #: fit heads on at most this many training embeddings (0 = all).
     max_support: int = 0
+    #: bootstrap resamples of the 95% intervals of the headline numbers (over test images).
+    n_boot: int = 1000
 
 
 @dataclass
 class ModelConfig:
     #: identifier of the variant in results and plots (default: "<arch>-<activation>-<loss>").
     name: str = ""
+    #: a ``shiftguard.models`` name, or a user factory ``"package.module:function"`` (importable from
+    #: sys.path or the current directory; ``shiftguard.models.build_model``).
     arch: str = "lenet"
+    #: relu | prelu | selu | qact. A user factory that takes no ``activation`` argument gets its
+    #: activation modules converted (``shiftguard.nn.convert_activations``) unless this is "relu".
     activation: str = "relu"
     #: "cross_entropy" (on logits) or any ``shiftguard.losses.build_loss`` name (on embeddings).
     loss: str = "cross_entropy"
@@ -214,14 +220,20 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         bad("eval.batch_size", f"must be >= 2 (QACT needs a context), got {e.batch_size}")
     if e.k < 1 or e.ece_bins < 1:
         bad("eval.k / eval.ece_bins", "must be >= 1")
+    if e.n_boot < 10:
+        bad("eval.n_boot", f"must be >= 10, got {e.n_boot}")
+    for key, values in (("data.severities", d.severities), ("data.corruptions", d.corruptions)):
+        dup = sorted({v for v in values if values.count(v) > 1}, key=str)
+        if dup:
+            bad(key, f"lists {', '.join(map(repr, dup))} more than once (duplicates would re-weight the means)")
     if not cfg.models:
         raise ValueError(f"{src}: no [[models]] given; add at least one model table")
     seen = set()
     train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
     for i, m in enumerate(cfg.models):
         where = f"models[{i}]"
-        if not m.name:
-            m.name = f"{m.arch}-{m.activation}-{m.loss}".replace("_", "")
+        if not m.name:  # a factory "pkg.mod:make" names its models "pkg.mod.make-<activation>-<loss>"
+            m.name = f"{m.arch.replace(':', '.')}-{m.activation}-{m.loss.replace('_', '')}"
         if not _NAME_RE.match(m.name):
             bad(f"{where}.name", f"must be letters, digits and _.+- only, got {m.name!r}")
         if m.name in seen:
@@ -319,6 +331,47 @@ _DEFAULT: dict = {
          "heads": ["quantile", "logistic", "ned", "knn"]},
     ],
 }
+
+
+def config_diff(old: Any, new: Any, path: str = "") -> list[str]:
+    """Where two configuration trees (``RunConfig.to_dict()`` after a JSON round trip) differ.
+
+    One ``"path: old -> new"`` string per differing leaf, with dotted keys and list indices
+    (``"train.epochs: 8 -> 10"``, ``"models[1].heads: [\"knn\"] -> [\"ned\"]"``); a key or list
+    entry present on one side only reads ``(absent)`` on the other. Lists of tables (``models``)
+    are compared entry by entry, lists of values as a whole. Values are shown as JSON, cut at 60
+    characters. Empty when the trees are equal."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[str] = []
+        for key in [*old, *(k for k in new if k not in old)]:
+            sub = f"{path}.{key}" if path else str(key)
+            if key not in new:
+                out.append(f"{sub}: {_show(old[key])} -> (absent)")
+            elif key not in old:
+                out.append(f"{sub}: (absent) -> {_show(new[key])}")
+            else:
+                out += config_diff(old[key], new[key], sub)
+        return out
+    tables = isinstance(old, list) and isinstance(new, list) and any(isinstance(v, dict) for v in [*old, *new])
+    if tables:
+        out = []
+        for i in range(max(len(old), len(new))):
+            sub = f"{path}[{i}]"
+            if i >= len(new):
+                out.append(f"{sub}: {_show(old[i])} -> (absent)")
+            elif i >= len(old):
+                out.append(f"{sub}: (absent) -> {_show(new[i])}")
+            else:
+                out += config_diff(old[i], new[i], sub)
+        return out
+    return [] if old == new else [f"{path or '(top level)'}: {_show(old)} -> {_show(new)}"]
+
+
+def _show(value: Any, width: int = 60) -> str:
+    import json
+
+    text = json.dumps(value, sort_keys=True)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def shipped_configs() -> dict[str, Path]:

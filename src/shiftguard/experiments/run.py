@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import json
 import os
 import platform
 import sys
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -65,11 +67,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # --------------------------------------------------------------------------- config
 def resolve_config(args) -> C.RunConfig:
+    """The configuration ``args`` asks for: ``--config`` (a file, else a shipped name), ``--quick``,
+    ``--epochs``, ``--seed``. A bare ``--config`` name that is neither a file nor a shipped config is
+    a ``FileNotFoundError`` listing the shipped names (and the closest one)."""
     if args.config:
         shipped = C.shipped_configs()
         path = Path(args.config)
         if not path.exists() and args.config in shipped:
             path = shipped[args.config]
+        elif not path.exists() and len(path.parts) == 1:
+            close = difflib.get_close_matches(path.stem, list(shipped), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise FileNotFoundError(f"--config {args.config}: not found (no such file, and no shipped config of that "
+                                    f"name); {hint}shipped configs: {', '.join(shipped)}")
         cfg = C.load_config(path)
         if args.quick:
             cfg = _shrink(cfg)
@@ -205,6 +215,28 @@ def build_loss_for(m: C.ModelConfig, model, num_classes: int):
     return build_loss(m.loss, embedding_dim=model.embedding_dim, num_classes=num_classes, **m.loss_kwargs), "embeddings"
 
 
+def _with_embedding_dim(model, example: torch.Tensor, m: C.ModelConfig):
+    """``model``, or for an embedding loss on a model without ``embedding_dim`` (a user
+    architecture) an object carrying the width of ``model.embed(example)``: what
+    :func:`build_loss_for` reads. The probe runs in eval mode without gradient and restores the
+    RNG and the training flag, so it changes no state the training sees."""
+    if m.loss in C.LOGIT_LOSSES or hasattr(model, "embedding_dim"):
+        return model
+    was_training = model.training
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.eval()
+            emb = model.embed(example)
+    finally:
+        model.train(was_training)
+    if emb.dim() != 2:
+        raise ValueError(f"models {m.name!r}: arch {m.arch!r}: embed(x) must return (N, D) embeddings, "
+                         f"got shape {tuple(emb.shape)}")
+    import types
+
+    return types.SimpleNamespace(embedding_dim=int(emb.shape[1]))
+
+
 def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, device, resume: bool, progress: bool,
                 distributed: bool = False):
     """Train one model (or load it when a finished run dir already has it); return (model, summary).
@@ -219,9 +251,13 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
     kw = dict(m.model_kwargs)
     if m.arch == "mlp":
         kw.setdefault("input_size", data["image_size"])
+    # Two images of the data's shape in the models' input range: a user model whose activations
+    # are converted creates its new layers on this batch, before the trainer builds the optimizer.
+    size, channels = data["image_size"], data["in_channels"]
+    example = torch.rand(2, channels, size, size, generator=torch.Generator().manual_seed(0)).mul(2).sub(1)
     model = build_model(m.arch, activation=m.activation, num_classes=data["num_classes"],
-                        in_channels=data["in_channels"], **kw)
-    loss, loss_on = build_loss_for(m, model, data["num_classes"])
+                        in_channels=data["in_channels"], example_input=example, **kw)
+    loss, loss_on = build_loss_for(m, _with_embedding_dim(model, example, m), data["num_classes"])
     final, summary_path = mdir / "model.pt", mdir / "model.json"
     if resume and final.is_file() and summary_path.is_file():
         hint = "delete it and --resume rebuilds it from the checkpoints"
@@ -243,6 +279,7 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         class_balanced=t.class_balanced, samples_per_class=t.samples_per_class, chunk_size=t.chunk_size,
         max_val=t.max_val, val_batch_size=cfg.eval.batch_size, device=device, seed=cfg.seed,
         checkpoint_dir=mdir / "checkpoints", metrics_log=mdir / "metrics.jsonl", progress=progress, desc=m.name,
+        log=True,  # one line per epoch, also with --no-progress and in a log file
     )
     summary = trainer.fit(*data["train"], *data["val"], num_classes=data["num_classes"], resume=resume)
     summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": loss_on})
@@ -269,9 +306,13 @@ def preflight(cfg: C.RunConfig) -> None:
     corruption_list(cfg)
     for m in cfg.models:
         try:  # a 2-class dummy build checks the arch, activation and model_kwargs at no cost
-            build_model(m.arch, activation=m.activation, num_classes=2, in_channels=1, **m.model_kwargs)
+            model = build_model(m.arch, activation=m.activation, num_classes=2, in_channels=1, **m.model_kwargs)
         except ValueError as exc:
             raise ValueError(f"{src}: models {m.name!r}: {exc}") from None
+        if m.loss not in C.LOGIT_LOSSES and not callable(getattr(model, "embed", None)):
+            raise ValueError(f"{src}: models {m.name!r}: loss {m.loss!r} acts on embeddings, but arch {m.arch!r} "
+                             "has no embed(x) method; give the model one (images -> (N, D) embeddings) or use "
+                             f"loss = {C.LOGIT_LOSSES[0]!r}")
         if m.loss not in C.LOGIT_LOSSES and m.loss not in LOSS_NAMES:
             raise ValueError(f"{src}: models {m.name!r}: unknown loss {m.loss!r}; expected one of "
                              f"{', '.join(sorted({*C.LOGIT_LOSSES, *LOSS_NAMES}))}")
@@ -295,19 +336,40 @@ def prepare_run_dir(cfg: C.RunConfig, args) -> Path:
             old = json.loads(stored.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"--resume: {stored} is damaged ({exc})") from None
-        if not isinstance(old, dict) or old.get("config") != _jsonable(cfg.to_dict()):
-            raise ValueError(f"--resume: {run_dir} was started with a different configuration (see {stored}; "
-                             "same --config/--quick/--epochs/--seed are needed to resume)")
+        if not isinstance(old, dict) or not isinstance(old.get("config"), dict):
+            raise ValueError(f"--resume: {stored} is damaged (no configuration table)")
+        new = _jsonable(cfg.to_dict())
+        if old["config"] != new:
+            diff = C.config_diff(old["config"], new)
+            shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
+            raise ValueError(f"--resume: {run_dir} was started with a different configuration: {shown} "
+                             f"(stored -> now; see {stored}: the same --config/--quick/--epochs/--seed are needed "
+                             "to resume)")
         try:
             (run_dir / COMPLETE_MARKER).unlink()
         except FileNotFoundError:
             pass
         return run_dir
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--name: {run_dir} exists and is not a directory")
     if run_dir.exists() and any(run_dir.iterdir()):
-        raise ValueError(f"run directory {run_dir} already exists; use --resume to continue it or another --name")
+        if _run_outputs(run_dir):
+            raise ValueError(f"run directory {run_dir} already exists; use --resume to continue it or another --name")
+        # Nothing a run produces is there (no checkpoint, weights, cache or results): a run that
+        # stopped before its first checkpoint. Its config.json is replaced by this run's.
+        print(f"reusing run directory {run_dir}: it holds only the config.json of a run that stopped before its "
+              "first checkpoint", flush=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(stored, {"config": _jsonable(cfg.to_dict()), "source": cfg.source})
     return run_dir
+
+
+def _run_outputs(run_dir: Path) -> list[Path]:
+    """Files under ``run_dir`` that a run produced beyond its ``config.json`` (and that file's
+    atomic-write temporaries): any checkpoint, metrics log, weights, cached embedding or result."""
+    own = lambda p: p.parent == run_dir and (p.name == "config.json" or  # noqa: E731
+                                             (p.name.startswith(".config.json.") and p.name.endswith(".tmp")))
+    return [p for p in run_dir.rglob("*") if not p.is_dir() and not own(p)]
 
 
 def _jsonable(obj):
@@ -327,15 +389,14 @@ def versions() -> dict:
 # --------------------------------------------------------------------------- main
 def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str], cfg: C.RunConfig, source: str, shifted) -> Path:
     """The corruption gallery: one test image under every corruption x severity."""
-    from . import plots as P
+    from shiftguard.evaluation import plots as P
 
     sevs = sorted(cfg.data.severities)
     if source == "engine":
         return P.corruption_gallery(test_images[:1], corruptions, sevs, path, seed=cfg.data.corruption_seed)
     # official sets: show their images (first test image), not the engine's
-    import io as _io
 
-    plt = P._plt()
+    plt = P.pyplot()
     fig, axes = plt.subplots(len(corruptions), len(sevs) + 1, figsize=(1.1 * (len(sevs) + 1), 1.1 * len(corruptions)), squeeze=False)
     for i, c in enumerate(corruptions):
         for j, s in enumerate([0, *sevs]):
@@ -344,19 +405,24 @@ def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str],
             axes[i, j].set_xticks([]); axes[i, j].set_yticks([])
             if j == 0:
                 axes[i, j].set_ylabel(c, fontsize=6, rotation=0, ha="right")
-    return P._save(fig, path)
+    return P.save_png(fig, path)
 
 
 def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool = False, progress: bool = True,
-            log: Callable[[str], None] = print) -> dict:
+            log: Callable[[str], None] = print, compile_s: float = 0.0) -> dict:
     """Run the whole pipeline into ``run_dir`` and return the results dict.
 
-    Under torch.distributed every process trains; rank 0 alone evaluates and writes, the others
-    return ``{}`` after waiting for it at a barrier (docs/distributed.md)."""
+    Training is this module's; the evaluation is :func:`shiftguard.evaluation.grid.run_grid`, the
+    grid ``shiftguard.evaluate`` runs, with the models' own input scaling (pixels to [-1, 1]) as
+    ``preprocess``. ``compile_s``: seconds spent compiling kernels before (recorded apart from the
+    training time). Under torch.distributed every process trains; rank 0 alone evaluates and writes,
+    the others return ``{}`` after waiting for it at a barrier (docs/distributed.md)."""
+    from shiftguard.evaluation.evaluate import build_cells, build_results
+    from shiftguard.evaluation.grid import run_grid
+    from shiftguard.evaluation.outputs import ModelOutputs
+    from shiftguard.evaluation.report import build_report, format_summary, summary_rows
+    from shiftguard.train import to_model_input
     from shiftguard.train.distributed import barrier, is_distributed, is_main_process
-
-    from . import evaluate as E
-    from .report import build_report, summary_rows, format_summary
 
     distributed = is_distributed()
     if not is_main_process():
@@ -364,13 +430,16 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
 
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    data = load_data(cfg)
     corruptions = corruption_list(cfg)
+    cells = build_cells(cfg.data.suite, corruptions, cfg.data.severities)
+    data = load_data(cfg)
     shifted, source = make_shift_source(cfg, data, corruptions)
     log(f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / {len(data['val'][1])} val / "
         f"{len(data['test'][1])} test; {len(corruptions)} corruptions x severities {cfg.data.severities}, {source}; device {device})")
 
-    trained, timings = [], {"train_s": {}, "evaluate_s": 0.0}
+    e = cfg.eval
+    contexts = ("batch", "frozen") if e.frozen_context else ("batch",)
+    trained, timings = [], {"compile_s": compile_s, "train_s": {}, "evaluate_s": 0.0}
     training = {}
     for m in cfg.models:
         t0 = time.perf_counter()
@@ -379,44 +448,40 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
         training[m.name] = summary
         log(f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
             f"({summary['epochs_run']} epochs, {timings['train_s'][m.name]:.1f} s)")
-        trained.append({"name": m.name, "model": model, "heads": list(m.heads)})
+        trained.append({"name": m.name, "model": model, "heads": list(m.heads), "contexts": contexts,
+                        "outputs": ModelOutputs(model, preprocess=to_model_input)})
 
     if not is_main_process():
         barrier()  # rank 0 evaluates and writes the report
         return {}
     t0 = time.perf_counter()
-    e = cfg.eval
-    rows, extra = E.evaluate_models(
-        models=trained, support=data["train"], validation=data["val"], test=data["test"], shifted=shifted,
-        corruptions=corruptions, severities=sorted(cfg.data.severities), num_classes=data["num_classes"],
-        cache_root=run_dir / "cache", batch_size=e.batch_size, device=device, frozen_context=e.frozen_context,
-        k=e.k, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins, max_support=e.max_support, progress=progress,
+    support = data["train"]
+    if e.max_support and support[1].numel() > e.max_support:
+        support = (support[0][: e.max_support], support[1][: e.max_support])
+    grid = run_grid(
+        models=trained, test=data["test"], cells=cells, shifted=shifted, num_classes=data["num_classes"],
+        support=support, validation=data["val"], cache_root=run_dir / "cache", batch_size=e.batch_size,
+        device=device, contexts=contexts, k=e.k, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
+        progress=progress,
+    )
+    results = build_results(
+        name=run_dir.name, grid=grid, models=trained, cells=cells, seed=cfg.seed, device=device,
+        ece_bins=e.ece_bins, n_boot=e.n_boot, kind="run",
+        data={"dataset": data["name"], "suite": cfg.data.suite, "n_train": len(support[1]),
+              "n_val": len(data["val"][1]), "n_test": len(data["test"][1]), "num_classes": data["num_classes"],
+              "corruption_source": source},
     )
     timings["evaluate_s"] = time.perf_counter() - t0
-    timings["evaluate_detail"] = extra["timings"]
-    aggregates = E.aggregate(rows)
-    drops = E.accuracy_drops(rows)
+    timings["evaluate_detail"] = results["timings"]["evaluate_detail"]
     timings["total_s"] = time.perf_counter() - t_start
-    results = {
-        "status": "complete",
-        "name": run_dir.name,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    results.update({
         "config": _jsonable(cfg.to_dict()),
         "config_source": cfg.source,
-        "seed": cfg.seed,
-        "device": str(device),
         "versions": versions(),
         "command": " ".join(["shiftguard", *sys.argv[1:]]) if sys.argv and "shiftguard" in sys.argv[0] else None,
-        "data": {"dataset": data["name"], "n_train": len(data["train"][1]), "n_val": len(data["val"][1]),
-                 "n_test": len(data["test"][1]), "num_classes": data["num_classes"],
-                 "corruptions": corruptions, "severities": sorted(cfg.data.severities), "corruption_source": source},
         "training": training,
         "timings": timings,
-        "rows": rows,
-        "aggregates": aggregates,
-        "drops": drops,
-        "reliability": extra["reliability"],
-    }
+    })
     results["summary"] = summary_rows(results)
     write_gallery(run_dir / "plots" / "corruption_gallery.png", data["test"][0], corruptions, cfg, source, shifted)
     build_report(run_dir, results, progress=progress)
@@ -466,11 +531,51 @@ def main(args) -> int:
             raise ValueError(value)
         progress = not args.no_progress and info.is_main
         log = lambda s: print(s, flush=True)  # noqa: E731
-        execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log)
+        # Before execute: the compile time is its own step, outside every training time.
+        compile_s = compile_kernels(cfg, info.device, announce=info.is_main)
+        execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log, compile_s=compile_s)
     finally:
         if info.distributed:
             D.cleanup_distributed()
     return 0
+
+
+def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
+    """Compile QACT's CPU kernels before any training (:func:`shiftguard.functional.warm_up`) when a
+    model of ``cfg`` has ``activation = "qact"`` and ``device`` is the CPU; return the seconds it took
+    (0.0 when not needed; a fraction of a second once numba's on-disk cache holds the kernels).
+
+    With ``announce``, a step that lasts over a second prints ``compiling QACT kernels (first use)
+    ...`` when that second has passed and its duration when done, on one line of stdout."""
+    if torch.device(device).type != "cpu" or not any(m.activation.lower() == "qact" for m in cfg.models):
+        return 0.0
+    from shiftguard.functional import warm_up
+
+    # state["open"]: the announcement line was started and awaits its duration; state["done"]: the
+    # step ended, so a timer firing late must not start the line.
+    lock, state = threading.Lock(), {"open": False, "done": False}
+
+    def begin():
+        with lock:
+            if not state["done"]:
+                print("compiling QACT kernels (first use) ...", end="", flush=True)
+                state["open"] = True
+
+    timer = threading.Timer(1.0, begin) if announce else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    seconds = None
+    try:
+        seconds = warm_up()
+    finally:
+        if timer is not None:
+            timer.cancel()
+            with lock:
+                state["done"] = True
+            if state["open"]:
+                print(" failed" if seconds is None else f" {seconds:.1f} s", flush=True)
+    return seconds
 
 
 def relaunch_argv(args) -> list[str]:

@@ -41,3 +41,7 @@ from shiftguard.functional.vmf import (  # noqa: E402  (vMF utilities, 003 ch. 2
 )
 
 __all__ += ["log_vmf_normalizer", "sample_vmf", "vmf_log_prob", "vmf_mean_resultant_length"]
+
+from shiftguard.functional.warmup import warm_up  # noqa: E402  (compile the QACT kernels ahead of use)
+
+__all__ += ["warm_up"]

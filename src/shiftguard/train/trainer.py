@@ -34,6 +34,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from shiftguard._progress import progress, write
 from shiftguard._validation import check_labels, check_tensor
 from shiftguard.io import atomic_write_text
 
@@ -69,6 +70,12 @@ class Trainer:
 
     Parameters mirror ``experiments.config.TrainConfig``. ``checkpoint_dir`` enables per-epoch
     checkpoints and ``resume``; ``metrics_log`` is a JSONL file with one line per epoch.
+
+    Output (main process only): ``progress`` draws a per-epoch batch bar on a terminal (nothing
+    in a log, where a redrawn bar would be noise); ``log`` prints one line per epoch (epoch,
+    loss, accuracies, learning rate, seconds): ``True`` to stdout, a callable receives the line,
+    ``False`` prints none, ``None`` (default) follows ``progress``. ``log`` not None, a bool or a
+    callable is a ``ValueError``.
     """
 
     def __init__(
@@ -100,6 +107,7 @@ class Trainer:
         progress: bool = True,
         desc: str = "train",
         is_main_process: bool = True,
+        log=None,
     ):
         if isinstance(loss, str):
             if loss != "cross_entropy":
@@ -129,6 +137,9 @@ class Trainer:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.metrics_log = Path(metrics_log) if metrics_log is not None else None
         self.progress, self.desc, self.is_main_process = progress, desc, is_main_process
+        if not (log is None or isinstance(log, bool) or callable(log)):
+            raise ValueError(f"log: expected None, a bool or a callable taking one line, got {log!r}")
+        self.log = progress if log is None else log
         params = list(self.model.parameters()) + [p for p in getattr(self.loss_fn, "parameters", lambda: [])()]
         self.optimizer = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
@@ -170,18 +181,24 @@ class Trainer:
     # ----------------------------------------------------------------- one epoch
     def _train_epoch(self, images, labels, epoch: int, num_classes: int) -> dict:
         self.model.train()
-        total_loss, n_seen, n_correct = 0.0, 0, 0
         self._emb_sum: Optional[torch.Tensor] = None
         self._emb_cnt = torch.zeros(num_classes, device=self.device)
-        bar = None
-        it = self.batches(labels, epoch)
-        if self.progress and self.is_main_process:
-            from tqdm.auto import tqdm
+        # A bar on a terminal only: in a log the epoch line (fit) is the progress record.
+        with progress(self.num_batches(labels), f"{self.desc} epoch {epoch}/{self.epochs}", unit="batch",
+                      enabled=self.progress and self.is_main_process, lines=False) as bar:
+            total_loss, n_seen, n_correct = self._train_batches(bar, images, labels, epoch, num_classes)
+        out = {"train_loss": total_loss / max(n_seen, 1)}
+        if self.loss_on == "logits":
+            out["train_acc"] = n_correct / max(n_seen, 1)
+        else:
+            self._class_means = self._emb_sum / self._emb_cnt.clamp_min(1).unsqueeze(1)
+            self._class_present = self._emb_cnt > 0
+        return out
 
-            bar = tqdm(it, total=self.num_batches(labels), desc=f"{self.desc} epoch {epoch}/{self.epochs}",
-                       leave=False, dynamic_ncols=True)
-            it = bar
-        for idx in it:
+    def _train_batches(self, bar, images, labels, epoch: int, num_classes: int) -> tuple[float, int, int]:
+        """The optimisation steps of one epoch; returns (summed loss, images seen, correct predictions)."""
+        total_loss, n_seen, n_correct = 0.0, 0, 0
+        for idx in self.batches(labels, epoch):
             x = to_model_input(images[idx], self.device)
             y = labels[idx].to(self.device)
             if self.chunk_size and y.numel() > self.chunk_size:
@@ -193,13 +210,14 @@ class Trainer:
                 n_seen += y.numel()
                 with torch.no_grad():  # class means for the validation head
                     self._accumulate_means(self.model.embed(x).float(), y, num_classes)
+                bar.update(1, {"loss": f"{total_loss / n_seen:.4f}"})
                 continue
-            emb = self.model.embed(x) if hasattr(self.model, "embed") else None
             if self.loss_on == "logits":
-                out = self.model.classifier(emb) if emb is not None else self.model(x)
+                out = self.model(x)  # shiftguard's models: forward = classifier(embed(x))
                 loss = self.loss_fn(out, y)
                 n_correct += int((out.argmax(1) == y).sum())
             else:
+                emb = self.model.embed(x)
                 loss = self.loss_fn(emb, y)
                 self._accumulate_means(emb.detach().float(), y, num_classes)
             if not torch.isfinite(loss):
@@ -209,20 +227,11 @@ class Trainer:
             self.optimizer.step()
             total_loss += loss.item() * y.numel()
             n_seen += y.numel()
-            if bar is not None:
-                post = {"loss": f"{total_loss / n_seen:.4f}"}
-                if self.loss_on == "logits":
-                    post["acc"] = f"{n_correct / n_seen:.3f}"
-                bar.set_postfix(post)
-        if bar is not None:
-            bar.close()
-        out = {"train_loss": total_loss / max(n_seen, 1)}
-        if self.loss_on == "logits":
-            out["train_acc"] = n_correct / max(n_seen, 1)
-        else:
-            self._class_means = self._emb_sum / self._emb_cnt.clamp_min(1).unsqueeze(1)
-            self._class_present = self._emb_cnt > 0
-        return out
+            post = {"loss": f"{total_loss / n_seen:.4f}"}
+            if self.loss_on == "logits":
+                post["acc"] = f"{n_correct / n_seen:.3f}"
+            bar.update(1, post)
+        return total_loss, n_seen, n_correct
 
     def _multistage_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One multistage step on batch ``(x, y)``; the DDP trainer overrides it (train/distributed.py)."""
@@ -295,6 +304,17 @@ class Trainer:
             torch.cuda.set_rng_state_all(s["cuda_rng"])
         return int(s["epoch"])
 
+    def _log_epoch(self, h: dict) -> None:
+        """One line per epoch: epoch, loss, train/val accuracy, learning rate, seconds."""
+        acc = f" train_acc={h['train_acc']:.4f}" if "train_acc" in h else ""
+        line = (f"{self.desc} epoch {h['epoch']}/{self.epochs}: loss={h['train_loss']:.4f}{acc} "
+                f"val_acc={h['val_acc']:.4f} lr={h['lr']:.2g} {h['seconds']:.1f} s"
+                f"{' (early stop)' if self.stopped else ''}")
+        if callable(self.log):
+            self.log(line)
+        else:
+            write(line)
+
     def _write_log(self) -> None:
         if self.metrics_log is not None and self.is_main_process:
             atomic_write_text(self.metrics_log, "".join(json.dumps(h) + "\n" for h in self.history))
@@ -355,12 +375,8 @@ class Trainer:
                 "epoch": epoch, **stats, "val_acc": val_acc,
                 "lr": self.optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - te,
             })
-            if self.progress and self.is_main_process:
-                from tqdm.auto import tqdm
-
-                extra = f" train_acc={stats['train_acc']:.4f}" if "train_acc" in stats else ""
-                tqdm.write(f"{self.desc} epoch {epoch}/{self.epochs}: loss={stats['train_loss']:.4f}{extra} "
-                           f"val_acc={val_acc:.4f}{' (early stop)' if self.stopped else ''}")
+            if self.log and self.is_main_process:
+                self._log_epoch(self.history[-1])
             if self.checkpoint_dir is not None and self.is_main_process:
                 save_checkpoint(self.checkpoint_dir, epoch, self.state_dict(epoch))
             self._write_log()

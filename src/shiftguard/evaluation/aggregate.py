@@ -1,0 +1,176 @@
+"""From cells to the numbers robustness papers report.
+
+- :func:`aggregate`: mean and std over corruptions per (model, context, head, severity);
+- :func:`accuracy_drops`: ``Acc@Dist_i - Acc@Dist_j`` (000, App. C, Tables 1-2);
+- :func:`robustness_table`: mean corruption accuracy over the benchmark corruptions x severities
+  (robustbench's convention), the corrupted accuracy / NLL / ECE means (uncertainty-baselines'
+  convention), and CE / mCE / relative mCE against a baseline the user passes (Hendrycks &
+  Dietterich 2019, Sec. 3; no AlexNet constant is assumed);
+- :func:`intervals`: percentile-bootstrap 95% intervals over the test images for the headline numbers.
+
+Only the *benchmark* corruptions enter the means; extra corruptions (CIFAR-10-C's four) are
+reported apart (``mca_extra``), as the benchmark does.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import numpy as np
+
+from shiftguard import metrics as M
+
+__all__ = ["CLEAN", "aggregate", "accuracy_drops", "robustness_table", "intervals", "INTERVAL_METRICS"]
+
+CLEAN = "clean"
+
+#: Metrics that get a bootstrap interval, and what each interval is of.
+INTERVAL_METRICS = {
+    "accuracy_clean": "accuracy on the clean test set",
+    "accuracy_corrupted": "mean accuracy over the benchmark corruptions x severities",
+    "ece_clean": "top-label ECE on the clean test set (the binned ECE is biased upward, so the interval of its "
+                 "resamples can lie above the estimate; Kumar et al. 2019)",
+    "ece_corrupted": "top-label ECE of the benchmark corrupted cells pooled (biased upward like the clean ECE)",
+}
+
+_KEY_FIELDS = ("model", "context", "head", "corruption", "severity", "n", "group")
+
+
+def _group(rows: list[dict]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["context"], r["head"]), []).append(r)
+    return groups
+
+
+def _stats(values: list) -> tuple[Optional[float], Optional[float]]:
+    v = np.array([x for x in values if x is not None], dtype=float)
+    if v.size == 0:
+        return None, None
+    return float(v.mean()), float(v.std(ddof=0))
+
+
+def _benchmark(rows: Iterable[dict]) -> list[dict]:
+    return [r for r in rows if r.get("group", "benchmark") != "extra"]
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """Mean and std over the benchmark corruptions per (model, context, head, severity);
+    severity 0 is the clean test set (``n_corruptions`` 0)."""
+    out = []
+    for (model, ctx, head), rs in _group(_benchmark(rows)).items():
+        metric_keys = [k for k in rs[0] if k not in _KEY_FIELDS]
+        for sev in sorted({r["severity"] for r in rs}):
+            sel = [r for r in rs if r["severity"] == sev]
+            row = {"model": model, "context": ctx, "head": head, "severity": sev,
+                   "n_corruptions": len(sel) if sev else 0}
+            for m in metric_keys:
+                row[f"{m}_mean"], row[f"{m}_std"] = _stats([r[m] for r in sel])
+            out.append(row)
+    return out
+
+
+def accuracy_drops(rows: list[dict], pairs: Optional[list[tuple[int, int]]] = None) -> list[dict]:
+    """``Acc@Dist_i - Acc@Dist_j`` (000, App. C, Tables 1-2), in accuracy points (x100).
+
+    ``drop_mean`` uses the mean accuracy over corruptions at each severity (the tables' measure);
+    ``drop_std`` is the std across corruptions of the per-corruption drop, ``per_corruption``
+    lists them. Severity 0 is the clean test set, shared by every corruption.
+    """
+    out = []
+    for (model, ctx, head), rs in _group(_benchmark(rows)).items():
+        acc: dict[int, dict[str, float]] = {}
+        for r in rs:
+            acc.setdefault(r["severity"], {})[r["corruption"]] = r["accuracy"]
+        sevs = sorted(acc)
+        todo = pairs or [(i, j) for i in sevs for j in sevs if i < j]
+        for i, j in todo:
+            if i not in acc or j not in acc:
+                continue
+            per = {}
+            for c in acc[j]:
+                a_i = acc[i][CLEAN] if i == 0 else acc[i].get(c)
+                if a_i is not None:
+                    per[c] = 100.0 * (a_i - acc[j][c])
+            mean_i = float(np.mean(list(acc[i].values())))
+            mean_j = float(np.mean(list(acc[j].values())))
+            out.append({
+                "model": model, "context": ctx, "head": head, "from": i, "to": j,
+                "drop_mean": 100.0 * (mean_i - mean_j),
+                "drop_std": float(np.std(list(per.values()))) if per else None,
+                "per_corruption": per,
+            })
+    return out
+
+
+def _mean(values: list) -> Optional[float]:
+    v = [x for x in values if x is not None]
+    return float(np.mean(v)) if v else None
+
+
+def robustness_table(rows: list[dict], baseline_rows: Optional[list[dict]] = None,
+                     baseline_name: Optional[str] = None) -> list[dict]:
+    """Per (model, context, head): ``mca`` (mean corruption accuracy), ``mca_extra``,
+    ``corrupted_accuracy`` / ``corrupted_nll`` / ``corrupted_ece`` (means over the benchmark
+    corrupted cells), and with ``baseline_rows`` (the cells of ONE baseline head, same corruptions
+    and severities) ``ce`` per corruption, ``mce``, and ``relative_ce`` / ``relative_mce``
+    (Hendrycks & Dietterich 2019, Sec. 3)."""
+    base_err = base_clean = None
+    if baseline_rows:
+        base_err = {(r["corruption"], r["severity"]): 1.0 - r["accuracy"] for r in _benchmark(baseline_rows)
+                    if r["severity"] > 0}
+        clean = [r for r in baseline_rows if r["severity"] == 0]
+        base_clean = 1.0 - clean[0]["accuracy"] if clean else None
+    out = []
+    for (model, ctx, head), rs in _group(rows).items():
+        bench = [r for r in _benchmark(rs) if r["severity"] > 0]
+        extra = [r for r in rs if r.get("group") == "extra" and r["severity"] > 0]
+        clean = [r for r in rs if r["severity"] == 0]
+        entry = {
+            "model": model, "context": ctx, "head": head,
+            "mca": M.mean_corruption_accuracy({(r["corruption"], r["severity"]): r["accuracy"] for r in bench})
+            if bench else None,
+            "mca_extra": _mean([r["accuracy"] for r in extra]) if extra else None,
+            "corrupted_accuracy": _mean([r["accuracy"] for r in bench]),
+            "corrupted_nll": _mean([r["nll"] for r in bench]),
+            "corrupted_ece": _mean([r["ece_top_label"] for r in bench]),
+            "mce": None, "relative_mce": None, "ce": {}, "relative_ce": {}, "baseline": None,
+        }
+        if base_err is not None and bench:
+            errors = {(r["corruption"], r["severity"]): 1.0 - r["accuracy"] for r in bench}
+            ce = M.corruption_errors(
+                errors, base_err,
+                clean_error=1.0 - clean[0]["accuracy"] if clean and base_clean is not None else None,
+                baseline_clean_error=base_clean if clean else None)
+            entry.update({"mce": ce.get("mce"), "ce": ce.get("ce", {}), "relative_mce": ce.get("relative_mce"),
+                          "relative_ce": ce.get("relative_ce") or {}, "baseline": baseline_name})
+        out.append(entry)
+    return out
+
+
+def intervals(per_image: dict, n_bins: int, n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> list[dict]:
+    """Bootstrap intervals of :data:`INTERVAL_METRICS` per (model, context, head).
+
+    ``per_image[(model, context, head)]`` holds ``clean_correct`` / ``clean_conf`` / ``clean_hit``
+    ``(N,)`` and ``corrupted_*`` ``(cells, N)`` (the benchmark corrupted cells of the same N test
+    images, resampled jointly): ``correct`` is the prediction's correctness (accuracy), ``conf`` and
+    ``hit`` the top-label confidence and whether that top label is right (ECE). Percentile
+    bootstrap over the test images (Efron & Tibshirani 1993), ``n_boot`` resamples, seeded.
+    """
+    out = []
+    for (model, ctx, head), d in per_image.items():
+        found = {
+            "accuracy_clean": M.bootstrap_mean_ci(d["clean_correct"].double(), n_boot=n_boot, level=level, seed=seed),
+            "ece_clean": M.bootstrap_ece_ci(d["clean_conf"], d["clean_hit"], n_bins=n_bins, n_boot=n_boot,
+                                            level=level, seed=seed),
+        }
+        if d.get("corrupted_correct") is not None and d["corrupted_correct"].numel():
+            found["accuracy_corrupted"] = M.bootstrap_mean_ci(d["corrupted_correct"].double(), n_boot=n_boot,
+                                                              level=level, seed=seed)
+            found["ece_corrupted"] = M.bootstrap_ece_ci(d["corrupted_conf"], d["corrupted_hit"], n_bins=n_bins,
+                                                        n_boot=n_boot, level=level, seed=seed)
+        for metric, (est, lo, hi) in found.items():
+            out.append({"model": model, "context": ctx, "head": head, "metric": metric,
+                        "estimate": float(est), "lo": float(lo), "hi": float(hi)})
+    return out
+

@@ -1,0 +1,375 @@
+"""``shiftguard.evaluate``: any model, any data, every head and metric, one call.
+
+The counterpart of robustbench's ``benchmark(model, dataset=..., threat_model="corruptions")``
+for shift *and* calibration: the test set is corrupted by the corruption engine (15 corruptions
+x 5 severities by default), the model's logits and embedding are read on every cell, the
+confidence heads are fitted on clean support / validation data, and every cell is scored for
+accuracy, NLL, Brier, ECE (top-label and marginal), R-AUROC, error-AUROC, AURC and retrieval
+quality. ``shiftguard run`` trains models and then calls the same grid (:mod:`.grid`).
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from shiftguard import corruptions as K
+from shiftguard.heads import HEAD_NAMES
+
+from . import aggregate as A
+from .grid import Cell, model_contexts, run_grid
+from .outputs import EmbedSpec, ModelOutputs, compute_outputs
+from .result import EvaluationResult
+
+__all__ = ["evaluate", "DEFAULT_HEADS", "build_cells", "build_results", "primary_head"]
+
+#: Heads evaluated when ``heads`` is not given: the model's own softmax, temperature scaling, the
+#: logistic refit of 000 Sec. 4, NED and the kNN vote of 004.
+DEFAULT_HEADS = ("softmax", "temperature", "logistic", "ned", "knn")
+
+
+def primary_head(heads: Sequence[str]) -> str:
+    """The protocol head of a model (000, Sec. 4 Remark): the quantile classifier when present,
+    else the logistic refit, else the model's own softmax, else the first head."""
+    for h in ("quantile", "logistic", "softmax"):
+        if h in heads:
+            return h
+    return heads[0]
+
+
+def build_cells(suite: str, corruptions: Optional[Sequence[str]], severities: Sequence[int],
+                extra: bool = False) -> list[Cell]:
+    """The ``(corruption, severity, group)`` cells; group "extra" for CIFAR-10-C's 4 extra
+    corruptions (reported apart from the benchmark means). Duplicates are an error: they would
+    re-weight the means."""
+    if suite not in K.SUITES or suite == "cifar-c-extra":
+        valid = [s for s in K.SUITES if s != "cifar-c-extra"]
+        raise ValueError(f"suite: unknown suite {suite!r}; expected one of {', '.join(valid)}")
+    bench = K.names(suite)
+    extras = K.names("cifar-c-extra") if suite == "cifar-c" else []
+    if corruptions is None:
+        chosen = bench + (extras if extra else [])
+    else:
+        if isinstance(corruptions, str):
+            raise TypeError("corruptions: expected a list of names, got a string")
+        chosen = list(corruptions)
+        unknown = [c for c in chosen if c not in bench and c not in extras]
+        if unknown:
+            raise ValueError(f"corruptions: unknown for suite {suite!r}: {', '.join(map(repr, unknown))}; "
+                             f"expected some of {', '.join(bench + extras)}")
+    _check_unique(chosen, "corruptions")
+    sevs = list(severities)
+    for s in sevs:
+        if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 5:
+            raise ValueError(f"severities: expected integers in 1..5 (severity 0 is always scored), got {s!r}")
+    _check_unique(sevs, "severities")
+    return [(c, s, "extra" if c in extras else "benchmark") for c in chosen for s in sorted(sevs)]
+
+
+def _check_unique(values: list, name: str) -> None:
+    seen, dup = set(), []
+    for v in values:
+        if v in seen and v not in dup:
+            dup.append(v)
+        seen.add(v)
+    if dup:
+        raise ValueError(f"{name}: listed more than once: {', '.join(map(repr, dup))} (duplicates would re-weight "
+                         "the means)")
+
+
+def _models(model) -> dict[str, nn.Module]:
+    if isinstance(model, nn.Module):
+        return {type(model).__name__: model}
+    if isinstance(model, Mapping) and model:
+        for k, v in model.items():
+            if not isinstance(k, str) or not k:
+                raise TypeError(f"model: names must be non-empty strings, got {k!r}")
+            if not isinstance(v, nn.Module):
+                raise TypeError(f"model[{k!r}]: expected a torch.nn.Module, got {type(v).__name__}")
+        return dict(model)
+    raise TypeError(f"model: expected a torch.nn.Module or a non-empty mapping name -> Module, "
+                    f"got {type(model).__name__}")
+
+
+def _heads_for(heads, names: list[str]) -> dict[str, list[str]]:
+    if heads is None:
+        return {n: list(DEFAULT_HEADS) for n in names}
+    per = heads if isinstance(heads, Mapping) else {n: heads for n in names}
+    out = {}
+    for n in names:
+        hs = per.get(n)
+        if hs is None:
+            raise ValueError(f"heads: no heads given for model {n!r}")
+        if isinstance(hs, str):
+            hs = [hs]
+        hs = list(hs)
+        for h in hs:
+            if h not in HEAD_NAMES:
+                raise ValueError(f"heads: unknown head {h!r}; expected some of {', '.join(HEAD_NAMES)}")
+        _check_unique(hs, "heads")
+        if not hs:
+            raise ValueError("heads: expected at least one head")
+        out[n] = hs
+    return out
+
+
+def _labels_range(num_classes: int, labels: torch.Tensor, name: str) -> None:
+    if labels.numel() and int(labels.max()) >= num_classes:
+        raise ValueError(f"{name}: labels reach {int(labels.max())}, but the model has {num_classes} classes")
+
+
+def _baseline_rows(baseline, key: Optional[str]) -> tuple[Optional[list[dict]], Optional[str]]:
+    if baseline is None:
+        return None, None
+    if isinstance(baseline, EvaluationResult):
+        res = baseline.results
+    elif isinstance(baseline, Mapping):
+        res = dict(baseline)
+    elif isinstance(baseline, (str, Path)):
+        res = EvaluationResult.load(baseline).results
+    else:
+        raise TypeError(f"baseline: expected an EvaluationResult, a results dict or a results.json path, "
+                        f"got {type(baseline).__name__}")
+    rows = res.get("rows") or []
+    if key is None:
+        models = res.get("models") or [{"name": rows[0]["model"], "heads": [rows[0]["head"]]}] if rows else []
+        if not models:
+            raise ValueError("baseline: has no result rows")
+        m = models[0]
+        ctx = next(r["context"] for r in rows if r["model"] == m["name"])
+        key = f"{m['name']}/{ctx}/{m.get('primary_head') or primary_head(m['heads'])}"
+    parts = key.split("/")
+    if len(parts) != 3:
+        raise ValueError(f"baseline_key: expected 'model/context/head', got {key!r}")
+    sel = [r for r in rows if (r["model"], r["context"], r["head"]) == tuple(parts)]
+    if not sel:
+        have = sorted({f"{r['model']}/{r['context']}/{r['head']}" for r in rows})
+        raise ValueError(f"baseline_key: {key!r} is not in the baseline; it has {', '.join(have)}")
+    return sel, f"{res.get('name', 'baseline')}: {key}"
+
+
+def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cells: list[Cell], seed: int,
+                  device, ece_bins: int, n_boot: int, level: float = 0.95,
+                  baseline_rows: Optional[list[dict]] = None, baseline_name: Optional[str] = None,
+                  kind: str = "evaluate") -> dict:
+    """The JSON-able results dict shared by ``evaluate`` and ``shiftguard run`` (``results.json``)."""
+    from shiftguard import __version__
+
+    rows = grid["rows"]
+    skipped = {(s["model"], s["head"]) for s in grid["skipped_heads"]}
+    t0 = time.perf_counter()
+    results = {
+        "kind": kind,
+        "status": "complete",
+        "name": name,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "seed": seed,
+        "device": str(device),
+        "versions": {"shiftguard": __version__, "python": platform.python_version(), "torch": torch.__version__},
+        "data": {**data, "corruptions": _unique_in_order(c for c, _, g in cells if g == "benchmark"),
+                 "extra_corruptions": _unique_in_order(c for c, _, g in cells if g == "extra"),
+                 "severities": sorted({s for _, s, _ in cells})},
+        "models": [{"name": m["name"], "heads": [h for h in m["heads"] if (m["name"], h) not in skipped],
+                    "primary_head": None,
+                    "contexts": model_contexts(m["model"], m.get("contexts", ("batch", "frozen"))),
+                    "embedding": m["outputs"].embedding_source} for m in models],
+        "skipped_heads": grid["skipped_heads"],
+        "rows": rows,
+        "aggregates": A.aggregate(rows),
+        "drops": A.accuracy_drops(rows),
+        "reliability": grid["reliability"],
+        "robustness": A.robustness_table(rows, baseline_rows, baseline_name),
+        "intervals": A.intervals(grid["per_image"], n_bins=ece_bins, n_boot=n_boot, level=level, seed=seed),
+        "interval_info": {"level": level, "n_boot": n_boot, "seed": seed,
+                          "method": "percentile bootstrap over test images", "metrics": A.INTERVAL_METRICS},
+        "timings": {"evaluate_detail": dict(grid["timings"])},
+    }
+    for m in results["models"]:
+        m["primary_head"] = primary_head(m["heads"]) if m["heads"] else None
+    results["timings"]["aggregate_s"] = time.perf_counter() - t0
+    return results
+
+
+def evaluate(
+    model: Union[nn.Module, Mapping[str, nn.Module]],
+    test,
+    *,
+    support=None,
+    validation=None,
+    suite: Optional[str] = None,
+    corruptions: Optional[Sequence[str]] = None,
+    severities: Sequence[int] = (1, 2, 3, 4, 5),
+    extra: bool = False,
+    heads: Union[None, Sequence[str], Mapping[str, Sequence[str]]] = None,
+    embed: EmbedSpec = None,
+    output: str = "logits",
+    preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    layout: str = "nchw",
+    batch_size: int = 500,
+    contexts: Sequence[str] = ("batch", "frozen"),
+    device: Union[str, torch.device] = "cpu",
+    seed: int = 0,
+    k: int = 10,
+    retrieval_ks: Sequence[int] = (1, 5),
+    ece_bins: int = 15,
+    baseline=None,
+    baseline_key: Optional[str] = None,
+    n_boot: int = 1000,
+    shifted: Optional[Callable[[str, int], torch.Tensor]] = None,
+    name: str = "evaluation",
+    cache_dir: Optional[Union[str, Path]] = None,
+    progress: bool = False,
+) -> EvaluationResult:
+    """Evaluate ``model`` on ``test`` and its corrupted copies; see ``docs/evaluate.md``.
+
+    Args:
+        model: any ``nn.Module`` mapping a batch to logits (or, with ``output="embedding"``, to
+            embeddings), named by its class in the results, or a mapping ``{name: module}``
+            evaluated on the same cells.
+        test, support, validation: a torch ``Dataset`` yielding ``(image, label)``, a
+            ``DataLoader``, an ``(images, labels)`` pair of tensors or numpy arrays, or a
+            ``shiftguard.data`` dataset. Images are pixels: uint8, or float in [0, 1] (anything
+            else is an error naming the range found); NCHW, or NHWC with ``layout="nhwc"``.
+            ``support`` (clean training data) fits the embedding heads; ``validation`` fits the
+            temperature of ``temperature`` (and NED's T; without it NED holds out 20% of the support).
+        suite: ``"mnist-c"`` or ``"cifar-c"`` (default: mnist-c for 1-channel images, cifar-c
+            otherwise); ``corruptions``: a subset of its names (default: all 15); ``extra``: add
+            CIFAR-10-C's 4 extra corruptions, reported apart; ``severities``: 1..5 (severity 0,
+            the clean test set, is always scored).
+        heads: names from ``shiftguard.heads.HEAD_NAMES`` (default :data:`DEFAULT_HEADS`), or a
+            mapping model name -> names. Heads a model cannot serve (no logits, no embedding, no
+            support or validation data) are skipped and listed with the reason.
+        embed: where the embedding comes from: ``None`` (the input of the last ``nn.Linear``
+            called, or ``model.embed``), ``"layer.name"`` (that submodule's output), a callable
+            ``embed(x)``, or ``False`` (none: logit heads only).
+        preprocess: applied to the float [0, 1] pixels after corruption, before the model
+            (e.g. mean/std normalisation).
+        batch_size: evaluation batch = the context of QACT models (000, Sec. 3); models with QACT
+            are evaluated in each of ``contexts`` ("batch" and "frozen" by default).
+        seed: seed of the corruption engine and of the bootstrap intervals.
+        baseline: an ``EvaluationResult`` (or results dict / results.json path) whose
+            ``baseline_key`` ("model/context/head"; default: its first model's protocol head)
+            normalises CE / mCE (Hendrycks & Dietterich 2019).
+        n_boot: bootstrap resamples of the 95% intervals (over test images).
+        shifted: advanced: ``shifted(corruption, severity) -> images`` instead of the engine, e.g.
+            the official pre-corrupted files, in the order and with the labels of ``test``.
+        cache_dir: keep the model outputs of every cell there (resumable).
+
+    Returns:
+        An :class:`EvaluationResult`.
+
+    Raises:
+        TypeError, ValueError: a bad argument, named in the message.
+
+    Examples:
+        >>> import torch
+        >>> from torch import nn
+        >>> import shiftguard
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 16), nn.ReLU(), nn.Linear(16, 3))
+        >>> x, y = torch.randint(0, 256, (60, 1, 28, 28), dtype=torch.uint8), torch.arange(60) % 3
+        >>> res = shiftguard.evaluate(net, (x, y), support=(x, y), corruptions=["fog"], severities=[5],
+        ...                           heads=["softmax", "knn"], n_boot=100)
+        >>> sorted({r["head"] for r in res.rows})
+        ['knn', 'softmax']
+        >>> [s["head"] for s in res.skipped_heads]
+        []
+    """
+    from shiftguard.data import as_tensors
+
+    t_start = time.perf_counter()
+    named = _models(model)
+    head_map = _heads_for(heads, list(named))
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
+        raise ValueError(f"n_boot: expected an integer >= 10, got {n_boot!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k: expected a positive integer, got {k!r}")
+    ks = list(retrieval_ks)
+    if not ks or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ks):
+        raise ValueError(f"retrieval_ks: expected positive integers, got {retrieval_ks!r}")
+    if isinstance(ece_bins, bool) or not isinstance(ece_bins, int) or not 1 <= ece_bins <= 10_000:
+        raise ValueError(f"ece_bins: expected an integer in 1..10000, got {ece_bins!r}")
+    contexts = list(contexts)
+    if not contexts or any(c not in ("batch", "frozen") for c in contexts):
+        raise ValueError(f"contexts: expected a non-empty subset of ('batch', 'frozen'), got {contexts!r}")
+    _check_unique(contexts, "contexts")
+    if layout not in ("nchw", "nhwc"):
+        raise ValueError(f"layout: expected 'nchw' or 'nhwc', got {layout!r}")
+    dev = torch.device(device)
+
+    def tensors(d, nm):
+        # canonical NCHW strides: a channels-last view (even one that counts as contiguous, C = 1)
+        # takes other convolution kernels, so other rounding than the same pixels given as NCHW
+        x, y = as_tensors(d, layout=layout, name=nm)
+        if x.stride() != torch.empty(x.shape, device="meta").stride():
+            x = x.clone(memory_format=torch.contiguous_format)
+        return x, y
+
+    test_x, test_y = tensors(test, "test")
+    sup = tensors(support, "support") if support is not None else None
+    val = tensors(validation, "validation") if validation is not None else None
+    for nm, part in (("support", sup), ("validation", val)):
+        if part is not None and part[0].shape[1:] != test_x.shape[1:]:
+            raise ValueError(f"{nm}: images of shape {tuple(part[0].shape[1:])}, test images "
+                             f"{tuple(test_x.shape[1:])}")
+    if suite is None:
+        suite = "mnist-c" if test_x.shape[1] == 1 else "cifar-c"
+    cells = build_cells(suite, corruptions, severities, extra)
+    source = "engine" if shifted is None else "user"
+    if shifted is None:
+        def shifted(c: str, s: int) -> torch.Tensor:
+            group_suite = "cifar-c-extra" if suite == "cifar-c" and c in K.names("cifar-c-extra") else suite
+            return K.corrupt(test_x, c, s, seed=seed, suite=group_suite)
+
+    entries = []
+    num_classes = None
+    for nm, mod in named.items():
+        outs = ModelOutputs(mod, embed=embed, output=output, preprocess=preprocess)
+        entries.append({"name": nm, "model": mod.to(dev), "outputs": outs, "heads": head_map[nm], "contexts": contexts})
+    # The number of classes: the logit width when there are logits, else the labels seen.
+    if entries[0]["outputs"].has_logits:
+        probe = compute_outputs(entries[0]["outputs"], test_x[:16], batch_size, dev)
+        num_classes = int(probe["logits"].shape[1])
+    else:
+        num_classes = int(max(int(y.max()) for y in [test_y] + [p[1] for p in (sup, val) if p is not None]) + 1)
+    for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val)):
+        if part is not None:
+            _labels_range(num_classes, part[1], nm)
+    base_rows, base_name = _baseline_rows(baseline, baseline_key)
+
+    grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
+                    support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
+                    contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress)
+    data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
+            "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
+            "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}
+    results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
+                            ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name)
+    results["config"] = {"batch_size": batch_size, "contexts": contexts, "k": k, "retrieval_ks": ks,
+                         "ece_bins": ece_bins, "preprocess": _describe(preprocess), "layout": layout, "output": output}
+    results["timings"]["evaluate_s"] = time.perf_counter() - t_start
+    results["timings"]["total_s"] = results["timings"]["evaluate_s"]
+    results["timings"]["train_s"] = {}
+    results["training"] = {}
+    return EvaluationResult(results)
+
+
+def _unique_in_order(values) -> list:
+    return list(dict.fromkeys(values))
+
+
+def _describe(fn) -> Optional[str]:
+    if fn is None:
+        return None
+    return getattr(fn, "__qualname__", None) or repr(fn)

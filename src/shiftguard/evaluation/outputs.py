@@ -1,0 +1,165 @@
+"""What a model says about a batch of pixels: its logits and its embedding.
+
+shiftguard evaluates *any* ``nn.Module``; this module decides, once per model, where its logits
+and its embedding come from (:class:`ModelOutputs`) and runs it over an image set in a fixed
+batch order (:func:`compute_outputs`).
+
+- ``output="logits"`` (default): ``model(x)`` are the logits ``(N, C)``. The embedding is, by
+  default, the input of the last ``nn.Linear`` the forward pass calls (the classifier's input),
+  captured by forward pre-hooks; ``embed="layer.name"`` takes that submodule's output instead
+  (flattened to ``(N, D)``), ``embed=callable`` calls ``embed(x)`` on the model input, and
+  ``embed=False`` uses no embedding (logit heads only). Models following shiftguard's own
+  ``embed()`` / ``classifier`` contract (``shiftguard.models``) use it: one pass gives both.
+- ``output="embedding"``: ``model(x)`` is the embedding; there are no logits (embedding heads only).
+
+Pixels reach the model as float in [0, 1] (uint8 / 255), then ``preprocess`` (the user's
+normalisation, resizing, ...) is applied -- after any corruption, as ImageNet-C and robustbench do.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+from torch import nn
+
+__all__ = ["ModelOutputs", "compute_outputs"]
+
+EmbedSpec = Union[None, bool, str, Callable[[torch.Tensor], torch.Tensor]]
+
+
+class ModelOutputs:
+    """Logits and embeddings of ``model`` for one input batch.
+
+    Args:
+        model: any ``nn.Module``.
+        embed: where the embedding comes from (module docstring); ``None`` = the default.
+        output: ``"logits"`` or ``"embedding"``: what ``model(x)`` returns.
+        preprocess: callable applied to the float pixel batch before the model (``None``: none).
+
+    ``has_logits`` / ``has_embeddings`` say what :meth:`__call__` returns; ``embedding_source``
+    names it in words (for reports).
+    """
+
+    def __init__(self, model: nn.Module, embed: EmbedSpec = None, output: str = "logits",
+                 preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if output not in ("logits", "embedding"):
+            raise ValueError(f"output: expected 'logits' or 'embedding', got {output!r}")
+        if preprocess is not None and not callable(preprocess):
+            raise TypeError(f"preprocess: expected a callable or None, got {type(preprocess).__name__}")
+        self.model = model
+        self.output = output
+        self.preprocess = preprocess
+        self._layer: Optional[nn.Module] = None
+        self._embed_fn: Optional[Callable] = None
+        self._own_contract = False
+        if output == "embedding":
+            if embed not in (None, True):
+                raise ValueError("embed: with output='embedding' the model's output is the embedding; "
+                                 "leave embed unset")
+            self.has_logits, self.has_embeddings, self.embedding_source = False, True, "the model's output"
+            return
+        self.has_logits = True
+        if embed is False:
+            self.has_embeddings, self.embedding_source = False, "none (embed=False)"
+        elif isinstance(embed, str):
+            modules = dict(model.named_modules())
+            if embed not in modules or embed == "":
+                names = [n for n in modules if n][:12]
+                raise ValueError(f"embed: model has no submodule named {embed!r}; "
+                                 f"some of its names: {', '.join(names)}")
+            self._layer = modules[embed]
+            self.has_embeddings, self.embedding_source = True, f"output of {embed!r}"
+        elif callable(embed):
+            self._embed_fn = embed
+            self.has_embeddings, self.embedding_source = True, f"embed={getattr(embed, '__name__', 'callable')}"
+        elif embed is None or embed is True:
+            if callable(getattr(model, "embed", None)) and isinstance(getattr(model, "classifier", None), nn.Module):
+                self._own_contract = True
+                self.has_embeddings, self.embedding_source = True, "model.embed()"
+            elif any(isinstance(m, nn.Linear) for m in model.modules()):
+                self.has_embeddings, self.embedding_source = True, "input of the last nn.Linear called"
+            else:
+                self.has_embeddings, self.embedding_source = False, "none (the model has no nn.Linear)"
+        else:
+            raise TypeError(f"embed: expected None, False, a submodule name or a callable, got {type(embed).__name__}")
+
+    def _model_input(self, pixels: torch.Tensor, device) -> torch.Tensor:
+        x = pixels.to(device)
+        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+        return self.preprocess(x) if self.preprocess is not None else x
+
+    def __call__(self, pixels: torch.Tensor, device="cpu") -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(embeddings (N, D) | None, logits (N, C) | None)``, float32 on the CPU, no graph."""
+        x = self._model_input(pixels, device)
+        if self.output == "embedding":
+            return _as_2d(self.model(x), "model output"), None
+        if self._own_contract:
+            emb = self.model.embed(x)
+            return _as_2d(emb, "model.embed(x)"), _as_2d(self.model.classifier(emb), "model.classifier")
+        if self._embed_fn is not None:
+            return _as_2d(self._embed_fn(x), "embed(x)"), _as_2d(self.model(x), "model(x)")
+        if not self.has_embeddings:
+            return None, _as_2d(self.model(x), "model(x)")
+        captured: dict = {}
+        handles = []
+        if self._layer is not None:
+            handles.append(self._layer.register_forward_hook(lambda m, i, o: captured.__setitem__("emb", o)))
+        else:
+            def pre_hook(module, inputs):
+                captured["emb"] = inputs[0]   # every Linear overwrites: the last one called wins
+
+            handles += [m.register_forward_pre_hook(pre_hook) for m in self.model.modules() if isinstance(m, nn.Linear)]
+        try:
+            logits = self.model(x)
+        finally:
+            for h in handles:
+                h.remove()
+        if "emb" not in captured:
+            where = self.embedding_source
+            raise RuntimeError(f"embed: the forward pass never reached the embedding layer ({where})")
+        return _as_2d(captured["emb"], self.embedding_source), _as_2d(logits, "model(x)")
+
+
+def _as_2d(t, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
+    if t.dim() < 2:
+        raise ValueError(f"{what}: expected a batch (N, ...), got shape {tuple(t.shape)}")
+    return t.detach().reshape(t.shape[0], -1).float().cpu()
+
+
+@torch.no_grad()
+def compute_outputs(outputs: ModelOutputs, images: torch.Tensor, batch_size: int, device="cpu",
+                    order_seed: Optional[int] = 0) -> dict:
+    """``{"embeddings": (N, D) or None, "logits": (N, C) or None}`` of ``images`` in eval mode.
+
+    Batches are drawn in a fixed random order (``order_seed``; ``None`` keeps the file order) and
+    the outputs put back in input order: for QACT the batch is the context (000, Sec. 3), and a
+    class-sorted test file must not give class-pure contexts. A last batch of fewer than
+    ``batch_size / 2`` images is merged into the previous one, so every context holds at least
+    half a batch. The global RNG (QACT's KDE draws) is fixed to seed 0 inside and restored after,
+    so the same call gives the same outputs without disturbing the caller's random stream.
+    """
+    outputs.model.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        n = images.shape[0]
+        if order_seed is None:
+            order = torch.arange(n)
+        else:
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(order_seed))
+        bounds = list(range(0, n, batch_size)) + [n]
+        if len(bounds) > 2 and bounds[-1] - bounds[-2] < batch_size // 2:
+            del bounds[-2]
+        embs, logits = [], []
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            e, lg = outputs(images[order[a:b]], device)
+            embs.append(e)
+            logits.append(lg)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(n)
+    return {"embeddings": torch.cat(embs)[inv] if outputs.has_embeddings else None,
+            "logits": torch.cat(logits)[inv] if outputs.has_logits else None}

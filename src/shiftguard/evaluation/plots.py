@@ -1,0 +1,412 @@
+"""PNG figures of an evaluation's results dict (matplotlib, Agg backend; no display needed).
+
+Each figure function takes the ``results`` dict (the content of ``results.json``) and a path,
+writes one PNG atomically and returns the path:
+
+- :func:`metric_vs_severity`: a metric against severity, mean over the benchmark corruptions with a
+  +/- std band, one panel per (model, context), one line per head (000, Fig. 4, 7, 10);
+- :func:`drop_heatmap`: accuracy drop clean -> highest severity per corruption (000, Tables 1-2);
+- :func:`reliability_diagrams`: clean vs highest severity, with the bin counts (004, Fig. 1);
+- :func:`corruption_gallery`: the corruptions x severities on one test image;
+- :func:`compare_runs`: several results dicts' curves overlaid on one axis.
+
+Rates (accuracy, ECE, AUROC, MAP, recall, AURC) are drawn in %, NLL and Brier score as they are.
+A std band is clipped to the metric's valid range ([0, 100] % for a rate, >= 0 for NLL and Brier):
+the band shows the spread over corruptions, and a value outside the range has no meaning.
+
+The helpers :func:`primary_keys`, :func:`cell_index`, :func:`severity_curve`,
+:func:`benchmark_corruptions` and :func:`as_number` read the results dict; the report uses them too,
+so the tables and the figures are computed from the same cells.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from shiftguard.io import atomic_write_bytes
+
+__all__ = [
+    "pyplot", "save_png", "metric_vs_severity", "drop_heatmap", "reliability_diagrams", "corruption_gallery",
+    "compare_runs", "primary_keys", "cell_index", "severity_curve", "benchmark_corruptions", "as_number",
+    "is_rate", "metric_label", "mean_std", "severities", "per_corruption_drops", "run_labels", "CLEAN",
+]
+
+#: The corruption name of the clean test set's cell (severity 0).
+CLEAN = "clean"
+
+METRIC_LABELS = {
+    "accuracy": "accuracy", "ece_top_label": "ECE (top-label)", "ece_marginal": "ECE (marginal)",
+    "nll": "NLL", "brier": "Brier score", "r_auroc": "R-AUROC", "auroc_error": "error-AUROC", "aurc": "AURC",
+    "mean_confidence": "mean confidence",
+}
+#: Metrics that are not rates: drawn and tabulated as they are, never in %.
+PLAIN_METRICS = ("nll", "brier")
+_CONTEXT_ORDER = {"none": 0, "batch": 1, "frozen": 2}
+
+
+def is_rate(metric: str) -> bool:
+    """Whether ``metric`` is a rate in [0, 1], shown in % (everything but NLL and Brier score)."""
+    return metric not in PLAIN_METRICS
+
+
+def metric_label(metric: str) -> str:
+    if metric.startswith("map_at_"):
+        return "MAP@" + metric[len("map_at_"):]
+    if metric.startswith("recall_at_"):
+        return "Recall@" + metric[len("recall_at_"):]
+    return METRIC_LABELS.get(metric, metric)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_png(fig, path: Path) -> Path:
+    """Write ``fig`` as a PNG to ``path`` atomically, close it, return the path."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    pyplot().close(fig)
+    return atomic_write_bytes(path, buf.getvalue())
+
+
+# Names kept for callers of the earlier private helpers.
+_plt = pyplot
+_save = save_png
+
+
+# --------------------------------------------------------------------------- reading the results dict
+def as_number(value) -> Optional[float]:
+    """``value`` as a finite float; ``None`` for ``None`` and for anything that is not a finite number
+    (the report lists such values of results.json as problems, so none is skipped unseen)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        x = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _text(s) -> str:
+    """A string drawn by matplotlib as written: ``$`` would start mathtext, a leading ``_`` hides a
+    legend entry."""
+    s = str(s).replace("$", r"\$")
+    return " " + s if s.startswith("_") else s
+
+
+def _label(model, ctx) -> str:
+    return _text(model if ctx == "none" else f"{model} [{ctx} context]")
+
+
+def severities(results: dict) -> list[int]:
+    return sorted(results["data"].get("severities") or [])
+
+
+def benchmark_corruptions(results: dict) -> tuple[list[str], list[str]]:
+    """``(benchmark, extra)``: the corruptions in the means, and those reported apart (``data.extra_corruptions``
+    and rows of ``group`` "extra", e.g. CIFAR-10-C's 4 extra corruptions; Hendrycks & Dietterich 2019, Sec. 3)."""
+    d = results["data"]
+    extra = list(d.get("extra_corruptions") or [])
+    extra += [c for c in dict.fromkeys(r["corruption"] for r in results["rows"] if r.get("group") == "extra")
+              if c not in extra]
+    bench = [c for c in d.get("corruptions") or [] if c not in extra]
+    seen = set(bench) | set(extra)
+    for r in results["rows"]:  # a corruption present in the rows but not listed in data: still shown
+        c = r["corruption"]
+        if c != CLEAN and c not in seen:
+            bench.append(c)
+            seen.add(c)
+    return bench, extra
+
+
+def cell_index(results: dict) -> dict[tuple, dict[tuple, dict]]:
+    """``{(model, context, head): {(corruption, severity): row}}``; the clean cell is ``(CLEAN, 0)``."""
+    out: dict[tuple, dict[tuple, dict]] = {}
+    for r in results["rows"]:
+        out.setdefault((r["model"], r["context"], r["head"]), {})[(r["corruption"], r["severity"])] = r
+    return out
+
+
+def mean_std(values: list) -> tuple[Optional[float], Optional[float], int]:
+    """Mean, std (population, ddof=0) and count of the defined values."""
+    v = np.array([x for x in (as_number(y) for y in values) if x is not None], dtype=float)
+    if v.size == 0:
+        return None, None, 0
+    return float(v.mean()), float(v.std()), int(v.size)
+
+
+def severity_curve(results: dict, key: tuple, metric: str, index: Optional[dict] = None) -> list[tuple]:
+    """``[(severity, mean, std, n)]`` of ``metric`` for ``key = (model, context, head)``: severity 0 is the
+    clean cell (std 0); each other severity the mean and std over the benchmark corruptions (extra
+    corruptions excluded) of the cells where the metric is defined (``n`` of them)."""
+    cells = (index or cell_index(results)).get(tuple(key), {})
+    bench, _ = benchmark_corruptions(results)
+    out = []
+    clean = as_number(cells.get((CLEAN, 0), {}).get(metric))
+    if clean is not None:
+        out.append((0, clean, 0.0, 1))
+    for s in severities(results):
+        mean, std, n = mean_std([cells[(c, s)].get(metric) for c in bench if (c, s) in cells])
+        if mean is not None:
+            out.append((s, mean, std, n))
+    return out
+
+
+def _sort_contexts(ctxs) -> list[str]:
+    return sorted(ctxs, key=lambda c: (_CONTEXT_ORDER.get(c, 3), str(c)))
+
+
+def _protocol_head(heads: Sequence[str]) -> str:
+    return "quantile" if "quantile" in heads else "logistic" if "logistic" in heads else heads[0]
+
+
+def primary_keys(results: dict) -> list[tuple[str, str, str]]:
+    """``(model, context, head)`` of each model's primary head, for every context it was evaluated in
+    and that has result rows.
+
+    From ``results["models"]`` (``primary_head``, ``contexts``) when present; otherwise from
+    ``results["config"]["models"]`` or the rows, with the protocol head of 000, Sec. 4 Remark (the
+    quantile classifier for QACT models, the logistic refit otherwise, else the model's first head)."""
+    present = {(r["model"], r["context"], r["head"]) for r in results["rows"]}
+    contexts: dict = {}
+    for m, c, _ in present:
+        contexts.setdefault(m, set()).add(c)
+    out = []
+    if results.get("models"):
+        for m in results["models"]:
+            ctxs = m.get("contexts") or _sort_contexts(contexts.get(m["name"], ()))
+            if m.get("primary_head") is not None:  # None: every head of the model was skipped
+                out += [(m["name"], c, m["primary_head"]) for c in ctxs]
+    else:
+        cfg_models = (results.get("config") or {}).get("models")
+        if cfg_models:
+            heads = {m["name"]: list(m["heads"]) for m in cfg_models}
+        else:
+            heads = {}
+            for r in results["rows"]:
+                heads.setdefault(r["model"], [])
+                if r["head"] not in heads[r["model"]]:
+                    heads[r["model"]].append(r["head"])
+        for name, hs in heads.items():
+            if hs:
+                out += [(name, c, _protocol_head(hs)) for c in _sort_contexts(contexts.get(name, ()))]
+    return [k for k in out if k in present]
+
+
+def _panels(results: dict) -> list[tuple]:
+    return list(dict.fromkeys((r["model"], r["context"]) for r in results["rows"]))
+
+
+def _band(ax, s, m, sd, rate: bool, **kw):
+    lo, hi = m - sd, m + sd
+    lo = np.clip(lo, 0.0, None)
+    if rate:
+        hi = np.clip(hi, None, 100.0)
+    ax.fill_between(s, lo, hi, **kw)
+
+
+# --------------------------------------------------------------------------- figures
+def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
+    """``metric`` against severity per (model, context) panel, one line per head, +/- std over the
+    benchmark corruptions as a band clipped to the metric's range."""
+    plt = pyplot()
+    rate = is_rate(metric)
+    scale = 100.0 if rate else 1.0
+    index = cell_index(results)
+    panels = _panels(results) or [("", "none")]
+    ncol = min(3, len(panels))
+    nrow = (len(panels) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.6 * ncol, 3.4 * nrow), squeeze=False, sharey=True)
+    for ax, (model, ctx) in zip(axes.flat, panels):
+        for head in dict.fromkeys(h for (m, c, h) in index if (m, c) == (model, ctx)):
+            pts = severity_curve(results, (model, ctx, head), metric, index)
+            if not pts:
+                continue
+            s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
+            (line,) = ax.plot(s, m * scale, marker="o", ms=3, label=_text(head))
+            _band(ax, s, m * scale, sd * scale, rate, alpha=0.15, color=line.get_color())
+        ax.set_title(_label(model, ctx), fontsize=9)
+        ax.set_xticks([0, *severities(results)])
+        ax.set_xlabel("severity (0 = clean)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    if rate:
+        axes[0, 0].set_ylim(0, 100)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(metric_label(metric) + (" (%)" if rate else "") + "\nmean ± std over corruptions", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"{metric_label(metric)} vs corruption severity", fontsize=10)
+    return save_png(fig, path)
+
+
+def per_corruption_drops(results: dict, key: tuple, index: Optional[dict] = None) -> dict[str, Optional[float]]:
+    """``{corruption: 100 * (clean accuracy - accuracy at the highest severity)}`` for ``key`` (accuracy
+    points; 000, App. C, Tables 1-2), every corruption including the extra ones; ``None`` where a cell
+    is missing."""
+    cells = (index or cell_index(results)).get(tuple(key), {})
+    sevs = severities(results)
+    bench, extra = benchmark_corruptions(results)
+    clean = as_number(cells.get((CLEAN, 0), {}).get("accuracy"))
+    out = {}
+    for c in bench + extra:
+        a = as_number(cells.get((c, sevs[-1]), {}).get("accuracy")) if sevs else None
+        out[c] = None if clean is None or a is None else 100.0 * (clean - a)
+    return out
+
+
+def drop_heatmap(results: dict, path: Path) -> Path:
+    """Accuracy drop clean -> highest severity, per corruption (columns) and primary head (rows)."""
+    plt = pyplot()
+    sevs = severities(results)
+    top = sevs[-1] if sevs else 0
+    keys = primary_keys(results)
+    bench, extra = benchmark_corruptions(results)
+    corr = bench + extra
+    index = cell_index(results)
+    mat = np.full((max(1, len(keys)), max(1, len(corr))), np.nan)
+    for i, k in enumerate(keys):
+        drops = per_corruption_drops(results, k, index)
+        for j, c in enumerate(corr):
+            v = drops.get(c)
+            mat[i, j] = np.nan if v is None else v
+    fig, ax = plt.subplots(figsize=(max(6, 0.55 * len(corr) + 2), 0.5 * len(keys) + 1.8))
+    finite = np.isfinite(mat).any()
+    vmax = float(np.nanmax(np.abs(mat))) if finite else 1.0
+    vmin = min(0.0, float(np.nanmin(mat))) if finite else 0.0
+    im = ax.imshow(mat, cmap="Reds", vmin=vmin, vmax=vmax or 1.0, aspect="auto")
+    ax.set_xticks(range(len(corr)), [_text(c) + (" (extra)" if c in extra else "") for c in corr],
+                  rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(len(keys)), [f"{_label(m, c)} / {_text(h)}" for m, c, h in keys], fontsize=7)
+    for i in range(len(keys)):
+        for j in range(len(corr)):
+            ax.text(j, i, f"{mat[i, j]:.0f}" if np.isfinite(mat[i, j]) else "n/a", ha="center", va="center", fontsize=6)
+    fig.colorbar(im, ax=ax, label=f"accuracy drop 0 → {top} (points)")
+    ax.set_title(f"Accuracy drop from clean to severity {top}, per corruption", fontsize=10)
+    return save_png(fig, path)
+
+
+def _reliability_entry(results: dict, key: tuple, severity) -> Optional[dict]:
+    for r in results.get("reliability") or []:
+        if (r["model"], r["context"], r["head"], r["severity"]) == (*key, severity):
+            return r
+    return None
+
+
+def reliability_diagrams(results: dict, path: Path) -> Path:
+    """Clean vs highest severity (pooled over corruptions) per primary head, plus NED / kNN heads
+    (004, Fig. 1): accuracy per confidence bin above, the number of images per bin below (log
+    scale). An empty bin has neither bar nor marker, so it cannot be read as zero accuracy."""
+    plt = pyplot()
+    rel = results.get("reliability") or []
+    present = list(dict.fromkeys((r["model"], r["context"], r["head"]) for r in rel))
+    keys = primary_keys(results)
+    # protocol heads first, then NED / kNN for the 004 comparison
+    keys += [k for k in present if k not in keys and k[2] in ("ned", "knn")]
+    keys = [k for k in keys if k in present]
+    sevs = severities(results)
+    top = sevs[-1] if sevs else None
+    ncol = min(4, len(keys)) or 1
+    nrow = (len(keys) + ncol - 1) // ncol or 1
+    fig = plt.figure(figsize=(3.6 * ncol, 4.4 * nrow), layout="constrained")
+    subs = fig.subfigures(nrow, ncol, squeeze=False)
+    series = [(0, "tab:blue", "clean", 0.0)]
+    if top is not None:
+        series.append((top, "tab:red", f"severity {top} (all corruptions)", 0.5))
+    for sub, (model, ctx, head) in zip(subs.flat, keys):
+        ax, hx = sub.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+        any_count = False
+        for sev, color, name, offset in series:
+            r = _reliability_entry(results, (model, ctx, head), sev)
+            if r is None:
+                continue
+            edges = np.array([as_number(e) for e in r["edges"]], dtype=float) * 100.0
+            acc = np.array([np.nan if as_number(a) is None else as_number(a) for a in r["accuracy"]]) * 100.0
+            count = np.array([as_number(c) or 0.0 for c in r["count"]], dtype=float)
+            filled = (count > 0) & np.isfinite(acc)
+            width = np.diff(edges) / 2
+            left = edges[:-1] + offset * np.diff(edges)
+            ax.bar(left[filled], acc[filled], width=width[filled], align="edge", alpha=0.45, color=color,
+                   edgecolor=color, label=name)
+            ax.plot((left + width / 2)[filled], acc[filled], "o", ms=2.5, color=color)
+            if (count > 0).any():
+                hx.bar(left[count > 0], count[count > 0], width=width[count > 0], align="edge", color=color, alpha=0.6)
+                any_count = True
+        ax.plot([0, 100], [0, 100], "k--", lw=0.8)
+        ax.set_xlim(0, 100)
+        ax.set_ylim(0, 100)
+        ax.set_title(f"{_label(model, ctx)}\n{_text(head)}", fontsize=8)
+        ax.set_ylabel("accuracy (%)", fontsize=8)
+        ax.legend(fontsize=6, loc="upper left")
+        if any_count:
+            from matplotlib.ticker import FuncFormatter, NullFormatter
+
+            hx.set_yscale("log")
+            hx.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            hx.yaxis.set_minor_formatter(NullFormatter())
+        hx.set_ylabel("images", fontsize=8)
+        hx.set_xlabel("confidence (%)", fontsize=8)
+        hx.tick_params(labelsize=7)
+    for sub in list(subs.flat)[len(keys):]:
+        sub.subplots().axis("off")
+    fig.suptitle("Reliability diagrams: clean vs highest severity (empty bins have no bar)", fontsize=10)
+    return save_png(fig, path)
+
+
+def corruption_gallery(images, corruptions: Sequence[str], severities: Sequence[int], path: Path,
+                       seed: int = 0) -> Path:
+    """One test image (``images`` uint8 ``(1, C, H, W)``) under every corruption and severity."""
+    from shiftguard.corruptions import gallery
+
+    pyplot()
+    fig = gallery(images, names=list(corruptions), severities=(0, *severities), seed=seed)
+    return save_png(fig, path)
+
+
+def run_labels(runs: Sequence[dict]) -> list[str]:
+    """Each results dict's name, with ``#i`` (1-based position) added where names repeat."""
+    names = [str(r.get("name")) for r in runs]
+    return [f"{n} #{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
+
+
+def compare_runs(runs: list[dict], metric: str, path: Path) -> Path:
+    """Several results dicts on the same axes: one line per (run, primary head) -- the line style
+    tells the runs apart -- with its +/- std band over corruptions clipped to the metric's range."""
+    plt = pyplot()
+    rate = is_rate(metric)
+    scale = 100.0 if rate else 1.0
+    styles = ["-", "--", ":", "-."]
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    for i, (res, name) in enumerate(zip(runs, run_labels(runs))):
+        index = cell_index(res)
+        for model, ctx, head in primary_keys(res):
+            pts = severity_curve(res, (model, ctx, head), metric, index)
+            if not pts:
+                continue
+            s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
+            (line,) = ax.plot(s, m * scale, styles[i % len(styles)], marker="o", ms=3,
+                              label=f"{_text(name)}: {_label(model, ctx)} / {_text(head)}")
+            _band(ax, s, m * scale, sd * scale, rate, alpha=0.08, color=line.get_color())
+    ticks = sorted({0, *(s for res in runs for s in severities(res))})
+    ax.set_xticks(ticks)
+    ax.set_xlabel("severity (0 = clean)")
+    ax.set_ylabel(metric_label(metric) + (" (%)" if rate else "") + ", mean ± std over corruptions")
+    if rate:
+        ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    ax.set_title(f"{metric_label(metric)} vs severity, primary heads of every run", fontsize=10)
+    return save_png(fig, path)

@@ -1,0 +1,791 @@
+"""The report of an evaluation: ``results.csv``, ``plots/*.png`` and a self-contained ``report.html``.
+
+``build_report(out_dir, results)`` writes the three from the results dict (the content of
+``results.json``); ``build_comparison(out_dir, runs)`` writes one page comparing several results
+dicts: their curves overlaid on the same axes, their headline numbers and the differences to the
+first, and a warning listing what differs when their protocols are not the same.
+
+Units, everywhere: every rate (accuracy, ECE, AUROC, MAP, recall, AURC) in %, NLL and Brier score
+as they are; accuracy drops and differences in percentage points. ``a ± b`` is the mean and the
+standard deviation (ddof = 0) over the benchmark corruptions; ``x [lo, hi]`` an estimate with the
+confidence interval that ``results["interval_info"]`` describes.
+
+Every value taken from the results dict is escaped before it is written into the page; numbers
+are formatted through ``float()``, and a value that is not a number is shown as escaped text and
+listed at the top of the page as a problem of the results file.
+
+Older results dicts without ``kind``, ``models``, ``robustness``, ``intervals``, ``skipped_heads``,
+``data.suite`` or ``data.extra_corruptions`` render with those parts left out.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+from shiftguard.io import atomic_write_bytes, atomic_write_text
+
+from . import plots as P
+from .plots import CLEAN, as_number, benchmark_corruptions, cell_index, primary_keys, severity_curve
+
+__all__ = [
+    "build_report", "render_html", "make_plots", "write_csv", "summary_rows", "format_summary", "headline_rows",
+    "build_comparison", "render_comparison", "protocol_differences", "delta_rows", "results_problems",
+]
+
+CSV_FIXED = ["model", "context", "head", "corruption", "severity", "n"]
+_LABEL_FIELDS = ("model", "context", "head", "corruption", "group")
+
+
+# --------------------------------------------------------------------------- formatting (plain text)
+def _fmt(v, scale: float = 100.0, nd: int = 1) -> str:
+    """A number scaled and rounded; ``—`` for None; anything that is not a number as its text."""
+    if v is None:
+        return "—"
+    if isinstance(v, bool):
+        return str(v)
+    try:
+        x = float(v)
+    except (TypeError, ValueError, OverflowError):
+        return str(v)
+    return f"{x * scale:.{nd}f}"
+
+
+def _plain(v, nd: int = 3) -> str:
+    return _fmt(v, 1.0, nd)
+
+
+def _int(v) -> str:
+    x = as_number(v)
+    return str(v) if x is None or x != int(x) else f"{int(x)}"
+
+
+def _signed(v, nd: int = 1) -> str:
+    x = as_number(v)
+    return "—" if x is None else f"{x:+.{nd}f}"
+
+
+def _pm(mean, std, scale: float = 100.0, nd: int = 1) -> str:
+    if mean is None:
+        return "—"
+    return _fmt(mean, scale, nd) if std is None else f"{_fmt(mean, scale, nd)} ± {_fmt(std, scale, nd)}"
+
+
+def _ci(value, ci: Optional[dict], scale: float = 100.0, nd: int = 1) -> str:
+    """``estimate [lo, hi]`` when an interval is known (its own estimate is shown: the interval is
+    about that number), else the value."""
+    if not ci:
+        return _fmt(value, scale, nd)
+    return f"{_fmt(ci.get('estimate'), scale, nd)} [{_fmt(ci.get('lo'), scale, nd)}, {_fmt(ci.get('hi'), scale, nd)}]"
+
+
+def _key_label(model, ctx, head) -> str:
+    return (f"{model}" if ctx == "none" else f"{model} [{ctx}]") + f" / {head}"
+
+
+# --------------------------------------------------------------------------- numbers
+def _mean_over(values: Iterable) -> tuple[Optional[float], int, int]:
+    """Mean of the defined values, how many were defined, how many there were."""
+    vals = list(values)
+    nums = [x for x in (as_number(v) for v in vals) if x is not None]
+    return (sum(nums) / len(nums) if nums else None), len(nums), len(vals)
+
+
+def _largest_k(row: dict, prefix: str) -> Optional[str]:
+    ks = sorted(int(k[len(prefix):]) for k in row if k.startswith(prefix) and k[len(prefix):].isdigit())
+    return f"{prefix}{ks[-1]}" if ks else None
+
+
+def summary_rows(results: dict) -> list[dict]:
+    """One row per (model, context, head) with a clean cell, in the order of ``results["rows"]``.
+
+    Keys (rates as fractions in [0, 1]; drops in accuracy points):
+
+    - ``acc_clean``, ``acc_s{top}``, ``acc_s{top}_std``: accuracy on the clean test set and at the
+      highest severity (mean, std over the benchmark corruptions);
+    - ``drop``, ``drop_std``: ``Acc@0 - Acc@top`` of the mean accuracies (000, App. C, Tables 1-2),
+      and the std over corruptions of the per-corruption drop;
+    - ``ece_clean``, ``ece_s{top}``, ``ece_drift`` (``s{top}`` minus clean), ``ece_range`` (max - min of
+      the mean top-label ECE over severities 0..top), ``ece_marginal_*``, ``nll_*``, ``r_auroc_*``,
+      ``map_*`` (MAP@K at the largest K, ``map_k``): clean and at the highest severity;
+    - ``acc_corrupted``, ``ece_corrupted``, ``nll_corrupted`` and ``*_corrupted`` of ``brier``, ``aurc``,
+      ``r_auroc``, ``auroc_error``, ``map``: the mean over the benchmark corrupted cells
+      (uncertainty-baselines' convention), from ``results["robustness"]`` where it has them;
+    - ``mca``: the mean accuracy over the benchmark corruptions x severities (robustbench's mean corruption
+      accuracy); ``mca_extra`` the same over the extra corruptions (``None`` without any); ``mce``,
+      ``relative_mce`` from ``results["robustness"]`` (``None`` without);
+    - ``partial``: the ``*_corrupted`` keys averaged over only the cells where the metric is defined
+      (an AUROC is undefined in a cell without errors).
+    """
+    sevs = P.severities(results)
+    top = sevs[-1] if sevs else None
+    index = cell_index(results)
+    bench, extra = benchmark_corruptions(results)
+    robust = {(r["model"], r["context"], r["head"]): r for r in results.get("robustness") or []}
+    out = []
+    for key, cells in index.items():
+        clean = cells.get((CLEAN, 0))
+        if clean is None:
+            continue
+        corrupted = [r for (c, s), r in cells.items() if c in bench and s != 0]
+        curves = {m: {s: (mean, std) for s, mean, std, _ in severity_curve(results, key, m, index)}
+                  for m in ("accuracy", "ece_top_label", "ece_marginal", "nll", "r_auroc")}
+        map_key = _largest_k(clean, "map_at_")
+        row = {"model": key[0], "context": key[1], "head": key[2], "acc_clean": clean.get("accuracy"),
+               "ece_clean": clean.get("ece_top_label"), "ece_marginal_clean": clean.get("ece_marginal"),
+               "nll_clean": clean.get("nll"), "r_auroc_clean": clean.get("r_auroc"),
+               "auroc_error_clean": clean.get("auroc_error"), "brier_clean": clean.get("brier"),
+               "aurc_clean": clean.get("aurc"), "map_clean": clean.get(map_key) if map_key else None,
+               "map_k": int(map_key[len("map_at_"):]) if map_key else None}
+        if top is not None:
+            t = f"s{top}"
+            acc_top = curves["accuracy"].get(top, (None, None))
+            drops = [d for c, d in P.per_corruption_drops(results, key, index).items() if c in bench]
+            ece_means = [v[0] for v in curves["ece_top_label"].values()]
+            ece_top = curves["ece_top_label"].get(top, (None, None))[0]
+            acc_clean = as_number(row["acc_clean"])
+            ece_clean = as_number(row["ece_clean"])
+            row.update({
+                f"acc_{t}": acc_top[0], f"acc_{t}_std": acc_top[1],
+                "drop": None if acc_clean is None or acc_top[0] is None else 100.0 * (acc_clean - acc_top[0]),
+                "drop_std": P.mean_std(drops)[1],
+                f"ece_{t}": ece_top,
+                "ece_drift": None if ece_top is None or ece_clean is None else ece_top - ece_clean,
+                "ece_range": max(ece_means) - min(ece_means) if ece_means else None,
+                f"ece_marginal_{t}": curves["ece_marginal"].get(top, (None,))[0],
+                f"nll_{t}": curves["nll"].get(top, (None,))[0],
+                f"r_auroc_{t}": curves["r_auroc"].get(top, (None,))[0],
+                f"map_{t}": _mean_over(cells[(c, top)].get(map_key) for c in bench if (c, top) in cells)[0]
+                if map_key else None,
+            })
+        partial = []
+        for name, metric in (("acc", "accuracy"), ("ece", "ece_top_label"), ("nll", "nll"), ("brier", "brier"),
+                             ("aurc", "aurc"), ("r_auroc", "r_auroc"), ("auroc_error", "auroc_error"),
+                             ("map", map_key)):
+            if metric is None or not corrupted or all(metric not in r for r in corrupted):
+                row[f"{name}_corrupted"] = None
+                continue
+            mean, n_def, n_all = _mean_over(r.get(metric) for r in corrupted)
+            row[f"{name}_corrupted"] = mean
+            if 0 < n_def < n_all:
+                partial.append(f"{name}_corrupted")
+        row["mca"] = _mean_over(cells[(c, s)].get("accuracy") for c in bench for s in sevs if (c, s) in cells)[0]
+        row["mca_extra"] = (_mean_over(cells[(c, s)].get("accuracy") for c in extra for s in sevs if (c, s) in cells)[0]
+                            if extra else None)
+        row["mce"] = row["relative_mce"] = None
+        rob = robust.get(key)
+        if rob is not None:
+            for ours, theirs in (("acc_corrupted", "corrupted_accuracy"), ("ece_corrupted", "corrupted_ece"),
+                                 ("nll_corrupted", "corrupted_nll"), ("mca", "mca"), ("mca_extra", "mca_extra"),
+                                 ("mce", "mce"), ("relative_mce", "relative_mce")):
+                if theirs in rob:
+                    row[ours] = rob[theirs]
+                    if ours in partial:
+                        partial.remove(ours)
+        row["partial"] = partial
+        out.append(row)
+    return out
+
+
+def headline_rows(results: dict) -> list[dict]:
+    """The numbers a comparison lines up, one row per primary head: ``acc_clean``, ``mca``, ``drop``
+    (points), ``ece_clean``, ``ece_corrupted``, ``mce``."""
+    rows = {(r["model"], r["context"], r["head"]): r for r in summary_rows(results)}
+    keep = ("acc_clean", "mca", "drop", "ece_clean", "ece_corrupted", "mce")
+    return [{"model": k[0], "context": k[1], "head": k[2], **{f: rows[k].get(f) for f in keep}}
+            for k in primary_keys(results) if k in rows]
+
+
+def results_problems(results: dict, limit: int = 10) -> list[str]:
+    """Values of ``results["rows"]`` that should be numbers (or null) and are not, each as
+    ``rows[i].field = value``: in a metric the report knows, or in a field that holds numbers in other
+    rows. At most ``limit`` of them, then a count of the rest."""
+    rows = results.get("rows") or []
+    numeric = {"severity", "n", *P.METRIC_LABELS}
+    numeric |= {k for r in rows for k, v in r.items() if k not in _LABEL_FIELDS and as_number(v) is not None}
+    found = [f"rows[{i}].{k} = {v!r}" for i, r in enumerate(rows) for k, v in r.items()
+             if k in numeric and v is not None and as_number(v) is None]
+    if len(found) > limit:
+        found = found[:limit] + [f"... and {len(found) - limit} more"]
+    return found
+
+
+# --------------------------------------------------------------------------- plain-text summary
+def _summary_table(results: dict) -> tuple[list[str], list[list[str]]]:
+    sevs = P.severities(results)
+    top = sevs[-1] if sevs else None
+    t = f"s{top}"
+    rows = summary_rows(results)
+    k = next((r["map_k"] for r in rows if r.get("map_k")), None)
+    mapname = f"MAP@{k}" if k else "MAP"
+    head = ["model", "context", "head", "acc s0", f"acc {t}", f"drop 0→{top}", "ECE s0", f"ECE {t}",
+            "ECE range", f"{mapname} s0", f"{mapname} {t}"]
+    body = []
+    for r in rows:
+        body.append([str(r["model"]), str(r["context"]), str(r["head"]), _fmt(r["acc_clean"]),
+                     _fmt(r.get(f"acc_{t}")), _pm(r.get("drop"), r.get("drop_std"), 1.0),
+                     _fmt(r["ece_clean"]), _fmt(r.get(f"ece_{t}")), _fmt(r.get("ece_range")),
+                     _fmt(r["map_clean"]), _fmt(r.get(f"map_{t}"))])
+    return head, body
+
+
+def format_summary(results: dict) -> str:
+    """The summary table as plain text (printed at the end of ``shiftguard run``)."""
+    head, body = _summary_table(results)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    d = results["data"]
+    title = (f"{results.get('name')}: {d.get('dataset')}, {len(d.get('corruptions') or [])} corruptions x severities "
+             f"{d.get('severities')} ({d.get('corruption_source')}); accuracy, ECE (top-label) and MAP in %, "
+             f"drop in points = mean ± std over corruptions")
+    return "\n".join([title, line(head), line(["-" * w for w in widths]), *(line(r) for r in body)])
+
+
+# --------------------------------------------------------------------------- files
+def write_csv(path: Path, rows: list[dict]) -> Path:
+    """Every result row, one line each (``CSV_FIXED`` columns first); ``None`` as an empty field."""
+    keys = list(CSV_FIXED)
+    for r in rows:
+        keys += [k for k in r if k not in keys]
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+    return atomic_write_text(path, buf.getvalue())
+
+
+def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> dict[str, Path]:
+    """Write the report's figures into ``out_dir/plots``; ``gallery``: an existing corruption gallery PNG
+    copied in (default: the one already in ``out_dir/plots``, if any)."""
+    d = Path(out_dir) / "plots"
+    metrics = {r_k for r in results["rows"] for r_k in r}
+    out = {
+        "accuracy": P.metric_vs_severity(results, "accuracy", d / "accuracy_vs_severity.png"),
+        "ece_top_label": P.metric_vs_severity(results, "ece_top_label", d / "ece_vs_severity.png"),
+        "ece_marginal": P.metric_vs_severity(results, "ece_marginal", d / "ece_marginal_vs_severity.png"),
+        "nll": P.metric_vs_severity(results, "nll", d / "nll_vs_severity.png"),
+    }
+    if "brier" in metrics:
+        out["brier"] = P.metric_vs_severity(results, "brier", d / "brier_vs_severity.png")
+    out["drop_heatmap"] = P.drop_heatmap(results, d / "accuracy_drop_heatmap.png")
+    if results.get("reliability"):
+        out["reliability"] = P.reliability_diagrams(results, d / "reliability_diagrams.png")
+    target = d / "corruption_gallery.png"
+    if gallery is not None and Path(gallery).resolve() != target.resolve():
+        atomic_write_bytes(target, Path(gallery).read_bytes())
+    if target.is_file():
+        out["gallery"] = target
+    return out
+
+
+def build_report(run_dir: Path, results: dict, progress: bool = False, *, gallery: Optional[Path] = None,
+                 source: Optional[str] = None) -> Path:
+    """Write ``results.csv``, ``plots/`` and ``report.html`` for ``results`` into ``run_dir``; return the
+    page's path.
+
+    ``gallery``: a corruption gallery PNG to include (copied into ``plots/``); ``source``: where the
+    results came from, shown in the page (default: ``results.json`` in the same folder). ``progress``
+    is accepted for the callers' signature and draws nothing. Raises ``KeyError`` when ``results`` lacks
+    ``data`` or ``rows``."""
+    run_dir = Path(run_dir)
+    write_csv(run_dir / "results.csv", results["rows"])
+    plots = make_plots(run_dir, results, gallery=gallery)
+    return atomic_write_text(run_dir / "report.html", render_html(results, plots, source=source))
+
+
+# --------------------------------------------------------------------------- HTML pieces
+def _e(v) -> str:
+    return html.escape(str(v), quote=True)
+
+
+def _img(path: Path, caption: str) -> str:
+    b64 = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    return (f'<figure><img alt="{_e(caption)}" src="data:image/png;base64,{b64}">'
+            f"<figcaption>{_e(caption)}</figcaption></figure>")
+
+
+def _table(head: Sequence[str], body: Sequence[Sequence[str]], left: int = 3) -> str:
+    """Every header and cell is escaped here; the first ``left`` columns are labels (left-aligned)."""
+    def cell(tag, i, c):
+        return f'<{tag} class="l">{_e(c)}</{tag}>' if i < left else f"<{tag}>{_e(c)}</{tag}>"
+
+    th = "".join(cell("th", i, h) for i, h in enumerate(head))
+    trs = "".join("<tr>" + "".join(cell("td", i, c) for i, c in enumerate(r)) + "</tr>" for r in body)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1250px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:13px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}
+.l{text-align:left}th{background:#f3f3f3}figure{margin:1.5em 0}
+img{max-width:100%}figcaption{font-size:12px;color:#555}code,pre{background:#f6f6f6;padding:2px 4px}
+.small{font-size:12px;color:#555}.warn{border:2px solid #c60;background:#fff4e5;padding:.5em 1em;margin:1em 0}"""
+
+
+def _interval_map(results: dict) -> dict[tuple, dict]:
+    return {(i.get("model"), i.get("context"), i.get("head"), i.get("metric")): i
+            for i in results.get("intervals") or []}
+
+
+def _interval_sentence(results: dict) -> str:
+    if not results.get("intervals"):
+        return ""
+    info = results.get("interval_info") or {}
+    if not info:
+        return ("<b>x [lo, hi]</b> is the estimate x followed by a confidence interval; results.json does not "
+                "describe how it was computed.")
+    level = as_number(info.get("level"))
+    what = ", ".join(_e(x) for x in (
+        f"{level * 100:g}% confidence interval" if level is not None
+        else f"confidence interval (level {info.get('level')})",
+        info.get("method"), f"{_int(info['n_boot'])} resamples" if "n_boot" in info else None,
+        f"seed {info['seed']}" if "seed" in info else None) if x)
+    out = (f"<b>x [lo, hi]</b> is the estimate x followed by its {what}, in the unit of its column; x is the "
+           f"number the interval is about.")
+    metrics = info.get("metrics")
+    if isinstance(metrics, dict) and metrics:
+        out += " Estimates: " + "; ".join(f"<i>{_e(k)}</i> = {_e(v)}" for k, v in metrics.items()) + "."
+    return out
+
+
+def _units_note(results: dict, rows: list[dict]) -> str:
+    parts = ["Every rate (accuracy, ECE, AUROC, MAP, recall, AURC) is in %; NLL and Brier score are plain numbers; "
+             "drops are in accuracy points.",
+             "<b>a ± b</b> is the mean and the standard deviation (ddof = 0) over the benchmark corruptions at one "
+             "severity.",
+             "<b>corrupted</b> = the mean over the benchmark corruptions × severities (uncertainty-baselines' "
+             "convention; for accuracy this is the mean corruption accuracy, mCA); extra corruptions are "
+             "reported apart."]
+    if any(r.get("partial") for r in rows):
+        parts.append("<b>†</b>: the metric is undefined in some corrupted cells (an AUROC of a cell without "
+                     "errors); the mean is over the cells where it is defined.")
+    ci = _interval_sentence(results)
+    if ci:
+        parts.append(ci)
+    return "<p class='small'>" + " ".join(parts) + "</p>"
+
+
+def _cell(r: dict, key: str, scale: float = 100.0, nd: int = 1, ci: Optional[dict] = None) -> str:
+    text = _ci(r.get(key), ci, scale, nd)
+    return text + " †" if key in r.get("partial", ()) else text
+
+
+def _summary_tables(results: dict, rows: list[dict]) -> str:
+    sevs = P.severities(results)
+    top = sevs[-1] if sevs else None
+    t = f"s{top}"
+    _, extra = benchmark_corruptions(results)
+    ivs = _interval_map(results)
+    has = lambda k: any(r.get(k) is not None for r in rows)  # noqa: E731
+    cols = [("acc clean", lambda r, c: _cell(r, "acc_clean", ci=c("accuracy_clean")))]
+    cols.append(("acc corrupted", lambda r, c: _cell(r, "acc_corrupted", ci=c("accuracy_corrupted"))))
+    if extra:
+        cols.append(("acc extra corruptions", lambda r, c: _cell(r, "mca_extra")))
+    if top is not None:
+        cols += [(f"acc {t}", lambda r, c: _pm(r.get(f"acc_{t}"), r.get(f"acc_{t}_std"))),
+                 (f"drop 0→{top}", lambda r, c: _pm(r.get("drop"), r.get("drop_std"), 1.0))]
+    cols += [("ECE clean", lambda r, c: _cell(r, "ece_clean", ci=c("ece_clean"))),
+             ("ECE corrupted", lambda r, c: _cell(r, "ece_corrupted"))]
+    if any(k[3] == "ece_corrupted" for k in ivs):
+        # The interval's estimate pools the corrupted cells into one ECE, which differs from the mean
+        # of the per-cell ECEs: its own column, so one header never carries two quantities.
+        cols.append(("ECE corrupted, pooled",
+                     lambda r, c: _ci(None, c("ece_corrupted")) if c("ece_corrupted") else "—"))
+    if top is not None:
+        cols += [(f"ECE {t}", lambda r, c: _cell(r, f"ece_{t}")), ("ECE range", lambda r, c: _cell(r, "ece_range"))]
+    cols += [("NLL clean", lambda r, c: _cell(r, "nll_clean", 1.0, 3)),
+             ("NLL corrupted", lambda r, c: _cell(r, "nll_corrupted", 1.0, 3))]
+    second = [("R-AUROC clean", "r_auroc_clean", 100.0, 1), ("R-AUROC corrupted", "r_auroc_corrupted", 100.0, 1),
+              ("error-AUROC clean", "auroc_error_clean", 100.0, 1),
+              ("error-AUROC corrupted", "auroc_error_corrupted", 100.0, 1),
+              ("Brier clean", "brier_clean", 1.0, 4), ("Brier corrupted", "brier_corrupted", 1.0, 4),
+              ("AURC clean", "aurc_clean", 100.0, 2), ("AURC corrupted", "aurc_corrupted", 100.0, 2)]
+    k = next((r["map_k"] for r in rows if r.get("map_k")), None)
+    if k:
+        second += [(f"MAP@{k} clean", "map_clean", 100.0, 1), (f"MAP@{k} corrupted", "map_corrupted", 100.0, 1)]
+    second = [s for s in second if has(s[1])]
+
+    def body(columns):
+        out = []
+        for r in rows:
+            key = (r["model"], r["context"], r["head"])
+            c = lambda m: ivs.get((*key, m))  # noqa: E731
+            out.append([str(r["model"]), str(r["context"]), str(r["head"]), *(f(r, c) for _, f in columns)])
+        return out
+
+    first = _table(["model", "context", "head", *(h for h, _ in cols)], body(cols))
+    if not second:
+        return first
+    cols2 = [(h, (lambda key, sc, nd: lambda r, c: _cell(r, key, sc, nd))(key, sc, nd)) for h, key, sc, nd in second]
+    return first + "<h3>Uncertainty and retrieval</h3>" + _table(["model", "context", "head", *(h for h, _ in cols2)],
+                                                                  body(cols2))
+
+
+def _per_corruption_table(results: dict) -> str:
+    sevs = P.severities(results)
+    keys = primary_keys(results)
+    if not sevs or not keys:
+        return "<p>No corrupted cells.</p>"
+    top = sevs[-1]
+    index = cell_index(results)
+    bench, extra = benchmark_corruptions(results)
+    head = ["corruption"]
+    for k in keys:
+        head += [f"{_key_label(*k)}: mean s{sevs[0]}–{top}", f"{_key_label(*k)}: s{top}"]
+
+    def row(label, corrs):
+        out = [label]
+        for k in keys:
+            cells = index.get(k, {})
+            over_sevs = (cells[(c, s)].get("accuracy") for c in corrs for s in sevs if (c, s) in cells)
+            out.append(_fmt(_mean_over(over_sevs)[0]))
+            out.append(_fmt(_mean_over(cells[(c, top)].get("accuracy") for c in corrs if (c, top) in cells)[0]))
+        return out
+
+    body = [row(str(c), [c]) for c in bench] + [row("mean (benchmark corruptions)", bench)]
+    body += [row(f"{c} (extra)", [c]) for c in extra]
+    if extra:
+        body.append(row("mean (extra corruptions)", extra))
+    return _table(head, body, left=1)
+
+
+def _per_severity_table(results: dict, metric: str) -> str:
+    sevs = P.severities(results)
+    index = cell_index(results)
+    scale = 100.0 if P.is_rate(metric) else 1.0
+    nd = 1 if P.is_rate(metric) else 3
+    head = ["model", "context", "head", "clean", *(f"s{s}" for s in sevs)]
+    body = []
+    for key in index:
+        pts = {s: (m, sd) for s, m, sd, _ in severity_curve(results, key, metric, index)}
+        cells = [_fmt(pts[0][0], scale, nd) if 0 in pts else "—"]
+        cells += [_pm(*pts[s], scale, nd) if s in pts else "—" for s in sevs]
+        body.append([str(key[0]), str(key[1]), str(key[2]), *cells])
+    return _table(head, body)
+
+
+def _robustness_section(results: dict) -> str:
+    rob = results.get("robustness") or []
+    if not rob:
+        return ""
+    has_extra = any(r.get("mca_extra") is not None for r in rob)
+    head = ["model", "context", "head", "baseline", "mCA", *(["mCA (extra)"] if has_extra else []),
+            "acc corrupted", "ECE corrupted", "NLL corrupted", "mCE", "relative mCE"]
+    body = []
+    for r in rob:
+        body.append([str(r.get("model")), str(r.get("context")), str(r.get("head")),
+                     "—" if r.get("baseline") is None else str(r.get("baseline")), _fmt(r.get("mca")),
+                     *([_fmt(r.get("mca_extra"))] if has_extra else []), _fmt(r.get("corrupted_accuracy")),
+                     _fmt(r.get("corrupted_ece")), _plain(r.get("corrupted_nll")), _fmt(r.get("mce")),
+                     _fmt(r.get("relative_mce"))])
+    baselines = list(dict.fromkeys(str(r["baseline"]) for r in rob if r.get("baseline") is not None))
+    if baselines:
+        note = (f"Corruption errors relative to the baseline {_e(', '.join(baselines))} (Hendrycks &amp; Dietterich "
+                "2019, Sec. 3): CE<sub>c</sub> = Σ<sub>s</sub> E<sub>s,c</sub> / "
+                "Σ<sub>s</sub> E<sup>base</sup><sub>s,c</sub>, "
+                "relative CE<sub>c</sub> = Σ<sub>s</sub> (E<sub>s,c</sub> − E<sub>clean</sub>) / Σ<sub>s</sub> "
+                "(E<sup>base</sup><sub>s,c</sub> − E<sup>base</sup><sub>clean</sub>); mCE and relative mCE are their "
+                "means over the benchmark corruptions, in %: 100% = the baseline's errors, lower is better.")
+    else:
+        note = "No baseline model was given, so no corruption errors (mCE) are reported."
+    out = (f"<h2>Robustness: mean corruption accuracy and mCE</h2><p class='small'>mCA = mean accuracy over the "
+           f"benchmark corruptions × severities (robustbench's convention). {note}</p>" + _table(head, body))
+    with_ce = [r for r in rob if r.get("ce")]
+    if with_ce:
+        corrs = list(dict.fromkeys(c for r in with_ce for c in r["ce"]))
+        head = ["corruption"]
+        for r in with_ce:
+            lab = _key_label(r.get("model"), r.get("context"), r.get("head"))
+            head += [f"{lab}: CE", f"{lab}: relative CE"]
+        body = [[str(c), *(v for r in with_ce
+                           for v in (_fmt(r["ce"].get(c)), _fmt((r.get("relative_ce") or {}).get(c))))]
+                for c in corrs]
+        out += "<h3>Corruption error per corruption (%)</h3>" + _table(head, body, left=1)
+    return out
+
+
+def _intervals_table(results: dict) -> str:
+    ivs = results.get("intervals") or []
+    if not ivs:
+        return ""
+    body = []
+    for i in ivs:
+        rate = P.is_rate(str(i.get("metric")).rsplit("_", 1)[0])
+        sc, nd = (100.0, 2) if rate else (1.0, 4)
+        body.append([str(i.get("model")), str(i.get("context")), str(i.get("head")), str(i.get("metric")),
+                     _fmt(i.get("estimate"), sc, nd), _fmt(i.get("lo"), sc, nd), _fmt(i.get("hi"), sc, nd)])
+    return ("<h2>Confidence intervals</h2><p class='small'>" + _interval_sentence(results) + "</p>"
+            + _table(["model", "context", "head", "metric", "estimate", "lo", "hi"], body, left=4))
+
+
+def _skipped_section(results: dict) -> str:
+    sk = results.get("skipped_heads") or []
+    if not sk:
+        return ""
+    body = [[str(s.get("model")), str(s.get("head")), str(s.get("reason"))] for s in sk]
+    return ("<h2>Skipped heads</h2><p class='small'>These heads were asked for and not evaluated; they have no "
+            "numbers in this report.</p>" + _table(["model", "head", "reason"], body, left=3))
+
+
+def _training_section(results: dict) -> str:
+    training = results.get("training") or {}
+    if not training:
+        return ""
+    train_s = (results.get("timings") or {}).get("train_s") or {}
+    body = []
+    for name, t in training.items():
+        t = t or {}
+        params = as_number(t.get("parameters"))
+        body.append([str(name), f"{int(params):,}" if params is not None else _fmt(t.get("parameters"), 1.0, 0),
+                     _int(t.get("epochs_run")), _int(t.get("best_epoch")), _fmt(t.get("best_val_acc"), 100.0, 2),
+                     _fmt(train_s.get(name), 1.0, 1)])
+    return "<h2>Training</h2>" + _table(["model", "params", "epochs", "best epoch", "best val acc (%)", "train s"],
+                                        body, left=1)
+
+
+def _ece_bins(results: dict):
+    cfg = results.get("config") or {}
+    bins = (cfg.get("eval") or {}).get("ece_bins") if isinstance(cfg, dict) else None
+    if bins is None and results.get("reliability"):
+        bins = len(results["reliability"][0].get("edges") or []) - 1
+    return bins
+
+
+def _data_paragraph(results: dict) -> str:
+    d = results["data"]
+    sevs = d.get("severities") or []
+    bench, extra = benchmark_corruptions(results)
+    parts = [f"Dataset <b>{_e(d.get('dataset'))}</b>"]
+    if d.get("suite") is not None:
+        parts.append(f", corruption suite <b>{_e(d['suite'])}</b>")
+    counts = [f"{_e(_int(d[k]))} {label}" for k, label in (("n_train", "train"), ("n_val", "validation"),
+                                                         ("n_test", "test")) if d.get(k) is not None]
+    if counts:
+        parts.append(": " + " / ".join(counts) + " images")
+    parts.append(f"; {len(bench)} corruptions × severities {_e(', '.join(_int(s) for s in sevs))} "
+                 f"({_e(d.get('corruption_source'))} corruptions).")
+    if extra:
+        parts.append(f" Extra corruptions, reported apart and not in any mean: {_e(', '.join(map(str, extra)))}.")
+    ctxs = {r["context"] for r in results["rows"]}
+    fitted = "Heads are fitted on clean training embeddings only (000, Sec. 4 Remark)."
+    parts.append(" " + fitted)
+    if ctxs & {"batch", "frozen"}:
+        cfg = results.get("config") or {}
+        bs = (cfg.get("eval") or {}).get("batch_size") if isinstance(cfg, dict) else None
+        size = f" ({_e(_int(bs))} images)" if bs is not None else ""
+        parts.append(f" QACT models use the test batch as context{size}; the <i>frozen</i> rows use the training "
+                     "context instead.")
+    return "<p>" + "".join(parts) + "</p>"
+
+
+def _provenance(results: dict, source: Optional[str]) -> str:
+    t = results.get("timings") or {}
+    train = sum(x for x in (as_number(v) for v in (t.get("train_s") or {}).values()) if x is not None)
+    bits = [f"seed {_e(results.get('seed'))}", f"device {_e(results.get('device'))}",
+            f"created {_e(results.get('created'))}", f"config {_e(results.get('config_source'))}"]
+    if t.get("total_s") is not None:
+        bits.append(f"total {_e(_fmt(t.get('total_s'), 1.0, 0))} s (training {train:.0f} s, evaluation "
+                    f"{_e(_fmt(t.get('evaluate_s'), 1.0, 0))} s)")
+    cmd = f"<br>command: <code>{_e(results['command'])}</code>" if results.get("command") else ""
+    src = (f"<code>{_e(source)}</code>" if source is not None else "<code>results.json</code> in this folder")
+    return (f"<h2>Provenance</h2><p class='small'>{'; '.join(bits)}.{cmd}<br>versions: "
+            f"{_e(json.dumps(results.get('versions')))}</p><p class='small'>All numbers: {src}; every cell in "
+            f"<code>results.csv</code> in this folder.</p>")
+
+
+def _problems_box(results: dict) -> str:
+    probs = results_problems(results)
+    if not probs:
+        return ""
+    items = "".join(f"<li><code>{_e(p)}</code></li>" for p in probs)
+    return (f"<div class='warn'><b>results.json has values that are not numbers where numbers belong.</b> They are "
+            f"shown as text in the tables and left out of every mean and figure:<ul>{items}</ul></div>")
+
+
+_CAPTIONS = {
+    "accuracy": "Accuracy (%) vs severity: mean ± std over the benchmark corruptions (band clipped to 0–100%); "
+                "severity 0 = clean test set.",
+    "ece_top_label": "Top-label ECE (%) vs severity: flat = calibration that survives the shift.",
+    "ece_marginal": "Marginal ECE (%) vs severity.",
+    "nll": "NLL vs severity (band clipped at 0).",
+    "brier": "Brier score vs severity (band clipped at 0).",
+    "drop_heatmap": "Accuracy drop (points) clean → highest severity per corruption, primary heads.",
+    "reliability": "Reliability diagrams, clean vs highest severity pooled over corruptions; below each, the number "
+                   "of images per confidence bin (log scale). An empty bin has no bar.",
+    "gallery": "The corruptions at each severity on one test image.",
+}
+
+
+def render_html(results: dict, plots: dict[str, Path], source: Optional[str] = None) -> str:
+    """The self-contained page (figures inlined as base64 PNG) of one results dict."""
+    rows = summary_rows(results)
+    kind = results.get("kind") or "run"
+    bins = _ece_bins(results)
+    figs = "".join(_img(p, _CAPTIONS.get(k, k)) for k, p in plots.items())
+    sevs = P.severities(results)
+    top = sevs[-1] if sevs else None
+    ece_note = f"ECE is top-label with {_e(_int(bins))} equal-width bins" if bins is not None else "ECE is top-label"
+    drop_note = (f" drop = Acc@0 − Acc@{_e(top)} of the mean accuracies (000, Tables 1–2), ± the std over "
+                 f"corruptions of the per-corruption drop; ECE range = max − min of the mean ECE over severities "
+                 f"0–{_e(top)}."
+                 if top is not None else "")
+    sev_tables = ""
+    if sevs:
+        sev_tables = ("<h2>Per severity</h2><h3>Accuracy (%)</h3>" + _per_severity_table(results, "accuracy")
+                      + "<h3>Top-label ECE (%)</h3>" + _per_severity_table(results, "ece_top_label"))
+    title = f"shiftguard {_e(kind)} {_e(results.get('name'))}"
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{title}</title>
+<style>{_CSS}</style></head><body>
+<h1>shiftguard {_e(kind)}: {_e(results.get('name'))}</h1>
+{_problems_box(results)}
+{_data_paragraph(results)}
+{_units_note(results, rows)}
+<h2>Summary</h2>
+<p class="small">{ece_note}.{drop_note}</p>
+{_summary_tables(results, rows)}
+<h2>Per corruption: accuracy (%) of the primary heads</h2>
+<p class="small">Mean over the severities of each corruption, and at the highest severity.</p>
+{_per_corruption_table(results)}
+{sev_tables}
+{_robustness_section(results)}
+{_intervals_table(results)}
+{_skipped_section(results)}
+{_training_section(results)}
+<h2>Figures</h2>{figs}
+{_provenance(results, source)}
+</body></html>"""
+
+
+# --------------------------------------------------------------------------- comparison
+_PROTOCOL = (("dataset", lambda r: r["data"].get("dataset")), ("suite", lambda r: r["data"].get("suite")),
+             ("corruptions", lambda r: sorted(map(str, r["data"].get("corruptions") or []))),
+             ("extra corruptions", lambda r: sorted(map(str, r["data"].get("extra_corruptions") or []))),
+             ("severities", lambda r: sorted(r["data"].get("severities") or [])),
+             ("n_test", lambda r: r["data"].get("n_test")),
+             ("corruption_source", lambda r: r["data"].get("corruption_source")),
+             ("seed", lambda r: r.get("seed")))
+
+
+def protocol_differences(runs: Sequence[dict]) -> list[tuple[str, list]]:
+    """``[(field, [value of each run])]`` for each protocol field on which the runs differ: dataset, suite,
+    corruptions, extra corruptions, severities, n_test, corruption_source, seed. A field that some
+    results dict does not record (``suite`` in older files) is compared among those that do."""
+    out = []
+    for name, get in _PROTOCOL:
+        vals = [get(r) for r in runs]
+        known = [v for v in vals if v is not None and v != []] if name == "suite" else vals
+        if any(v != known[0] for v in known[1:]):
+            out.append((name, vals))
+    return out
+
+
+_HEADLINE = (("acc_clean", "acc clean", True), ("mca", "mean corruption acc", True), ("drop", "drop", False),
+             ("ece_clean", "ECE clean", True), ("ece_corrupted", "ECE corrupted", True), ("mce", "mCE", True))
+
+
+def delta_rows(runs: Sequence[dict]) -> list[dict]:
+    """Each later run's headline numbers minus the first run's, in percentage points (``d_<name>`` for the
+    names of :func:`headline_rows`; ``None`` where either number is missing).
+
+    A primary head is compared with the first run's row of the same (model, context, head); without one,
+    with the first run's only primary row when it has exactly one; otherwise it has no reference
+    (``reference`` is ``None``)."""
+    first = headline_rows(runs[0])
+    by_key = {(r["model"], r["context"], r["head"]): r for r in first}
+    labels = P.run_labels(runs)
+    out = []
+    for label, res in zip(labels[1:], runs[1:]):
+        for h in headline_rows(res):
+            ref = by_key.get((h["model"], h["context"], h["head"])) or (first[0] if len(first) == 1 else None)
+            row = {"run": label, "model": h["model"], "context": h["context"], "head": h["head"],
+                   "reference": None if ref is None else _key_label(ref["model"], ref["context"], ref["head"])}
+            for name, _, rate in _HEADLINE:
+                a = as_number(h.get(name))
+                b = None if ref is None else as_number(ref.get(name))
+                row[f"d_{name}"] = None if a is None or b is None else (a - b) * (100.0 if rate else 1.0)
+            out.append(row)
+    return out
+
+
+def render_comparison(runs: Sequence[dict], plots: dict[str, Path], sources: Optional[Sequence] = None) -> str:
+    """The comparison page of several results dicts (the first is the reference of the differences)."""
+    labels = P.run_labels(runs)
+    diffs = protocol_differences(runs)
+    if diffs:
+        items = "".join(f"<li><b>{_e(name)}</b>: " + "; ".join(f"{_e(lab)}: {_e(v)}" for lab, v in zip(labels, vals))
+                        + "</li>" for name, vals in diffs)
+        protocol = (f"<div class='warn'><b>Warning: these runs do not share one protocol</b>, so their numbers are "
+                    f"not directly comparable. They differ in:<ul>{items}</ul></div>")
+    else:
+        d = runs[0]["data"]
+        protocol = (f"<p class='small'>Every run has the same protocol: dataset {_e(d.get('dataset'))}, "
+                    f"{len(d.get('corruptions') or [])} corruptions, severities {_e(d.get('severities'))}, "
+                    f"{_e(d.get('n_test'))} test images, {_e(d.get('corruption_source'))} corruptions, seed "
+                    f"{_e(runs[0].get('seed'))}.</p>")
+    show_mce = any(h.get("mce") is not None for r in runs for h in headline_rows(r))
+    metrics = [m for m in _HEADLINE if show_mce or m[0] != "mce"]
+    head = ["run", "model", "context", "head", *(f"{lab} ({'%' if rate else 'points'})" for _, lab, rate in metrics)]
+    body = []
+    for lab, res in zip(labels, runs):
+        for h in headline_rows(res):
+            body.append([lab, str(h["model"]), str(h["context"]), str(h["head"]),
+                         *(_fmt(h.get(n), 100.0 if rate else 1.0) for n, _, rate in metrics)])
+    headline = _table(head, body, left=4)
+    dhead = ["run", "model", "context", "head", f"compared with ({labels[0]})",
+             *(f"Δ {lab} (points)" for _, lab, _ in metrics)]
+    dbody = [[r["run"], str(r["model"]), str(r["context"]), str(r["head"]), r["reference"] or "— (no matching row)",
+              *(_signed(r[f"d_{n}"]) for n, _, _ in metrics)] for r in delta_rows(runs)]
+    deltas = _table(dhead, dbody, left=5)
+    figs = "".join(_img(p, k) for k, p in plots.items())
+    parts = []
+    for i, (lab, res) in enumerate(zip(labels, runs)):
+        src = f", from <code>{_e(sources[i])}</code>" if sources else ""
+        rows = summary_rows(res)
+        parts.append(f"<h3>{_e(lab)}</h3><p class='small'>{_e(res['data'].get('dataset'))}, config "
+                     f"{_e(res.get('config_source'))}, seed {_e(res.get('seed'))}{src}</p>"
+                     + _units_note(res, rows) + _summary_tables(res, rows))
+    names = ", ".join(_e(x) for x in labels)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>shiftguard comparison</title>
+<style>{_CSS}</style></head><body><h1>Comparison: {names}</h1>
+{protocol}
+<p class="small">Rates in %, drops and differences (Δ) in accuracy points; mean corruption acc = mean over the
+benchmark corruptions × severities; drop = clean accuracy − mean accuracy at the highest severity. Δ = this run's
+number minus the first run's ({_e(labels[0])}).</p>
+<h2>Figures</h2>{figs}
+<h2>Headline numbers</h2>{headline}
+<h2>Differences to {_e(labels[0])}</h2>{deltas}
+<h2>Each run</h2>{''.join(parts)}
+</body></html>"""
+
+
+def build_comparison(out_dir: Path, runs: Sequence[dict], sources: Optional[Sequence] = None) -> Path:
+    """Write ``plots/`` (accuracy and ECE vs severity, every run on the same axes), ``comparison.csv``
+    (the differences of :func:`delta_rows`) and ``report.html`` into ``out_dir``; return the page's path.
+    Raises ``ValueError`` for fewer than two runs."""
+    if len(runs) < 2:
+        raise ValueError(f"runs: expected at least 2 results dicts to compare, got {len(runs)}")
+    out_dir = Path(out_dir)
+    d = out_dir / "plots"
+    plots = {
+        "Accuracy (%) vs severity, primary heads; mean ± std over corruptions, band clipped to 0–100%":
+            P.compare_runs(list(runs), "accuracy", d / "accuracy_vs_severity.png"),
+        "Top-label ECE (%) vs severity, primary heads; mean ± std over corruptions, band clipped to 0–100%":
+            P.compare_runs(list(runs), "ece_top_label", d / "ece_vs_severity.png"),
+    }
+    rows = delta_rows(runs)
+    buf = io.StringIO()
+    fields = ["run", "model", "context", "head", "reference", *(f"d_{n}" for n, _, _ in _HEADLINE)]
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+    atomic_write_text(out_dir / "comparison.csv", buf.getvalue())
+    return atomic_write_text(out_dir / "report.html", render_comparison(runs, plots, sources))

@@ -1,0 +1,178 @@
+"""``EvaluationResult``: the rows and aggregates of an evaluation, and the ways to read them."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Optional, Union
+
+from shiftguard.io import atomic_write_text
+
+__all__ = ["EvaluationResult"]
+
+_CSV_FIXED = ["model", "context", "head", "corruption", "severity", "n", "group"]
+
+
+def _headline(results: dict) -> dict[tuple, dict]:
+    """Per (model, context, head): the numbers a comparison puts side by side."""
+    out: dict[tuple, dict] = {}
+    top = max(results["data"]["severities"], default=0)
+    for a in results["aggregates"]:
+        key = (a["model"], a["context"], a["head"])
+        e = out.setdefault(key, {})
+        if a["severity"] == 0:
+            e["accuracy_clean"], e["ece_clean"], e["nll_clean"] = (a["accuracy_mean"], a["ece_top_label_mean"],
+                                                                   a["nll_mean"])
+        if a["severity"] == top and top:
+            e[f"accuracy_s{top}"] = a["accuracy_mean"]
+    for d in results.get("drops", []):
+        if d["from"] == 0 and d["to"] == top:
+            out.setdefault((d["model"], d["context"], d["head"]), {})["drop"] = d["drop_mean"]
+    for r in results.get("robustness", []):
+        e = out.setdefault((r["model"], r["context"], r["head"]), {})
+        e.update({"mca": r["mca"], "corrupted_ece": r["corrupted_ece"], "corrupted_nll": r["corrupted_nll"],
+                  "mce": r["mce"]})
+    return out
+
+
+class EvaluationResult:
+    """What :func:`shiftguard.evaluate` returns.
+
+    ``results`` is the JSON-able dict written as ``results.json`` (keys documented in
+    ``docs/evaluate.md``); ``rows`` has one entry per (model, context, head, corruption,
+    severity) cell. Rates are fractions in [0, 1] here; reports print them in %.
+
+    Examples:
+        >>> res.summary()  # doctest: +SKIP
+        >>> res.to_csv("cells.csv"); res.write_report("report/")  # doctest: +SKIP
+        >>> res.compare(EvaluationResult.load("runs/baseline"))  # doctest: +SKIP
+    """
+
+    def __init__(self, results: dict):
+        if not isinstance(results, dict) or "rows" not in results:
+            raise TypeError("results: expected the results dict of an evaluation (with 'rows')")
+        self.results = results
+
+    # -- views ----------------------------------------------------------------------------------
+    @property
+    def rows(self) -> list[dict]:
+        return self.results["rows"]
+
+    @property
+    def aggregates(self) -> list[dict]:
+        return self.results["aggregates"]
+
+    @property
+    def robustness(self) -> list[dict]:
+        return self.results.get("robustness", [])
+
+    @property
+    def intervals(self) -> list[dict]:
+        return self.results.get("intervals", [])
+
+    @property
+    def skipped_heads(self) -> list[dict]:
+        return self.results.get("skipped_heads", [])
+
+    def __repr__(self) -> str:
+        d = self.results["data"]
+        keys = {(r["model"], r["context"], r["head"]) for r in self.rows}
+        return (f"EvaluationResult(name={self.results.get('name')!r}, {len(keys)} model/context/head, "
+                f"{len(d['corruptions'])} corruptions x severities {d['severities']}, n_test={d['n_test']})")
+
+    def summary(self) -> str:
+        """The summary table as plain text (rates in %)."""
+        from .report import format_summary, summary_rows
+
+        if "summary" not in self.results:
+            self.results["summary"] = summary_rows(self.results)
+        return format_summary(self.results)
+
+    # -- files ----------------------------------------------------------------------------------
+    def to_csv(self, path: Optional[Union[str, Path]] = None) -> str:
+        """One line per cell (every metric a column); written atomically to ``path`` when given."""
+        keys = list(_CSV_FIXED)
+        for r in self.rows:
+            keys += [k for k in r if k not in keys]
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for r in self.rows:
+            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+        text = buf.getvalue()
+        if path is not None:
+            atomic_write_text(Path(path), text)
+        return text
+
+    def to_json(self, path: Optional[Union[str, Path]] = None) -> str:
+        """The whole results dict as JSON (non-finite numbers written as null)."""
+        text = json.dumps(_finite_json(self.results), indent=1)
+        if path is not None:
+            atomic_write_text(Path(path), text)
+        return text
+
+    def write_report(self, directory: Union[str, Path]) -> Path:
+        """``results.json``, ``results.csv``, ``plots/*.png`` and a self-contained ``report.html``
+        in ``directory`` (created); returns the path of ``report.html``."""
+        from .report import build_report, summary_rows
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        if "summary" not in self.results:
+            self.results["summary"] = summary_rows(self.results)
+        path = build_report(d, self.results)
+        self.to_json(d / "results.json")
+        return path
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "EvaluationResult":
+        """From a ``results.json`` file or a folder holding one."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / "results.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"path: no results.json at {p}")
+        try:
+            results = json.loads(p.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{p}: not valid JSON ({exc})") from None
+        if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+            raise ValueError(f"{p}: not a shiftguard results file (no 'rows' list)")
+        return cls(results)
+
+    # -- comparison -----------------------------------------------------------------------------
+    def compare(self, other: "EvaluationResult") -> dict:
+        """Headline numbers of ``self`` minus those of ``other`` for every (model, context, head)
+        both hold: ``{"deltas": [{"model", "context", "head", "<metric>": (self, other, delta)}],
+        "protocol_differences": ["field: other's -> self's"]}`` (data set, suite, corruptions,
+        severities, test size, corruption source, seed); a non-empty ``protocol_differences``
+        means the numbers were not measured the same way."""
+        if not isinstance(other, EvaluationResult):
+            raise TypeError(f"other: expected an EvaluationResult, got {type(other).__name__}")
+        mine, theirs = _headline(self.results), _headline(other.results)
+        deltas = []
+        for key in mine:
+            if key not in theirs:
+                continue
+            row = {"model": key[0], "context": key[1], "head": key[2]}
+            for metric, v in mine[key].items():
+                w = theirs[key].get(metric)
+                row[metric] = (v, w, None if v is None or w is None else v - w)
+            deltas.append(row)
+        from .report import protocol_differences
+
+        diffs = [f"{field}: {a!r} -> {b!r}" for field, (a, b) in protocol_differences([other.results, self.results])]
+        return {"deltas": deltas, "protocol_differences": diffs}
+
+
+def _finite_json(obj):
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_json(v) for v in obj]
+    return obj
