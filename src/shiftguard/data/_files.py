@@ -6,15 +6,29 @@ download must be told which file is broken and what was expected of it.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import zlib
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import BinaryIO, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["file_error", "read_bytes", "text_lines", "load_npy", "missing_files_error", "check_split"]
+__all__ = [
+    "file_error",
+    "open_stream",
+    "gzip_error",
+    "read_bytes",
+    "text_lines",
+    "load_npy",
+    "missing_files_error",
+    "check_split",
+    "DEFLATE_MAX_RATIO",
+    "MAX_READ_BYTES",
+    "GZIP_ERRORS",
+    "CHUNK_BYTES",
+]
 
 
 def file_error(path: os.PathLike | str, message: str) -> ValueError:
@@ -22,23 +36,78 @@ def file_error(path: os.PathLike | str, message: str) -> ValueError:
     return ValueError(f"{path}: {message}")
 
 
-def read_bytes(path: Path) -> bytes:
-    """The content of ``path``, gunzipped when it is a gzip file (by magic bytes, not by name)."""
+#: Deflate (RFC 1951) expands at most 1032:1 (a 258-byte match per 2 bits; zlib technical
+#: details, "Maximum compression factor"); a gzip file of ``n`` bytes never holds more than this
+#: times ``n`` bytes, whatever its header claims.
+DEFLATE_MAX_RATIO = 1032
+
+#: Default bound on what :func:`read_bytes` returns (and on what an IDX header may declare).
+MAX_READ_BYTES = 1 << 31
+
+#: Size of one streamed read.
+CHUNK_BYTES = 1 << 20
+
+GZIP_ERRORS = (EOFError, OSError, zlib.error)  # truncated stream, bad CRC (BadGzipFile is an OSError), garbage
+
+
+@contextlib.contextmanager
+def open_stream(path: Path) -> Iterator[tuple[BinaryIO, int, bool]]:
+    """Open ``path`` for streaming reads, gunzipping on the fly when it is a gzip file (by magic
+    bytes, not by name). Yields ``(stream, size_on_disk, is_gzip)``.
+
+    Nothing is decompressed ahead of the reads: a caller that reads ``n`` bytes holds ``n`` bytes.
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError`` naming it for a directory or
+    a ``.gz`` name without gzip content. Decompression errors during reads are the caller's to
+    wrap (see :func:`gzip_error`).
+    """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        fh = open(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: file not found") from None
     except IsADirectoryError:
         raise file_error(path, "expected a file, found a directory") from None
-    if raw[:2] != b"\x1f\x8b":
-        if path.suffix == ".gz":
-            raise file_error(path, "named .gz but is not a gzip file (bad magic bytes)")
-        return raw
-    try:
-        return gzip.decompress(raw)
-    except (EOFError, OSError, zlib.error) as exc:  # truncated stream, bad CRC, garbage
-        raise file_error(path, f"corrupt or truncated gzip data ({type(exc).__name__}: {exc})") from None
+    with fh:
+        size = os.fstat(fh.fileno()).st_size
+        is_gzip = fh.read(2) == b"\x1f\x8b"
+        fh.seek(0)
+        if not is_gzip:
+            if path.suffix == ".gz":
+                raise file_error(path, "named .gz but is not a gzip file (bad magic bytes)")
+            yield fh, size, False
+            return
+        with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
+            yield gz, size, True
+
+
+def gzip_error(path: os.PathLike | str, exc: BaseException) -> ValueError:
+    return file_error(path, f"corrupt or truncated gzip data ({type(exc).__name__}: {exc})")
+
+
+def read_bytes(path: Path, max_bytes: int = MAX_READ_BYTES) -> bytes:
+    """The content of ``path``, gunzipped when it is a gzip file (by magic bytes, not by name).
+
+    Decompression is streamed and stops after ``max_bytes``: content (decompressed) longer than
+    that is a ``ValueError`` naming the file, raised without decompressing the rest.
+    """
+    path = Path(path)
+    chunks: list[bytes] = []
+    held = 0
+    with open_stream(path) as (fh, _, is_gzip):
+        while held <= max_bytes:  # chunked: one huge read() would reserve its whole size up front
+            try:
+                block = fh.read(min(CHUNK_BYTES, max_bytes + 1 - held))
+            except GZIP_ERRORS as exc:
+                if not is_gzip:
+                    raise
+                raise gzip_error(path, exc) from None
+            if not block:
+                break
+            chunks.append(block)
+            held += len(block)
+    if held > max_bytes:
+        raise file_error(path, f"holds more than max_bytes={max_bytes} bytes{' (decompressed)' if is_gzip else ''}")
+    return b"".join(chunks)
 
 
 def text_lines(path: Path) -> list[tuple[int, str]]:

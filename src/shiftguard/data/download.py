@@ -13,7 +13,7 @@ so ``root=`` may point at the files themselves or at a folder holding several da
 ``download=True`` fetches the official archives (URLs and checksums in :data:`RESOURCES`, each
 with the source of its published checksum), verifies the checksum while streaming, moves the file
 into place atomically and extracts archives safely (no absolute paths, no ``..``, no links out of
-the target). Without network it fails after a short timeout and says where to put the files by hand.
+the target; existing files are never replaced or deleted, see :func:`extract_archive`). Without network it fails after a short timeout and says where to put the files by hand.
 Nothing is ever downloaded unless ``download=True`` is passed.
 """
 
@@ -41,6 +41,7 @@ __all__ = [
     "candidate_dirs",
     "locate",
     "download",
+    "extract_archive",
     "file_md5",
     "DOWNLOAD_TIMEOUT_S",
 ]
@@ -315,13 +316,27 @@ def _safe_member(dest: Path, member_name: str) -> Path:
     return target
 
 
-def extract_archive(archive: Path, dest: Path) -> None:
-    """Unpack a .tar/.tar.gz/.zip into ``dest``: into a temporary folder first, then moved in.
+def extract_archive(archive: Path, dest: Path) -> list[Path]:
+    """Unpack a .tar/.tar.gz/.zip into ``dest`` without deleting or changing anything already there.
 
-    Members with absolute paths, ``..`` components or links pointing outside are refused
-    (``tarfile``'s ``data`` filter; an explicit check for zip).
+    The archive is unpacked into a temporary folder inside ``dest`` first (same filesystem, so the
+    moves below are renames); members with absolute paths, ``..`` components, links pointing
+    outside or device files are refused (``tarfile``'s ``data`` filter; an explicit check for zip).
+    Then the unpacked tree is merged into ``dest``, with this policy (nothing is ever lost):
+
+    - a path that does not exist in ``dest`` is moved in (a new folder as a whole);
+    - a folder that exists is merged into, member by member; files in it that the archive does not
+      hold are left alone;
+    - a file that exists with the same bytes is kept as it is (re-extracting is a no-op);
+    - a file that exists with different bytes, or an entry whose kind differs (file vs folder vs
+      link), is a conflict: ``ValueError`` naming the archive and every conflicting path, raised
+      before anything is moved, so ``dest`` is left exactly as it was.
+
+    Returns the paths in ``dest`` that were created (files and folders moved in). Raises
+    ``ValueError`` naming ``archive`` for an unsafe member, a corrupt archive or a conflict.
     """
     archive = Path(archive)
+    dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=dest))
     try:
@@ -341,13 +356,76 @@ def extract_archive(archive: Path, dest: Path) -> None:
             raise ValueError(f"{archive}: unsafe archive member refused ({exc})") from None
         except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
             raise ValueError(f"{archive}: corrupt or unreadable archive ({type(exc).__name__}: {exc})") from None
-        for item in sorted(tmp.iterdir()):
-            final = dest / item.name
-            if final.exists():
-                if final.is_dir():
-                    shutil.rmtree(final)
-                else:
-                    final.unlink()
-            os.replace(item, final)
+        moves, conflicts = _plan_merge(tmp, dest)
+        if conflicts:
+            shown = "\n  ".join(str(c) for c in conflicts[:20])
+            more = f"\n  ... and {len(conflicts) - 20} more" if len(conflicts) > 20 else ""
+            raise ValueError(
+                f"{archive}: not extracted: {len(conflicts)} existing path(s) in {dest} differ from the archive "
+                f"(nothing was changed; move them away to extract):\n  {shown}{more}"
+            )
+        return [_move_no_clobber(src, dst, archive) for src, dst in moves]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _same_file(a: Path, b: Path, chunk: int = 1 << 20) -> bool:
+    if a.stat().st_size != b.stat().st_size:
+        return False
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def _plan_merge(src_root: Path, dst_root: Path) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """``(moves, conflicts)`` for merging the unpacked tree ``src_root`` into ``dst_root``.
+
+    Existing entries are inspected without following a link at the entry itself (``lstat``): a
+    link in ``dest`` is a conflict unless the archive holds the same link, never silently replaced.
+    """
+    moves: list[tuple[Path, Path]] = []
+    conflicts: list[Path] = []
+    stack = [(src_root, dst_root)]
+    while stack:
+        src_dir, dst_dir = stack.pop()
+        for src in sorted(src_dir.iterdir()):
+            dst = dst_dir / src.name
+            if not os.path.lexists(dst):
+                moves.append((src, dst))
+            elif src.is_symlink() or dst.is_symlink():
+                if not (src.is_symlink() and dst.is_symlink() and os.readlink(src) == os.readlink(dst)):
+                    conflicts.append(dst)
+            elif src.is_dir() and dst.is_dir():
+                stack.append((src, dst))
+            elif src.is_file() and dst.is_file():
+                if not _same_file(src, dst):
+                    conflicts.append(dst)
+            else:
+                conflicts.append(dst)
+    return moves, sorted(conflicts)
+
+
+def _move_no_clobber(src: Path, dst: Path, archive: Path) -> Path:
+    """Rename ``src`` to ``dst`` only while ``dst`` does not exist (checked by the rename itself where
+    the platform allows: a hard link fails on an existing name; folders and links use a rename that
+    POSIX lets replace only an empty folder, so nothing with content is ever replaced)."""
+    if src.is_file() and not src.is_symlink():
+        try:
+            os.link(src, dst)
+        except FileExistsError:
+            raise ValueError(f"{archive}: {dst} appeared during extraction; left as it is") from None
+        except OSError:  # no hard links on this filesystem: the check is a separate step
+            if os.path.lexists(dst):
+                raise ValueError(f"{archive}: {dst} appeared during extraction; left as it is") from None
+            os.replace(src, dst)
+        else:
+            os.unlink(src)
+        return dst
+    if os.path.lexists(dst) and not (dst.is_dir() and not dst.is_symlink() and not any(dst.iterdir())):
+        raise ValueError(f"{archive}: {dst} appeared during extraction; left as it is")
+    os.rename(src, dst)
+    return dst

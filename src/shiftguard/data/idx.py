@@ -12,17 +12,37 @@ Files: ``train-images-idx3-ubyte[.gz]``, ``train-labels-idx1-ubyte[.gz]``,
 
 from __future__ import annotations
 
+import io
+import math
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 import torch
 
-from shiftguard.data._files import check_split, file_error, read_bytes
+from shiftguard.data._files import (
+    CHUNK_BYTES,
+    DEFLATE_MAX_RATIO,
+    GZIP_ERRORS,
+    MAX_READ_BYTES,
+    check_split,
+    file_error,
+    gzip_error,
+    open_stream,
+)
 from shiftguard.data.base import ImageDataset
 from shiftguard.data.download import locate
 
-__all__ = ["read_idx", "write_idx", "load_idx_pair", "load_mnist_like", "MNIST_CLASSES", "FASHION_MNIST_CLASSES"]
+__all__ = [
+    "read_idx",
+    "parse_idx",
+    "write_idx",
+    "load_idx_pair",
+    "load_mnist_like",
+    "MAX_IDX_BYTES",
+    "MNIST_CLASSES",
+    "FASHION_MNIST_CLASSES",
+]
 
 MNIST_CLASSES = [str(d) for d in range(10)]
 FASHION_MNIST_CLASSES = [
@@ -37,35 +57,91 @@ _CODE_OF = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(np.int16
 _SPLIT_PREFIX = {"train": "train", "test": "t10k"}
 
 
-def parse_idx(data: bytes, path: Path | str = "<bytes>", expect_magic: Optional[int] = None) -> np.ndarray:
-    """Decode IDX bytes into an array (native byte order); errors name ``path``."""
-    if len(data) < 4:
-        raise file_error(path, f"too short for an IDX header ({len(data)} bytes)")
-    magic = int.from_bytes(data[:4], "big")
+#: Largest payload an IDX header may declare unless ``max_bytes=`` says otherwise (2 GiB). The
+#: largest published IDX sets are far below it (EMNIST ByClass training images: 547 MB).
+MAX_IDX_BYTES = MAX_READ_BYTES
+
+
+def _read_idx_stream(
+    fh, path, expect_magic: Optional[int], size: Optional[int], max_bytes: int, gzip_size: Optional[int] = None
+) -> np.ndarray:
+    """Decode one IDX stream, reading exactly the bytes its header declares plus one (the check for
+    trailing data). ``size`` is the stream's exact length when known (raw files); ``gzip_size`` the
+    compressed file's size when the stream is gunzipped on the fly.
+
+    Peak memory is the declared payload (read into its final array, byte-swapped in place) plus one
+    chunk; a stream holding more than its header declares is refused without reading the rest.
+    """
+    head = fh.read(4)
+    if len(head) < 4:
+        raise file_error(path, f"too short for an IDX header ({len(head)} bytes)")
+    magic = int.from_bytes(head, "big")
     if expect_magic is not None and magic != expect_magic:
         raise file_error(path, f"wrong IDX magic number 0x{magic:08X}, expected 0x{expect_magic:08X}")
-    if data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES:
+    if head[0] != 0 or head[1] != 0 or head[2] not in _IDX_DTYPES:
         raise file_error(path, f"not an IDX file (magic 0x{magic:08X})")
-    ndim = data[3]
-    header = 4 + 4 * ndim
-    if len(data) < header:
-        raise file_error(path, f"truncated IDX header ({len(data)} bytes, need {header})")
-    dims = tuple(int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
-    dtype = np.dtype(_IDX_DTYPES[data[2]])
-    expected = header + int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    if len(data) != expected:
-        kind = "truncated" if len(data) < expected else "has trailing bytes"
+    head += fh.read(4 * head[3])
+    if len(head) < 4 + 4 * head[3]:
+        raise file_error(path, f"truncated IDX header ({len(head)} bytes, need {4 + 4 * head[3]})")
+    dims = tuple(int.from_bytes(head[4 + 4 * i: 8 + 4 * i], "big") for i in range(head[3]))
+    dtype = np.dtype(_IDX_DTYPES[head[2]])
+    nbytes = math.prod(dims) * dtype.itemsize  # Python ints: no overflow
+    expected = len(head) + nbytes
+    what = f"header declares shape {dims} ({expected} bytes in all)"
+    if nbytes > max_bytes:
+        raise file_error(path, f"{what}: more than max_bytes={max_bytes} (pass a larger max_bytes= to read it)")
+    if gzip_size is not None and expected > DEFLATE_MAX_RATIO * gzip_size:
         raise file_error(
-            path, f"{kind}: header declares shape {dims} ({expected} bytes in all), file holds {len(data)} bytes"
+            path,
+            f"truncated: {what}, more than a gzip file of {gzip_size} bytes can hold "
+            f"(deflate expands at most {DEFLATE_MAX_RATIO}:1)",
         )
-    arr = np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
-    return arr.astype(dtype.newbyteorder("="))  # a writable copy, detached from `data`
+    if size is not None and size != expected:
+        kind = "truncated" if size < expected else "has trailing bytes"
+        raise file_error(path, f"{kind}: {what}, file holds {size} bytes")
+    arr = np.empty(dims, dtype=dtype)
+    view = memoryview(arr.reshape(-1).view(np.uint8))
+    got = 0
+    while got < nbytes:
+        n = fh.readinto(view[got: got + CHUNK_BYTES])
+        if not n:
+            raise file_error(path, f"truncated: {what}, file holds {len(head) + got} bytes")
+        got += n
+    if fh.read(1):
+        raise file_error(path, f"has trailing bytes: {what}, file holds more")
+    if not dtype.isnative:  # big-endian on disk: swap in place, then read the same bytes as native
+        arr = arr.byteswap(inplace=True).view(dtype.newbyteorder("="))
+    return arr
 
 
-def read_idx(path: Path | str, expect_magic: Optional[int] = None) -> np.ndarray:
-    """Read an IDX file (gzip or raw, detected by its magic bytes)."""
+def parse_idx(
+    data: bytes, path: Path | str = "<bytes>", expect_magic: Optional[int] = None, *, max_bytes: int = MAX_IDX_BYTES
+) -> np.ndarray:
+    """Decode IDX bytes into a writable array (native byte order); errors name ``path``.
+
+    Raises ``ValueError`` for a wrong magic number, a truncated header or payload, trailing bytes,
+    or a declared payload larger than ``max_bytes``.
+    """
+    return _read_idx_stream(io.BytesIO(data), path, expect_magic, len(data), max_bytes)
+
+
+def read_idx(path: Path | str, expect_magic: Optional[int] = None, *, max_bytes: int = MAX_IDX_BYTES) -> np.ndarray:
+    """Read an IDX file (gzip or raw, detected by its magic bytes) into a writable native-order array.
+
+    gzip files are streamed: the header is read first, and a declared size above ``max_bytes`` or
+    above what deflate can expand the file to (1032:1) is refused before any payload is read; then
+    exactly the declared bytes are read, and data beyond them is an error (the IDX format has no
+    trailer), so memory is bounded by the declared size. Every failure is a ``ValueError`` naming
+    ``path`` (``FileNotFoundError`` when it does not exist).
+    """
     path = Path(path)
-    return parse_idx(read_bytes(path), path, expect_magic)
+    with open_stream(path) as (fh, size, is_gzip):
+        if not is_gzip:
+            return _read_idx_stream(fh, path, expect_magic, size, max_bytes)
+        try:
+            return _read_idx_stream(fh, path, expect_magic, None, max_bytes, gzip_size=size)
+        except GZIP_ERRORS as exc:
+            raise gzip_error(path, exc) from None
 
 
 def encode_idx(arr: np.ndarray) -> bytes:
