@@ -255,7 +255,9 @@ def canny_edges(x, c, gen, s):
     4-5 use a wider smoothing sigma; published: sigma 1, nothing kept."""
     sigma, keep = c
     grey = _ops.rgb_to_gray(x) if x.shape[1] == 3 else x
-    edges = _ops.canny(grey, sigma * s, 0.1, 0.2).to(x.dtype).expand_as(x)
+    # A materialised copy per channel: an expanded view shares one memory location across the
+    # channels, and the in-place clamp of ``corrupt`` refuses to write through such a view.
+    edges = _ops.canny(grey, sigma * s, 0.1, 0.2).to(x.dtype).expand_as(x).contiguous()
     return torch.maximum(edges, keep * x) if keep > 0 else edges
 
 

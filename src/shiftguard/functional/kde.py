@@ -49,6 +49,13 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 POINTS_PER_BANDWIDTH = 8
 TRUNCATE = 4.0
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _widen(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision tensors as float32 (exact: every float16/bfloat16 value is a float32 value)."""
+    return t.float() if t.dtype in _HALF else t
+
 
 def _is_sorted(v: torch.Tensor) -> bool:
     return v.shape[1] < 2 or bool((v[:, 1:] >= v[:, :-1]).all())
@@ -201,8 +208,16 @@ def gaussian_kde_grid(
         return_spacing: also return the ``(C,)`` spacing used (for the error bound).
 
     Returns:
-        ``(C, M)`` densities (and the spacing when ``return_spacing``).
+        ``(C, M)`` densities in ``x``'s dtype (and the spacing when ``return_spacing``). Half-precision
+        input (float16, bfloat16) is evaluated in float32 and the result cast back: the FFT has no
+        half-precision CPU kernel, and float16's 11-bit significand would spoil the grid itself.
     """
+    if x.dtype in _HALF or samples.dtype in _HALF or bandwidth.dtype in _HALF:
+        out = gaussian_kde_grid(_widen(x), _widen(samples), _widen(bandwidth), points_per_bandwidth, truncate,
+                                max_points, return_spacing)
+        if return_spacing:
+            return out[0].to(x.dtype), out[1].to(x.dtype)
+        return out.to(x.dtype)
     xmin, xmax = torch.aminmax(x, dim=1)
     grid, lo, delta = kde_grid(samples, bandwidth, xmin, xmax, points_per_bandwidth, truncate, max_points)
     n_grid = grid.shape[1]

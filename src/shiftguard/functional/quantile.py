@@ -418,6 +418,13 @@ class _QACTFunction(torch.autograd.Function):
                                              samples.detach().contiguous().numpy(),
                                              bandwidth.detach().double().numpy(), *ctx.xrange)
             return torch.from_numpy(g3.reshape(ctx.x_shape)), None, None, None, None
+        if xs.dtype in (torch.float16, torch.bfloat16):
+            # eq. (7) in float32: the KDE's FFT has no half-precision kernel, and a density above
+            # 65504 (a bandwidth below ~6e-6) overflows float16. The gradient returns in x's dtype.
+            dens = gaussian_kde_grid(xs.float(), samples.float(), bandwidth.float())
+            n, ch = ctx.x_shape[0], ctx.x_shape[1]
+            dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
+            return (grad_output.float() * dens).to(xs.dtype), None, None, None, None
         dens = gaussian_kde_grid(xs, samples, bandwidth)
         n, ch = ctx.x_shape[0], ctx.x_shape[1]
         dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)

@@ -5,14 +5,17 @@
   ``kappa`` in ``[0, 1e4]`` and beyond. ``I_v`` is evaluated as ``log(ive(v, k)) + k`` with SciPy's
   exponentially scaled Bessel function; where that underflows (large order, small kappa) the
   uniform asymptotic (Debye) expansion of DLMF 10.41.3 with four correction terms is used (order
-  >= 8), or the ascending series DLMF 10.25.2 (small order, kappa ~ 0). The gradient is exact:
+  >= 8), or the ascending series DLMF 10.25.2 (small order, kappa ~ 0); where ``ive`` fails for
+  large kappa (SciPy returns NaN beyond ~1e9) the same Debye expansion (order >= 8) or the
+  large-argument expansion DLMF 10.40.1 (smaller orders) takes over. The gradient is exact:
   ``d/dkappa log C_M(kappa) = -A_M(kappa)`` with the Bessel ratio ``A_M = I_{M/2} / I_{M/2-1}``
   (from DLMF 10.29.2), implemented in a custom ``autograd.Function`` (first derivatives only).
   003 itself fits quadratics to log C_M for M in {128, 512} (eqs. (12)-(13)) because the exact
   function had no autograd support; with the exact function and its gradient that is unnecessary.
 - ``vmf_mean_resultant_length(kappa, dim)``: ``A_M(kappa) = E[mu^T x]`` for ``x ~ vMF(mu, kappa)``.
 - ``sample_vmf(mu, kappa, n_samples, generator=None)``: Wood (1994, "Simulation of the von
-  Mises Fisher distribution", Commun. Stat. Simul. 23(1)) rejection sampler, vectorised over a
+  Mises Fisher distribution", Commun. Stat. Simul. 23(1)) rejection sampler (its acceptance test
+  written without cancellation, so any finite kappa is sampled), vectorised over a
   batch of ``(mu, kappa)``. The Beta((M-1)/2, (M-1)/2) proposal is drawn as ``X1 / (X1 + X2)`` with
   ``X1, X2`` chi-square((M-1)) from squared normals, so a ``torch.Generator`` controls all randomness.
   Reparameterised gradients: w.r.t. ``mu`` exactly (the Householder map carrying e1 to mu is
@@ -40,8 +43,12 @@ __all__ = ["log_vmf_normalizer", "vmf_mean_resultant_length", "sample_vmf", "vmf
 # -- log I_v(k) in float64 numpy ----------------------------------------------------------------
 
 
-def _debye_log_iv(v: float, k: np.ndarray) -> np.ndarray:
-    """Uniform asymptotic expansion of log I_v(v z), z = k / v (DLMF 10.41.3, 10.41.10), k > 0."""
+def _debye_log_iv(v: float, k: np.ndarray, scaled: bool = False) -> np.ndarray:
+    """Uniform asymptotic expansion of log I_v(v z), z = k / v (DLMF 10.41.3, 10.41.10), k > 0.
+
+    ``scaled=True`` returns ``log I_v(k) - k``, with ``v sqrt(1 + z^2) - k`` formed as
+    ``v^2 / (v sqrt(1 + z^2) + k)`` (no cancellation of two numbers of size k).
+    """
     z = k / v
     s = np.sqrt(1.0 + z * z)
     p = 1.0 / s
@@ -53,7 +60,10 @@ def _debye_log_iv(v: float, k: np.ndarray) -> np.ndarray:
     u4 = p2 * p2 * (4465125.0 - 94121676.0 * p2 + 349922430.0 * p2**2 - 446185740.0 * p2**3
                     + 185910725.0 * p2**4) / 39813120.0
     series = 1.0 + u1 / v + u2 / v**2 + u3 / v**3 + u4 / v**4
-    return v * eta - 0.5 * np.log(2.0 * math.pi * v) - 0.5 * np.log(s) + np.log(series)
+    rest = -0.5 * np.log(2.0 * math.pi * v) - 0.5 * np.log(s) + np.log(series)
+    if scaled:
+        return v * v / (v * s + k) + v * np.log(z / (1.0 + s)) + rest
+    return v * eta + rest
 
 
 def _series_log_iv(v: float, k: np.ndarray, terms: int = 40) -> np.ndarray:
@@ -68,24 +78,52 @@ def _series_log_iv(v: float, k: np.ndarray, terms: int = 40) -> np.ndarray:
         return v * np.log(k / 2.0) - gammaln(v + 1.0) + np.log(total)
 
 
-def log_bessel_iv(v: float, k: np.ndarray) -> np.ndarray:
-    """``log I_v(k)`` for order ``v >= 0`` and ``k >= 0`` (float64 numpy); ``-inf`` at k=0, v>0."""
+def _hankel_log_ive(v: float, k: np.ndarray, terms: int = 12) -> np.ndarray:
+    """Large-argument expansion (DLMF 10.40.1) of ``log(I_v(k) e^-k)``, for ``k >> v^2`` (k > 0).
+
+    ``I_v(k) ~ e^k / sqrt(2 pi k) * sum_j (-1)^j a_j(v) / k^j`` with
+    ``a_j(v) = (4v^2 - 1)(4v^2 - 9)...(4v^2 - (2j-1)^2) / (j! 8^j)``.
+    """
+    mu = 4.0 * v * v
+    term = np.ones_like(k)
+    total = np.ones_like(k)
+    for j in range(1, terms):
+        term = -term * (mu - (2 * j - 1) ** 2) / (j * 8.0 * k)
+        total = total + term
+    return -0.5 * np.log(2.0 * math.pi * k) + np.log(total)
+
+
+def _log_ive(v: float, k: np.ndarray) -> np.ndarray:
+    """``log(I_v(k) e^-k)`` (the exponentially scaled log; float64 numpy), ``-inf`` at k=0, v>0.
+
+    Kept apart from ``+ k`` so that ratios of Bessel functions at large ``k`` do not cancel two
+    numbers of size ``k``.
+    """
     k = np.asarray(k, dtype=np.float64)
     out = np.empty_like(k)
     with np.errstate(all="ignore"):
         e = ive(v, k)
     ok = np.isfinite(e) & (e > 1e-280)
-    out[ok] = np.log(e[ok]) + k[ok]
+    out[ok] = np.log(e[ok])
     bad = ~ok
     if bad.any():
         kb = k[bad]
-        if v >= 8.0:
-            with np.errstate(divide="ignore"):
-                vals = np.where(kb > 0, _debye_log_iv(v, np.where(kb > 0, kb, 1.0)), -np.inf)
-        else:
-            vals = _series_log_iv(v, kb)
+        with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+            if v >= 8.0:
+                vals = np.where(kb > 0, _debye_log_iv(v, np.where(kb > 0, kb, 1.0), scaled=True), -np.inf)
+            else:
+                large = kb > 1.0
+                vals = np.where(large, _hankel_log_ive(v, np.where(large, kb, 1.0)), 0.0)
+                small_vals = _series_log_iv(v, np.where(large, 0.0, kb)) - np.where(large, 0.0, kb)
+                vals = np.where(large, vals, small_vals)
         out[bad] = vals
     return out
+
+
+def log_bessel_iv(v: float, k: np.ndarray) -> np.ndarray:
+    """``log I_v(k)`` for order ``v >= 0`` and ``k >= 0`` (float64 numpy); ``-inf`` at k=0, v>0."""
+    k = np.asarray(k, dtype=np.float64)
+    return _log_ive(v, k) + k
 
 
 def _log_normalizer_np(k: np.ndarray, dim: int) -> np.ndarray:
@@ -96,7 +134,7 @@ def _log_normalizer_np(k: np.ndarray, dim: int) -> np.ndarray:
     out[zero] = gammaln(dim / 2.0) - math.log(2.0) - (dim / 2.0) * math.log(math.pi)
     kp = k[~zero]
     if kp.size:
-        out[~zero] = v * np.log(kp) - (dim / 2.0) * math.log(2.0 * math.pi) - log_bessel_iv(v, kp)
+        out[~zero] = v * np.log(kp) - (dim / 2.0) * math.log(2.0 * math.pi) - _log_ive(v, kp) - kp
     return out
 
 
@@ -107,7 +145,7 @@ def _bessel_ratio_np(k: np.ndarray, dim: int) -> np.ndarray:
     kp = k > 0
     if kp.any():
         kk = k[kp]
-        out[kp] = np.exp(log_bessel_iv(v + 1.0, kk) - log_bessel_iv(v, kk))
+        out[kp] = np.exp(_log_ive(v + 1.0, kk) - _log_ive(v, kk))  # the e^-k scalings cancel
     return out
 
 
@@ -191,16 +229,33 @@ def _rand(shape, generator, device, dtype):
 
 def _wood_b(kappa: torch.Tensor, m: int) -> torch.Tensor:
     # b = (-2k + sqrt(4k^2 + (m-1)^2)) / (m-1), written without cancellation for large k.
-    return (m - 1) / (2.0 * kappa + torch.sqrt(4.0 * kappa * kappa + (m - 1) ** 2))
+    c = float(m - 1)
+    big = kappa > math.sqrt(torch.finfo(kappa.dtype).max) / 4.0
+    if not bool(big.any()):
+        return c / (2.0 * kappa + torch.sqrt(4.0 * kappa * kappa + c * c))
+    # Where 4 k^2 would overflow: b = t / (1 + sqrt(1 + t^2)) with t = (m-1) / (2k), the same value.
+    # Each branch sees only its own entries (a NaN in the unused branch would leak into the gradient).
+    k_small = torch.where(big, torch.zeros_like(kappa), kappa)
+    k_big = torch.where(big, kappa, torch.ones_like(kappa))
+    t = (0.5 * c) / k_big
+    return torch.where(big, t / (1.0 + torch.sqrt(1.0 + t * t)),
+                       c / (2.0 * k_small + torch.sqrt(4.0 * k_small * k_small + c * c)))
 
 
 def _wood_accepted_z(kappa: torch.Tensor, m: int, generator, max_rounds: int = 1000) -> torch.Tensor:
     """Accepted Beta((m-1)/2, (m-1)/2) proposals of Wood's algorithm, one per entry of ``kappa``."""
+    # Wood's test ``k w + (m-1) log(1 - x0 w) - c >= log u`` with ``c = k x0 + (m-1) log(1 - x0^2)``
+    # cancels numbers of size k (and 1 - x0 rounds to 0) for large k. Written with
+    # ``1 - x0 = 2b/(1+b)``, ``1 - w = 2bz/(1-(1-b)z)`` and ``1 - x0 w = (1 - x0)(1 + x0 r)`` where
+    # ``r = (1-w)/(1-x0) = z(1+b)/(1-(1-b)z)``, it reads
+    #     k ((1-x0) - (1-w)) + (m-1) (log1p(x0 r) - log(1 + x0)) >= log u,
+    # the same inequality, with every term bounded as k grows (k b -> (m-1)/4).
     with torch.no_grad():
         k = kappa.reshape(-1).to(torch.float64)
-        b = _wood_b(k, m)
+        b = (m - 1) / (2.0 * k + torch.hypot(2.0 * k, torch.full_like(k, float(m - 1))))
         x0 = (1.0 - b) / (1.0 + b)
-        c = k * x0 + (m - 1) * torch.log1p(-x0 * x0)
+        omx0 = 2.0 * b / (1.0 + b)
+        log_opx0 = math.log(2.0) - torch.log1p(b)
         z = torch.empty_like(k)
         pending = torch.ones_like(k, dtype=torch.bool)
         for _ in range(max_rounds):
@@ -209,10 +264,13 @@ def _wood_accepted_z(kappa: torch.Tensor, m: int, generator, max_rounds: int = 1
                 return z.reshape(kappa.shape).to(kappa.dtype)
             g = _randn((2, n, m - 1), generator, k.device, torch.float64).pow(2).sum(-1)
             prop = g[0] / (g[0] + g[1])
-            kb, bb, x0b, cb = k[pending], b[pending], x0[pending], c[pending]
-            w = (1.0 - (1.0 + bb) * prop) / (1.0 - (1.0 - bb) * prop)
+            kb, bb, x0b = k[pending], b[pending], x0[pending]
+            den = 1.0 - (1.0 - bb) * prop
+            omw = 2.0 * bb * prop / den
+            r = prop * (1.0 + bb) / den
             u = _rand((n,), generator, k.device, torch.float64)
-            accept = kb * w + (m - 1) * torch.log1p(-x0b * w) - cb >= torch.log(u)
+            lhs = kb * (omx0[pending] - omw) + (m - 1) * (torch.log1p(x0b * r) - log_opx0[pending])
+            accept = lhs >= torch.log(u)
             idx = torch.nonzero(pending).flatten()
             z[idx[accept]] = prop[accept]
             pending[idx[accept]] = False

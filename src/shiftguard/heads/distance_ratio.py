@@ -10,10 +10,16 @@ class representatives, with a learnable ``rho > 0``.
 - ``rho = exp(log_rho)`` with ``log_rho`` initialised at 2.0 (Paper II Sec. 3, "We set the initial
   parameter for ln(rho) as 2.0") and fitted by NLL with L-BFGS (SciPy, autograd gradient; the NLL is convex in rho) on ``val_*`` when given, else on
   the support itself (a single scalar, so in-sample fitting is benign).
+- Scale: the DR probabilities do not change when every embedding and representative is multiplied
+  by the same ``a > 0`` (Paper II eq. (6)). Where squared distances would overflow the dtype (or
+  vanish below its normal range), embeddings and representatives are divided by a common power of
+  two first (exact; ``distance_scale_exponent``), so any finite input gives finite probabilities;
+  the floor then applies to the rescaled squared distances. Class means are formed the same way.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 from shiftguard._validation import check_tensor
 from shiftguard.heads._optim import minimize_lbfgs
 from shiftguard.heads.base import EmbeddingHead
+from shiftguard.functional.scaling import distance_scale_exponent, ldexp
 
 __all__ = ["DistanceRatioHead", "distance_ratio_log_probs"]
 
@@ -38,7 +45,14 @@ def _exact_sq_dists(x: torch.Tensor, reps: torch.Tensor, max_elems: int = 4_000_
 
 def distance_ratio_log_probs(embeddings: torch.Tensor, representatives: torch.Tensor,
                              rho: torch.Tensor | float) -> torch.Tensor:
-    """001 Paper II eq. (5) in log space: ``log p (N, C)`` for embeddings ``(N, D)``, reps ``(C, D)``."""
+    """001 Paper II eq. (5) in log space: ``log p (N, C)`` for embeddings ``(N, D)``, reps ``(C, D)``.
+
+    Finite for every finite input: out-of-range magnitudes are rescaled by a common power of two
+    first (module docstring; eq. (6) makes the result independent of that scale).
+    """
+    e = distance_scale_exponent(embeddings, representatives)
+    if e:
+        embeddings, representatives = ldexp(embeddings, -e), ldexp(representatives, -e)
     sq = _exact_sq_dists(embeddings, representatives)
     floor = _SQ_DIST_FLOOR.get(sq.dtype, 1e-37)
     log_d = 0.5 * torch.log(sq.clamp(min=floor))
@@ -78,12 +92,20 @@ class DistanceRatioHead(EmbeddingHead):
             num_classes = reps.shape[0]
             reps = reps.to(emb.device, emb.dtype)
         else:
+            # A class mean lies within the range of its members, but the sums need not: they are
+            # formed on embeddings divided by a power of two where they could overflow (exact).
+            e = distance_scale_exponent(emb, dim=1, lower=False)
             sums = torch.zeros(num_classes, emb.shape[1], dtype=emb.dtype, device=emb.device)
-            sums.index_add_(0, y, emb)
+            sums.index_add_(0, y, ldexp(emb, -e) if e else emb)
             reps = sums / torch.bincount(y, minlength=num_classes).unsqueeze(1).to(emb.dtype)
+            if e:
+                reps = ldexp(reps, e)
         val_emb, val_y = self._check_val_inputs(val_embeddings, val_labels, emb.shape[1], num_classes)
         x, t = (val_emb, val_y) if val_emb is not None else (emb, y)
         x, reps64 = x.double(), reps.double()
+        e = distance_scale_exponent(x, reps64)
+        if e:  # only float64 input can leave the range: float32 magnitudes square safely in float64
+            x, reps64 = ldexp(x, -e), ldexp(reps64, -e)
         # log d does not depend on rho: compute it once.
         sq = _exact_sq_dists(x, reps64)
         log_d = 0.5 * torch.log(sq.clamp(min=_SQ_DIST_FLOOR[torch.float64]))
@@ -91,6 +113,11 @@ class DistanceRatioHead(EmbeddingHead):
             lambda p: F.nll_loss(F.log_softmax(-torch.exp(p[0]) * log_d, dim=1), t),
             torch.tensor([self.init_log_rho], dtype=torch.float64, device=x.device), max_iter=self.max_iter)
         self.rho_ = float(torch.exp(theta[0]))
+        if not 0.0 < self.rho_ < math.inf:
+            name = "val_embeddings" if val_emb is not None else "train_embeddings"
+            raise ValueError(f"{name}: the NLL of rho has no finite minimiser here (L-BFGS reached "
+                             f"ln rho = {float(theta[0]):.4g}); every point is much nearer its own class "
+                             "representative than the others, so the DR head cannot fit rho")
         self.representatives_ = reps
         self.num_classes_ = num_classes
         return self

@@ -21,6 +21,13 @@ Calibration points whose k neighbours contain no example of their own class have
 T (no T can help them); they are left out of the fit and counted in ``n_fit_excluded_``.
 T is found by bounded Brent minimisation of the NLL over ``log T`` (``scipy.optimize``).
 
+Scale: a common factor ``a`` on every embedding multiplies the squared distances and the fitted T by
+``a^2`` and leaves the probabilities unchanged. Where squared distances would overflow the dtype (or
+vanish below its normal range), the searches run on embeddings divided by a common power of two
+(exact; ``distance_scale_exponent``) and ``temperature_`` is converted back to squared-distance units
+of the input, so any finite input gives finite probabilities; if that ``temperature_`` itself is
+not a finite float64, ``fit`` raises ``ValueError`` naming ``train_embeddings``.
+
 k: 004 gives no single value; its Fig. 2 shows NED's accuracy rising with k and flattening, while
 kNN/WkNN degrade. We default to ``k=10``, large enough to sit on that plateau for class sizes of
 the order of hundreds, and small enough for fast search; pass ``k`` to change it.
@@ -38,6 +45,7 @@ from shiftguard._validation import check_positive
 from shiftguard.heads.knn import _knn_dispatch, default_chunk_size, knn_search
 from shiftguard.heads.knn_baselines import KNNHeadBase
 from shiftguard.heads.knn_pruned import PrunedKNNIndex
+from shiftguard.functional.scaling import distance_scale_exponent, ldexp
 
 __all__ = ["NED", "ned_probabilities", "ned_nll"]
 
@@ -45,9 +53,27 @@ __all__ = ["NED", "ned_probabilities", "ned_nll"]
 def ned_probabilities(sq_dist: torch.Tensor, nbr_labels: torch.Tensor, temperature: float,
                       num_classes: int) -> torch.Tensor:
     """004 eq. (3): class probabilities ``(N, C)`` from sorted squared distances ``(N, k)``."""
-    w = torch.softmax(-sq_dist / temperature, dim=1)
+    finfo = torch.finfo(sq_dist.dtype)
+    ordinary = finfo.tiny <= temperature <= finfo.max and bool(torch.isfinite(sq_dist).all()) and (
+        sq_dist.numel() == 0 or float(sq_dist.max()) / temperature < finfo.max)
+    if ordinary:
+        w = torch.softmax(-sq_dist / temperature, dim=1)
+    else:
+        w = _shifted_weights(sq_dist, 0, temperature).to(sq_dist.dtype)
     probs = torch.zeros(sq_dist.shape[0], num_classes, dtype=w.dtype, device=w.device)
     return probs.scatter_add_(1, nbr_labels, w)
+
+
+def _shifted_weights(sq_dist: torch.Tensor, exponent: int, temperature: float) -> torch.Tensor:
+    """Eq. (3) weights in float64 for squared distances ``sq_dist * 4**exponent`` (rows sorted).
+
+    ``softmax(-d / T)`` is computed as ``softmax(-(d - d_1) / T)``: the nearest neighbour's logit is
+    exactly 0, a logit that overflows is ``-inf`` (weight 0, the limit), so no row is NaN for any
+    finite distances and any ``T > 0``; ``T`` may be as small or large as a float64 allows.
+    """
+    gap = ldexp(sq_dist.double() - sq_dist[:, :1].double(), 2 * exponent)
+    logits = torch.where(gap > 0, -gap / temperature, torch.zeros_like(gap))
+    return torch.softmax(logits, dim=1)
 
 
 def ned_nll(sq_dist: torch.Tensor, same_class: torch.Tensor, log_temperature: float) -> float:
@@ -104,7 +130,13 @@ class NED(KNNHeadBase):
         support, y = self.support_embeddings_, self.support_labels_
         val_emb, val_y = self._check_val_inputs(val_embeddings, val_labels, support.shape[1], self.num_classes_)
         n = support.shape[0]
-        self.knn_index_ = PrunedKNNIndex(support) if self.backend == "pruned" else None
+        # Searches run on embeddings divided by 2**e where squared distances would leave the dtype's
+        # range (module docstring); e = 0 for ordinary input, which is then searched as given.
+        e = distance_scale_exponent(support, *(() if val_emb is None else (val_emb.to(support.dtype),)))
+        if e:
+            support = ldexp(support, -e)
+            val_emb = None if val_emb is None else ldexp(val_emb.to(support.dtype), -e)
+        self.knn_index_ = PrunedKNNIndex(support) if self.backend == "pruned" and not e else None
         gen = torch.Generator().manual_seed(self.seed)
         cap = self.max_fit_queries
 
@@ -135,7 +167,14 @@ class NED(KNNHeadBase):
             cal = cal[subset(n_cal)]
             d, idx = knn_search(support[cal], support[rest], self.k, backend=self.backend)
             same = y[rest][idx] == y[cal].unsqueeze(1)
-        self.temperature_, self.nll_, self.n_fit_excluded_ = self._fit_temperature(d, same)
+        temperature, self.nll_, self.n_fit_excluded_ = self._fit_temperature(d, same)
+        if e:
+            temperature = float(ldexp(torch.tensor(temperature, dtype=torch.float64), 2 * e))
+            if not 0.0 < temperature < math.inf:
+                m = float(self.support_embeddings_.abs().max())
+                raise ValueError(f"train_embeddings: values reach {m:.3g}; the fitted temperature in squared-"
+                                 f"distance units ({temperature:.3g}) is not a finite positive float64")
+        self.temperature_ = temperature
         return self
 
     @staticmethod
@@ -172,6 +211,24 @@ class NED(KNNHeadBase):
         return dist, self.support_labels_[idx]
 
     def predict_proba(self, embeddings) -> torch.Tensor:
-        """004 eq. (3) with the fitted temperature, ``(N, C)``."""
-        sq_dist, nbr_labels = self.kneighbors(embeddings)
-        return ned_probabilities(sq_dist, nbr_labels, self.temperature_, self.num_classes_)
+        """004 eq. (3) with the fitted temperature, ``(N, C)`` in the dtype of ``embeddings``.
+
+        Finite for every finite input: where squared distances to the support would leave the
+        dtype's range, the search runs on both divided by a common power of two and the weights
+        are formed in float64 (module docstring).
+        """
+        self._check_is_fitted()
+        support = self.support_embeddings_
+        emb = self._check_query(embeddings, support.shape[1])
+        e = distance_scale_exponent(emb, support.to(emb.dtype) if emb.dtype != support.dtype else support)
+        if not e:
+            sq_dist, nbr_labels = self.kneighbors(emb)
+            return ned_probabilities(sq_dist, nbr_labels, self.temperature_, self.num_classes_)
+        if support.device != emb.device:
+            raise ValueError(f"embeddings: on {emb.device} but the head was fitted on {support.device}")
+        # The support is scaled in its own dtype before any cast, so no value overflows on the way.
+        scaled_support = ldexp(support, -e).to(emb.dtype)
+        sq_dist, idx = knn_search(ldexp(emb, -e), scaled_support, self.k, backend=self.backend)
+        w = _shifted_weights(sq_dist, e, self.temperature_).to(emb.dtype)
+        probs = torch.zeros(emb.shape[0], self.num_classes_, dtype=w.dtype, device=w.device)
+        return probs.scatter_add_(1, self.support_labels_[idx], w)

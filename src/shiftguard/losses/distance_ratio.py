@@ -11,6 +11,12 @@ Formulas (001 = "On the Significance of Distance in Machine Learning"):
 Numerics at d = 0: the thesis defines p(c|x) = 1 when d_c = 0 and every other d > 0 (Paper II, after eq.
 (5)) and implements it by adding 1e-10 before the square root of the Euclidean distance (Sec. 3.1). We do
 the same (``sqrt(d^2 + 1e-10)``), so a query on its prototype gets p = 1 - O(1e-5^rho) and finite gradients.
+
+Range: squared distances of float32 embeddings beyond ~1e17 (``distance_scale_exponent``) overflow
+float32, so such batches are computed in float64 (where they square safely; the 1e-10 guard keeps
+its meaning) and the loss is returned in the input dtype, gradients too. A loss whose value is not
+finite in the input dtype (the ``"sd"`` formulation's ``d^2`` of such embeddings), or float64
+embeddings beyond ~1e150, raise ``ValueError`` naming ``embeddings`` and their largest magnitude.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftguard._validation import check_positive
+from shiftguard.functional.scaling import distance_scale_exponent, ldexp, normalize_rows
 from shiftguard.losses.base import DIST_EPS, EmbeddingLoss, safe_euclidean, zero_loss
 
 __all__ = [
@@ -45,8 +52,41 @@ def dr_log_probs(distances: torch.Tensor, rho) -> torch.Tensor:
 
 
 def sd_softmax_log_probs(distances: torch.Tensor) -> torch.Tensor:
-    """Log of the squared-distance softmax (001, Paper II, eq. (4)) from distances ``(N, C)``."""
-    return torch.log_softmax(-distances.pow(2), dim=-1)
+    """Log of the squared-distance softmax (001, Paper II, eq. (4)) from distances ``(N, C)``.
+
+    Raises ``ValueError`` naming ``distances`` when a finite distance squares beyond the dtype's range
+    (the log-probabilities are then not representable in it); ``+inf`` distances mask classes.
+    """
+    sq = distances.pow(2)
+    if bool((torch.isinf(sq) & torch.isfinite(distances)).any()):
+        big = float(distances[torch.isfinite(distances)].abs().max())
+        raise ValueError(f"distances: values reach {big:.3g}; their squares overflow {distances.dtype} "
+                         "in the squared-distance softmax (001 Paper II eq. (4))")
+    return torch.log_softmax(-sq, dim=-1)
+
+
+def _widen_for_range(embeddings: torch.Tensor, *others: torch.Tensor, what: str) -> torch.Tensor:
+    """``embeddings`` as given, or as float64 where their squared distances would overflow its dtype.
+
+    Raises ``ValueError`` naming ``embeddings`` when even float64 cannot hold them (beyond ~1e150).
+    """
+    if not distance_scale_exponent(embeddings, *others, lower=False):
+        return embeddings
+    if embeddings.dtype != torch.float64:
+        wide = embeddings.double()
+        if not distance_scale_exponent(wide, *(o.double() for o in others), lower=False):
+            return wide
+    big = max(float(t.detach().abs().max()) for t in (embeddings, *others) if t.numel())
+    raise ValueError(f"embeddings: values reach {big:.3g}; squared distances overflow float64 in {what}")
+
+
+def _check_finite_loss(loss: torch.Tensor, embeddings: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``loss`` cast to ``dtype``; ``ValueError`` naming ``embeddings`` if it is not finite there."""
+    out = loss.to(dtype)
+    if not bool(torch.isfinite(out)):
+        big = float(embeddings.detach().abs().max())
+        raise ValueError(f"embeddings: values reach {big:.3g}; the loss ({float(loss):.3g}) is not a finite {dtype}")
+    return out
 
 
 def leave_one_out_prototype_distances(embeddings: torch.Tensor, labels: torch.Tensor, eps: float = DIST_EPS):
@@ -57,8 +97,22 @@ def leave_one_out_prototype_distances(embeddings: torch.Tensor, labels: torch.Te
     so a query is never part of its own support set (as in prototypical-network episodes).
 
     Returns ``(dist (N, C), target (N,), valid (N,))`` where ``C`` is the number of classes present, and
-    ``valid`` marks queries whose own class has at least one other member.
+    ``valid`` marks queries whose own class has at least one other member. Embeddings whose squared
+    distances would overflow their dtype are processed in float64 and the distances cast back;
+    ``ValueError`` naming ``embeddings`` if the distances themselves overflow the dtype.
     """
+    wide = _widen_for_range(embeddings, what="the prototype distances")
+    if wide is not embeddings:
+        dist, target, valid = _loo_prototype_distances(wide, labels, eps)
+        out = dist.to(embeddings.dtype)
+        if not bool(torch.isfinite(out).all()):
+            raise ValueError(f"embeddings: values reach {float(embeddings.detach().abs().max()):.3g}; "
+                             f"the prototype distances overflow {embeddings.dtype}")
+        return out, target, valid
+    return _loo_prototype_distances(embeddings, labels, eps)
+
+
+def _loo_prototype_distances(embeddings: torch.Tensor, labels: torch.Tensor, eps: float):
     classes, target = torch.unique(labels, return_inverse=True)
     n_cls = classes.shape[0]
     onehot = F.one_hot(target, n_cls).to(embeddings.dtype)  # (N, C)
@@ -139,16 +193,23 @@ class DRLoss(EmbeddingLoss):
         return sd_softmax_log_probs(distances)
 
     def compute(self, embeddings, labels):
+        if self.mode == "proxies":
+            if labels.max() >= self.proxies.shape[0]:
+                raise ValueError(f"labels: must be < num_classes={self.proxies.shape[0]}, got {int(labels.max())}")
+            if embeddings.shape[1] != self.proxies.shape[1]:
+                raise ValueError(f"embeddings: expected {self.proxies.shape[1]} features, got {embeddings.shape[1]}")
+        others = () if self.proxies is None else (self.proxies.detach().to(embeddings.dtype),)
+        wide = _widen_for_range(embeddings, *others, what="the DR loss")
+        loss = self._compute(wide, labels)
+        return loss if wide is embeddings else _check_finite_loss(loss, embeddings, embeddings.dtype)
+
+    def _compute(self, embeddings, labels):
         if self.mode == "prototypes":
-            dist, target, valid = leave_one_out_prototype_distances(embeddings, labels)
+            dist, target, valid = _loo_prototype_distances(embeddings, labels, DIST_EPS)
             if not bool(valid.any()):
                 return zero_loss(embeddings, self.log_rho)
             logp = self.log_probs(dist[valid])
             return -logp.gather(1, target[valid].unsqueeze(1)).mean()
-        if labels.max() >= self.proxies.shape[0]:
-            raise ValueError(f"labels: must be < num_classes={self.proxies.shape[0]}, got {int(labels.max())}")
-        if embeddings.shape[1] != self.proxies.shape[1]:
-            raise ValueError(f"embeddings: expected {self.proxies.shape[1]} features, got {embeddings.shape[1]}")
         dist = safe_euclidean(embeddings, self.proxies.to(embeddings.dtype))
         logp = self.log_probs(dist)
         return -logp.gather(1, labels.unsqueeze(1)).mean()
@@ -233,8 +294,8 @@ class ProxyDRLoss(EmbeddingLoss):
 
     def distances(self, embeddings: torch.Tensor) -> torch.Tensor:
         """Chord distances ``(N, C)`` between normalised embeddings and normalised proxies."""
-        f = F.normalize(embeddings, dim=1)
-        w = F.normalize(self.proxies.to(embeddings.dtype), dim=1)
+        f = normalize_rows(embeddings)
+        w = normalize_rows(self.proxies.to(embeddings.dtype))
         return safe_euclidean(f, w)
 
     def compute(self, embeddings, labels):

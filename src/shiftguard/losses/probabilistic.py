@@ -23,6 +23,12 @@ Losses (supervised batches: positives share a label, negatives have a different 
 * :class:`NivMFProxyLoss` -- EL-nivMF, 003, appendix A, eq. (4)-(6) and Algorithm 1: learnable
   non-isotropic vMF proxies ``(mu_p, K_p = diag(kappa_p))``, expected likelihood of N vMF samples of the
   embedding under each proxy density, softmax with a learnable temperature ``t``.
+
+Range: ``kappa = ||e||`` is computed without squaring overflow (rows of large magnitude are divided by
+a power of two first, exactly), so any finite embedding whose norm is a finite number of its dtype is
+a valid vMF; a row norm beyond the dtype's range, or a loss value that is not finite in the
+embeddings' dtype, raises ``ValueError`` naming ``embeddings``. Very concentrated vMFs (kappa up to
+the float32 range) are sampled exactly by Wood's algorithm (``shiftguard.functional.vmf``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from torch import nn
 from shiftguard._validation import check_positive
 from shiftguard.functional.vmf import log_vmf_normalizer, sample_vmf
 from shiftguard.losses.base import EmbeddingLoss, zero_loss
+from shiftguard.functional.scaling import ldexp
 
 __all__ = [
     "split_vmf",
@@ -51,7 +58,17 @@ __all__ = [
 
 
 def split_vmf(embeddings: torch.Tensor, eps: float = 1e-12):
-    """``(mu (N, D) unit, kappa (N,))`` with ``kappa = sqrt(||e||^2 + eps)``; zero rows get ``mu = e_1``."""
+    """``(mu (N, D) unit, kappa (N,))`` with ``kappa = sqrt(||e||^2 + eps)``; zero rows get ``mu = e_1``.
+
+    Rows whose squares would overflow are handled as ``2**k * (e / 2**k)`` (exact), so ``kappa`` is
+    finite whenever ``||e||`` is a finite number of the dtype; otherwise ``ValueError`` naming
+    ``embeddings``.
+    """
+    finfo = torch.finfo(embeddings.dtype)
+    hi = max(math.sqrt(finfo.max / (4.0 * max(1, embeddings.shape[1]))), 2.0)
+    amax = embeddings.detach().abs().amax(dim=1) if embeddings.numel() else embeddings.new_zeros(0)
+    if embeddings.numel() and float(amax.max()) > hi:
+        return _split_vmf_large(embeddings, amax > hi, eps)
     sq = embeddings.pow(2).sum(1)
     kappa = (sq + eps).sqrt()
     mu = embeddings / kappa.unsqueeze(1)
@@ -59,6 +76,36 @@ def split_vmf(embeddings: torch.Tensor, eps: float = 1e-12):
     e1[:, 0] = 1.0
     mu = torch.where((sq > 0).unsqueeze(1), mu, e1)
     return mu, kappa
+
+
+def _split_vmf_large(embeddings: torch.Tensor, large: torch.Tensor, eps: float):
+    """``split_vmf`` where the rows marked ``large`` are divided by a common power of two first."""
+    small_mu, small_kappa = split_vmf(embeddings[~large], eps) if bool((~large).any()) else (None, None)
+    big = embeddings[large]
+    k = math.frexp(float(big.detach().abs().max()))[1]
+    scaled = ldexp(big, -k)
+    norm_scaled = (scaled.pow(2).sum(1) + eps * 2.0 ** (-2 * k)).sqrt()  # the eps term may underflow: exact limit
+    big_kappa = ldexp(norm_scaled, k)
+    if not bool(torch.isfinite(big_kappa).all()):
+        raise ValueError(f"embeddings: row norms exceed the {embeddings.dtype} range (values reach "
+                         f"{float(big.detach().abs().max()):.3g}); the vMF concentration kappa = ||e|| "
+                         "(003 appendix A, Sec. 3.2) is not representable")
+    mu = torch.empty_like(embeddings)
+    kappa = embeddings.new_empty(embeddings.shape[0])
+    mu = mu.index_put((large,), scaled / norm_scaled.unsqueeze(1))
+    kappa = kappa.index_put((large,), big_kappa)
+    if small_mu is not None:
+        mu = mu.index_put((~large,), small_mu)
+        kappa = kappa.index_put((~large,), small_kappa)
+    return mu, kappa
+
+
+def _finite_loss(loss: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+    """``loss`` itself; ``ValueError`` naming ``embeddings`` if it is not finite (never a silent NaN/inf)."""
+    if not bool(torch.isfinite(loss)):
+        big = float(embeddings.detach().abs().max())
+        raise ValueError(f"embeddings: values reach {big:.3g}; the loss is not finite in {loss.dtype} ({float(loss)})")
+    return loss
 
 
 def draw_vmf_samples(mu: torch.Tensor, kappa: torch.Tensor, n_samples: int,
@@ -128,7 +175,7 @@ class MCInfoNCELoss(_VMFSampleLoss):
         log_m = n_neg[a_idx].to(logits.dtype).log()
         log_ratio = pos - (torch.logaddexp(pos, lse_neg[:, a_idx]) - log_m)
         per_pair = -(torch.logsumexp(log_ratio, dim=0) - math.log(self.n_samples))
-        return per_pair.mean()
+        return _finite_loss(per_pair.mean(), embeddings)
 
 
 class HIBLoss(_VMFSampleLoss):
@@ -161,18 +208,29 @@ class HIBLoss(_VMFSampleLoss):
         log_p_match = torch.logsumexp(F.logsigmoid(x), dim=0) - log_k  # log E[s(.)]       (N, N)
         log_p_nonmatch = torch.logsumexp(F.logsigmoid(-x), dim=0) - log_k  # log E[1 - s(.)]  (N, N)
         neg_term = -(log_p_nonmatch * neg).sum(1) / n_neg.clamp_min(1).to(x.dtype)  # (N,)
-        return (-log_p_match[a_idx, p_idx] + neg_term[a_idx]).mean()
+        return _finite_loss((-log_p_match[a_idx, p_idx] + neg_term[a_idx]).mean(), embeddings)
 
 
 def el_vmf_distance(mu1, kappa1, mu2, kappa2) -> torch.Tensor:
     """Pairwise expected-likelihood distance between vMFs (003, appendix A, Supp. D, eq. (35)), ``(N, M)``.
 
     ``d = log C_D(||kappa1 mu1 + kappa2 mu2||) - log C_D(kappa1) - log C_D(kappa2)``.
+
+    Concentrations whose squares would overflow are divided by a power of two for the norm (exact);
+    ``ValueError`` naming ``kappa1, kappa2`` when ``||kappa1 mu1 + kappa2 mu2||`` itself exceeds the dtype.
     """
     d = mu1.shape[1]
-    nu1 = kappa1.unsqueeze(1) * mu1
-    nu2 = kappa2.unsqueeze(1) * mu2
-    norm_sum = ((nu1.unsqueeze(1) + nu2.unsqueeze(0)).pow(2).sum(-1) + 1e-12).sqrt()
+    finfo = torch.finfo(kappa1.dtype)
+    top = max([float(k.detach().max()) for k in (kappa1, kappa2) if k.numel()], default=0.0)
+    e = math.frexp(top)[1] if top > math.sqrt(finfo.max) / 4.0 else 0
+    nu1 = (ldexp(kappa1, -e) if e else kappa1).unsqueeze(1) * mu1
+    nu2 = (ldexp(kappa2, -e) if e else kappa2).unsqueeze(1) * mu2
+    norm_sum = ((nu1.unsqueeze(1) + nu2.unsqueeze(0)).pow(2).sum(-1) + 1e-12 * 2.0 ** (-2 * e)).sqrt()
+    if e:
+        norm_sum = ldexp(norm_sum, e)
+        if not bool(torch.isfinite(norm_sum).all()):
+            raise ValueError(f"kappa1, kappa2: concentrations reach {top:.3g}; ||kappa1 mu1 + kappa2 mu2|| "
+                             f"exceeds the {kappa1.dtype} range")
     return (log_vmf_normalizer(norm_sum, d) - log_vmf_normalizer(kappa1, d).unsqueeze(1)
             - log_vmf_normalizer(kappa2, d).unsqueeze(0))
 
@@ -199,11 +257,14 @@ class ELKLoss(EmbeddingLoss):
         if a_idx.numel() == 0:
             return zero_loss(embeddings)
         mu, kappa = split_vmf(embeddings)
+        if not bool(torch.isfinite(2.0 * kappa.detach()).all()):
+            raise ValueError(f"embeddings: row norms reach {float(kappa.detach().max()):.3g}; the sum of two "
+                             f"concentrations in d_EL-vMF (003 eq. (35)) exceeds the {kappa.dtype} range")
         logits = -self.kappa_pos * el_vmf_distance(mu, kappa, mu, kappa)  # (N, N)
         lse_neg = torch.logsumexp(logits.masked_fill(~neg, float("-inf")), dim=1)
         pos = logits[a_idx, p_idx]
         log_m = n_neg[a_idx].to(logits.dtype).log()
-        return -(pos - (torch.logaddexp(pos, lse_neg[a_idx]) - log_m)).mean()
+        return _finite_loss(-(pos - (torch.logaddexp(pos, lse_neg[a_idx]) - log_m)).mean(), embeddings)
 
 
 def nivmf_log_density(z: torch.Tensor, mu_p: torch.Tensor, kappa_p: torch.Tensor) -> torch.Tensor:
@@ -260,4 +321,4 @@ class NivMFProxyLoss(_VMFSampleLoss):
         log_rho = nivmf_log_density(z, mu_p, self.log_kappa_p.to(dt).exp())  # (K, N, C)
         log_el = torch.logsumexp(log_rho, dim=0) - math.log(self.n_samples)  # log 1/N sum rho  (N, C)
         logits = log_el / self.log_t.to(dt).exp()
-        return F.cross_entropy(logits, labels)
+        return _finite_loss(F.cross_entropy(logits, labels), embeddings)

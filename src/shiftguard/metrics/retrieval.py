@@ -25,6 +25,7 @@ kNN list (chunk x max R) is the dominant cost; the chunk size adapts to keep it 
 
 from __future__ import annotations
 
+import operator
 from typing import Sequence
 
 import torch
@@ -61,6 +62,25 @@ def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int], r_metrics:
     return out
 
 
+def _check_ks(ks) -> list[int]:
+    """The cut-offs as a list of positive ints; non-integral values (``1.7``, ``True``) raise, never truncate."""
+    if isinstance(ks, (str, bytes)) or not hasattr(ks, "__iter__"):
+        raise TypeError(f"ks: expected a sequence of positive ints, got {type(ks).__name__}")
+    out = []
+    for k in ks:
+        if isinstance(k, bool):
+            raise TypeError(f"ks: expected positive ints, got the bool {k!r}")
+        try:
+            k_int = operator.index(k)  # ints and numpy integers; floats such as 1.7 or 2.0 raise
+        except TypeError:
+            raise TypeError(f"ks: expected positive ints, got {k!r} ({type(k).__name__})") from None
+        check_positive(k_int, "ks", integer=True)
+        out.append(k_int)
+    if not out:
+        raise ValueError("ks: expected at least one cut-off")
+    return out
+
+
 def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), backend: str = "torch",
                       memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, r_metrics: bool = True,
                       return_nearest: bool = False):
@@ -92,11 +112,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     _check_backend(backend)
     check_same_length([("embeddings", emb), ("labels", y)])
     y = y.to(emb.device)
-    ks = [int(k) for k in ks]
-    if not ks:
-        raise ValueError("ks: expected at least one cut-off")
-    for k in ks:
-        check_positive(k, "ks", integer=True)
+    ks = _check_ks(ks)
     n = emb.shape[0]
     if max(ks) > n - 1:
         raise ValueError(f"ks: cut-off {max(ks)} exceeds the {n - 1} other samples")

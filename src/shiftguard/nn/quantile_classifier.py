@@ -79,10 +79,17 @@ class QuantileClassifier(nn.Module):
                                        num_features=num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(N, K)`` per-class QACT probabilities of ``x (N, D)``, in the parameters' dtype.
+
+        A floating ``x`` of another dtype (float64, float16, bfloat16) is cast to the parameters'
+        dtype first, as ``class_scores`` does (gradients flow back to ``x`` in its own dtype); the
+        module's precision is set by its parameters (``.double()``, ``.half()``), not by the input.
+        Raises ``TypeError`` for a non-floating ``x``, ``ValueError`` for a wrong shape or NaN/inf.
+        """
         x = check_tensor(x, "x", ndim=2, floating=True, finite=True, nonempty=True)
         if x.shape[1] != self.in_features:
             raise ValueError(f"x: expected {self.in_features} features, got shape {tuple(x.shape)}")
-        return self.qact(self.linear(x))
+        return self.qact(self.linear(x.to(self.linear.weight.dtype)))
 
     def loss(self, probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """:func:`quantile_classifier_loss` of the forward output ``probs`` ``(N, K)``."""
