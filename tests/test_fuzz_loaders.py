@@ -257,6 +257,7 @@ def build_final_model(d: Path):
     from shiftguard.experiments.run import train_model
     from shiftguard.io import atomic_write, atomic_write_json
     from shiftguard.models import build_model
+    from shiftguard.train.checkpoint import write_checksum
 
     cfg = quick_config()
     m = cfg.models[0]
@@ -264,6 +265,7 @@ def build_final_model(d: Path):
     model = build_model(m.arch, activation=m.activation, num_classes=10, in_channels=1)
     mdir = d / "models" / m.name
     atomic_write(mdir / "model.pt", lambda fh: torch.save(model.state_dict(), fh))
+    write_checksum(mdir / "model.pt")
     atomic_write_json(mdir / "model.json", {"best_val_acc": 0.5, "best_epoch": 1, "epochs_run": 1})
     data = {"num_classes": 10, "in_channels": 1, "image_size": 28}  # no images: nothing may be retrained
 

@@ -8,9 +8,12 @@ clear line and a non-zero exit (``--debug`` shows the traceback instead).
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 from typing import Optional, Sequence
+
+from shiftguard._lock import DirectoryInUseError
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -22,9 +25,45 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gallery": ("shiftguard.experiments.gallery", "save a PNG grid: corruptions x severities 0-5"),
 }
 
-# Errors a user can cause (bad names, missing files, bad configs). Anything else is a bug and
-# keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, KeyError)
+# Errors a user can cause (bad names, missing files, bad configs, a run directory another process
+# is using). Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, KeyError,
+               DirectoryInUseError)
+
+# OSErrors that the environment causes, not the program: a full disk or quota, a read-only or
+# forbidden place, a file where a folder should be (or the reverse), a path that cannot resolve, a
+# failing device, a file system without locks. Each is one line naming the file and the cause; any
+# other OSError (EBADF, EINVAL, ...) points at a bug and keeps its traceback.
+ENVIRONMENT_ERRNOS = frozenset(
+    e for e in (getattr(errno, n, None) for n in (
+        "ENOSPC", "EDQUOT", "EFBIG", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EISDIR", "ENOENT", "EEXIST",
+        "ENAMETOOLONG", "ELOOP", "EIO", "ENXIO", "ENODEV", "ETXTBSY", "EMLINK", "ESTALE", "ENOLCK"))
+    if e is not None
+)
+_FULL = frozenset(e for e in (getattr(errno, n, None) for n in ("ENOSPC", "EDQUOT", "EFBIG")) if e is not None)
+
+
+def is_user_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is the user's or the environment's doing (one line, exit 2), not a bug."""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        return exc.errno in ENVIRONMENT_ERRNOS
+    return isinstance(exc, USER_ERRORS)
+
+
+def describe_error(exc: BaseException, command: str) -> str:
+    """The one line ``shiftguard <command>: error: ...`` says after the prefix: the message, or for an
+    ``OSError`` of the environment the file and the cause (plus what to do when the disk is full)."""
+    if isinstance(exc, KeyError) and exc.args:
+        text = str(exc.args[0])
+    elif isinstance(exc, OSError) and exc.errno is not None and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        text = f"{where}{exc.strerror} (errno {errno.errorcode.get(exc.errno, exc.errno)})"
+        if exc.errno in _FULL:
+            text += ("; free space, then run the same command with --resume to continue: finished steps are kept"
+                     if command == "run" else "; free space, then run the same command again")
+    else:
+        text = str(exc)
+    return " ".join(text.splitlines())
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -64,11 +103,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("shiftguard: interrupted", file=sys.stderr)
         return 130
-    except USER_ERRORS as exc:
-        if debug:
+    except Exception as exc:
+        if debug or not is_user_error(exc):
             raise
-        msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-        print(f"shiftguard {name}: error: {msg}", file=sys.stderr)
+        print(f"shiftguard {name}: error: {describe_error(exc, name)}", file=sys.stderr)
         return 2
 
 

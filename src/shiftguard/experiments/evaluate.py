@@ -14,6 +14,8 @@ support (heads' training data) and the validation split come from the dataset's 
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 from pathlib import Path
 
 import torch
@@ -150,6 +152,7 @@ def main(args) -> int:
     model = build_user_model(args.model, num_classes=num_classes, in_channels=channels, what="--model")
     if args.weights:
         load_weights(model, args.weights)
+    out = _output_folder(args.out)
     result = evaluate(
         model, test, support=support, validation=val, suite=args.suite, corruptions=args.corruptions,
         severities=args.severities, extra=args.extra, heads=args.heads, embed=args.embed,
@@ -159,9 +162,23 @@ def main(args) -> int:
     )
     result.results["data"]["dataset"] = name
     result.results["command"] = f"shiftguard evaluate --model {args.model}"
-    path = result.write_report(args.out)
+    # The numbers are shown before the files are written: a disk that fills up now loses no result.
     print(result.summary())
     for s in result.skipped_heads:
         print(f"skipped {s['model']}/{s['head']}: {s['reason']}")
-    print(f"\nwrote {Path(args.out)}/ (results.json, results.csv, plots/, {path.name})")
+    path = result.write_report(out)
+    print(f"\nwrote {out}/ (results.json, results.csv, plots/, {path.name})")
     return 0
+
+
+def _output_folder(out: str) -> Path:
+    """``--out`` created (with its parents) before the evaluation, so that a place which cannot hold
+    the results fails at once: ``ValueError`` when a file is in the way, the ``OSError`` of a folder
+    that cannot be created, ``PermissionError`` (``EROFS``/``EACCES``) when it cannot be written into."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out: {path} exists and is not a folder")
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.access(path, os.W_OK):
+        raise PermissionError(errno.EACCES, "cannot write into this folder (read-only or no permission)", str(path))
+    return path

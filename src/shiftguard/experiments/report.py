@@ -35,15 +35,60 @@ def load_run(run_dir: str | Path) -> dict:
     if not (d / COMPLETE_MARKER).is_file():
         raise ValueError(f"{d}: the run is incomplete (no {COMPLETE_MARKER} marker); finish it with "
                          f"'shiftguard run --resume --name {d.name} --out {d.parent}' (same --config)")
+    path = d / "results.json"
     try:
-        results = json.loads((d / "results.json").read_text(encoding="utf-8"))
+        results = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{d}: has a {COMPLETE_MARKER} marker but no results.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{d / 'results.json'}: not valid JSON ({exc})") from None
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise ValueError(f"{path}: not a results file (JSON nested too deeply to read)") from None
+    if not isinstance(results, dict):
+        raise ValueError(f"{path}: not a results file (a JSON {type(results).__name__}, expected an object)")
     if results.get("status") != "complete":
-        raise ValueError(f"{d / 'results.json'}: status is {results.get('status')!r}, not 'complete'")
+        raise ValueError(f"{path}: status is {results.get('status')!r}, not 'complete'")
+    _check_shape(results, path)
     return results
+
+
+# Keys of a row (shiftguard.evaluation.grid) that are names or counts; every other key is a metric.
+_ROW_NAMES = frozenset({"model", "context", "head", "corruption", "group"})
+_ROW_COUNTS = frozenset({"severity", "n"})
+
+
+def _check_shape(results, path: Path) -> None:
+    """The outline every ``results.json`` object has (``rows`` a list of objects whose names are
+    strings and whose metrics are numbers or null; ``data``, where present, an object), so that a malformed file is
+    refused by name before anything is rendered, never shown as if it were a result."""
+    rows = results.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: not a results file ('rows' must be a list of objects)")
+    if not isinstance(results.get("data", {}), dict):
+        raise ValueError(f"{path}: not a results file ('data' must be an object)")
+    for i, row in enumerate(rows):
+        for key, value in row.items():
+            if key in _ROW_NAMES:
+                ok = isinstance(value, str)
+            elif key in _ROW_COUNTS:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            else:  # a metric: a number, or null where it is undefined
+                ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"{path}: malformed results file: rows[{i}].{key} is {json.dumps(value)[:40]}, "
+                                 f"expected {'a string' if key in _ROW_NAMES else 'a number'}")
+
+
+# Exceptions that rendering a results file whose outline is right but whose values are not
+# (a missing key, a string where a number belongs, values nested too deeply) can raise.
+_MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError)
+
+
+def _malformed(exc: BaseException, sources: list[str]) -> ValueError:
+    what = sources[0] if len(sources) == 1 else "one of " + ", ".join(sources)
+    cause = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+    return ValueError(f"{what}: malformed results file, the report cannot be built from it "
+                      f"({type(exc).__name__}: {cause}); --debug shows where")
 
 
 # --------------------------------------------------------------------------- output folder
@@ -87,16 +132,19 @@ def main(args) -> int:
     dirs = [Path(r) for r in args.runs]
     runs = [load_run(d) for d in dirs]  # validate every run before writing anything
     out = output_dir(dirs, args.out)
-    if len(runs) == 1:
-        gallery = dirs[0] / "plots" / "corruption_gallery.png"
-        path = build_report(out, runs[0], gallery=gallery if gallery.is_file() else None,
-                            source=str(dirs[0] / "results.json"))
-        print(format_summary(runs[0]))
-        print(f"\nwrote {path}")
-        return 0
-    for res in runs:
-        print(format_summary(res))
-        print()
-    path = build_comparison(out, runs, sources=[str(d / "results.json") for d in dirs])
+    sources = [str(d / "results.json") for d in dirs]
+    try:
+        if len(runs) == 1:
+            gallery = dirs[0] / "plots" / "corruption_gallery.png"
+            path = build_report(out, runs[0], gallery=gallery if gallery.is_file() else None, source=sources[0])
+            print(format_summary(runs[0]))
+            print(f"\nwrote {path}")
+            return 0
+        for res in runs:
+            print(format_summary(res))
+            print()
+        path = build_comparison(out, runs, sources=sources)
+    except _MALFORMED as exc:
+        raise _malformed(exc, sources) from exc
     print(f"wrote comparison {path}")
     return 0

@@ -11,7 +11,9 @@ Run directory layout::
     config.json                 the resolved configuration (checked again on --resume)
     models/<model>/checkpoints/ per-epoch checkpoints (train/checkpoint.py)
     models/<model>/metrics.jsonl one line per epoch
-    models/<model>/model.pt     final (best-validation) weights + model.json training summary
+    models/<model>/model.pt     final (best-validation) weights, model.pt.sha256 (checked on --resume),
+                                model.json training summary
+    .lock                       held (flock) by the process running the run; never deleted
     cache/<model>/<context>/    embeddings per corruption x severity (resumable evaluation)
     results.json results.csv plots/*.png report.html COMPLETE
 """
@@ -33,6 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
+from shiftguard._lock import LOCK_NAME, DirectoryInUseError, DirectoryLock
 from shiftguard.io import atomic_write, atomic_write_json, atomic_write_text
 
 from . import config as C
@@ -93,6 +96,13 @@ def resolve_config(args) -> C.RunConfig:
             m.train.pop("epochs", None)
     if args.seed is not None:
         cfg.seed = args.seed
+    if args.quick or args.epochs is not None or args.seed is not None:
+        # the command-line overrides pass the same checks as the file's own values
+        source = cfg.source
+        try:
+            cfg = C.config_from_dict(cfg.to_dict(), source=source)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (after --quick/--epochs/--seed)") from None
     return cfg
 
 
@@ -244,6 +254,7 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
     ``distributed``: every process of a torch.distributed job trains (DistributedTrainer); rank 0 writes."""
     from shiftguard.models import build_model
     from shiftguard.train import Trainer
+    from shiftguard.train.checkpoint import checksum_problem, write_checksum
     from shiftguard.train.distributed import DistributedTrainer, barrier, is_main_process
 
     mdir = run_dir / "models" / m.name
@@ -261,6 +272,11 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
     final, summary_path = mdir / "model.pt", mdir / "model.json"
     if resume and final.is_file() and summary_path.is_file():
         hint = "delete it and --resume rebuilds it from the checkpoints"
+        # model.pt, then model.pt.sha256, then model.json are written in this order, so a finished
+        # model always has its checksum: a missing or failing one means the weights changed.
+        problem = checksum_problem(final)
+        if problem is not None:
+            raise ValueError(f"{final}: final weights refused, {problem}; {hint}")
         try:
             model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True))
         except Exception as exc:  # damaged zip, unpickling refused, missing keys: many types
@@ -285,6 +301,7 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
     summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": loss_on})
     if is_main_process():
         atomic_write(final, lambda fh: torch.save(model.state_dict(), fh))
+        write_checksum(final)
         atomic_write_json(summary_path, summary)
     barrier()
     return model, summary
@@ -320,22 +337,59 @@ def preflight(cfg: C.RunConfig) -> None:
 
 # --------------------------------------------------------------------------- run dir
 def prepare_run_dir(cfg: C.RunConfig, args) -> Path:
+    """:func:`claim_run_dir` with the lock released on return: the run directory created (or
+    checked for ``--resume``) as one step, for a tool that does not then run the job in it. A
+    process that runs the job uses :func:`claim_run_dir` and holds the lock until it ends."""
+    run_dir, lock = claim_run_dir(cfg, args)
+    lock.release()
+    return run_dir
+
+
+def claim_run_dir(cfg: C.RunConfig, args) -> tuple[Path, DirectoryLock]:
+    """Create the run directory ``args.out / name`` (or, with ``args.resume``, check it against
+    ``cfg``) and return it with its exclusive lock (``<run>/.lock``) held.
+
+    The caller keeps the lock for the run's whole lifetime and then calls ``lock.release()``; a
+    process that dies releases it too. The lock is taken before the directory's content is looked
+    at, so the check for an earlier run and the ``config.json`` write are one step: of several
+    processes started with the same name exactly one proceeds. Raises
+    :class:`~shiftguard._lock.DirectoryInUseError` while another process holds the lock (also for
+    ``--resume`` of a run still running), ``ValueError`` for a bad name, an existing run without
+    ``--resume`` or a different configuration, ``FileNotFoundError`` for ``--resume`` of nothing,
+    and the ``OSError`` of a directory that cannot be created."""
     name = args.name or cfg.name or datetime.now().strftime("%Y%m%d-%H%M%S")
     if not C._NAME_RE.match(name):
         raise ValueError(f"--name: use letters, digits and _.+- only, got {name!r}")
     if args.resume and not (args.name or cfg.name):
         raise ValueError("--resume: give the run's --name")
     run_dir = Path(args.out) / name
-    stored = run_dir / "config.json"
     if args.resume:
         if not run_dir.is_dir():
             raise FileNotFoundError(f"--resume: run directory {run_dir} does not exist")
+    else:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise ValueError(f"--name: {run_dir} exists and is not a directory")
+        run_dir.mkdir(parents=True, exist_ok=True)
+    lock = DirectoryLock(run_dir).acquire()
+    try:
+        _check_run_dir(cfg, run_dir, args.resume)
+    except BaseException:
+        lock.release()
+        raise
+    return run_dir, lock
+
+
+def _check_run_dir(cfg: C.RunConfig, run_dir: Path, resume: bool) -> None:
+    """Under the run directory's lock: check ``run_dir`` for ``--resume`` (same configuration; the
+    ``COMPLETE`` marker removed), else check that it holds no earlier run and write ``config.json``."""
+    stored = run_dir / "config.json"
+    if resume:
         if not stored.is_file():
             raise ValueError(f"--resume: {run_dir} is not a shiftguard run directory (no config.json)")
         try:
             old = json.loads(stored.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--resume: {stored} is damaged ({exc})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+            raise ValueError(f"--resume: {stored} is damaged ({type(exc).__name__}: {exc})") from None
         if not isinstance(old, dict) or not isinstance(old.get("config"), dict):
             raise ValueError(f"--resume: {stored} is damaged (no configuration table)")
         new = _jsonable(cfg.to_dict())
@@ -349,25 +403,22 @@ def prepare_run_dir(cfg: C.RunConfig, args) -> Path:
             (run_dir / COMPLETE_MARKER).unlink()
         except FileNotFoundError:
             pass
-        return run_dir
-    if run_dir.exists() and not run_dir.is_dir():
-        raise ValueError(f"--name: {run_dir} exists and is not a directory")
-    if run_dir.exists() and any(run_dir.iterdir()):
+        return
+    if any(p.name != LOCK_NAME for p in run_dir.iterdir()):
         if _run_outputs(run_dir):
             raise ValueError(f"run directory {run_dir} already exists; use --resume to continue it or another --name")
         # Nothing a run produces is there (no checkpoint, weights, cache or results): a run that
         # stopped before its first checkpoint. Its config.json is replaced by this run's.
         print(f"reusing run directory {run_dir}: it holds only the config.json of a run that stopped before its "
               "first checkpoint", flush=True)
-    run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(stored, {"config": _jsonable(cfg.to_dict()), "source": cfg.source})
-    return run_dir
 
 
 def _run_outputs(run_dir: Path) -> list[Path]:
     """Files under ``run_dir`` that a run produced beyond its ``config.json`` (and that file's
-    atomic-write temporaries): any checkpoint, metrics log, weights, cached embedding or result."""
-    own = lambda p: p.parent == run_dir and (p.name == "config.json" or  # noqa: E731
+    atomic-write temporaries) and its lock file: any checkpoint, metrics log, weights, cached
+    embedding or result."""
+    own = lambda p: p.parent == run_dir and (p.name in ("config.json", LOCK_NAME) or  # noqa: E731
                                              (p.name.startswith(".config.json.") and p.name.endswith(".tmp")))
     return [p for p in run_dir.rglob("*") if not p.is_dir() and not own(p)]
 
@@ -518,16 +569,21 @@ def main(args) -> int:
         args.name = args.name or cfg.name or datetime.now().strftime("%Y%m%d-%H%M%S")
         return D.launch(["run", *relaunch_argv(args)], nproc)
     info = D.init_distributed(device)
+    lock = None
     try:
-        # Rank 0 creates (or checks) the run directory; the others take its path or its error.
-        outcome = None
+        # Rank 0 creates (or checks) the run directory and alone holds its lock until the run ends;
+        # the others take its path or its error.
+        outcome, error = None, None
         if info.is_main:
             try:
-                outcome = ("ok", str(prepare_run_dir(cfg, args)))
-            except (ValueError, FileNotFoundError) as exc:
-                outcome = ("error", str(exc))
+                run_dir, lock = claim_run_dir(cfg, args)
+                outcome = ("ok", str(run_dir))
+            except (ValueError, DirectoryInUseError, OSError) as exc:
+                outcome, error = ("error", str(exc)), exc
         status, value = D.broadcast_object(outcome)
         if status == "error":
+            if error is not None:
+                raise error
             raise ValueError(value)
         progress = not args.no_progress and info.is_main
         log = lambda s: print(s, flush=True)  # noqa: E731
@@ -535,6 +591,8 @@ def main(args) -> int:
         compile_s = compile_kernels(cfg, info.device, announce=info.is_main)
         execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log, compile_s=compile_s)
     finally:
+        if lock is not None:
+            lock.release()
         if info.distributed:
             D.cleanup_distributed()
     return 0

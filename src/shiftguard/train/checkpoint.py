@@ -20,13 +20,40 @@ import torch
 
 from shiftguard.io import atomic_write_bytes, atomic_write_text, sha256_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "list_checkpoints", "CheckpointError"]
+__all__ = ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "list_checkpoints", "CheckpointError",
+           "write_checksum", "checksum_problem"]
 
 _NAME = re.compile(r"^epoch-(\d{4,})\.pt$")
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that is missing its checksum, fails it, or cannot be read."""
+
+
+def write_checksum(path: str | os.PathLike) -> Path:
+    """Write ``<path>.sha256`` (atomically) holding the SHA-256 of the file ``path``; return its path.
+
+    Call it once ``path`` is complete: a crash in between leaves a file without a checksum, which
+    :func:`checksum_problem` reports as unverified."""
+    p = Path(path)
+    return atomic_write_text(p.with_name(p.name + ".sha256"), sha256_file(p) + "\n")
+
+
+def checksum_problem(path: str | os.PathLike) -> Optional[str]:
+    """``None`` when the file ``path`` matches its ``<path>.sha256``; else why not, as a phrase
+    ("no checksum file <name>", "unreadable checksum file <name> (...)", "checksum mismatch with <name>
+    (...)"). ``FileNotFoundError`` when ``path`` itself is missing."""
+    p = Path(path)
+    sidecar = p.with_name(p.name + ".sha256")
+    if not sidecar.is_file():
+        return f"no checksum file {sidecar.name}"
+    try:
+        expected = sidecar.read_text(encoding="ascii").strip()
+    except (UnicodeDecodeError, OSError) as exc:
+        return f"unreadable checksum file {sidecar.name} ({exc})"
+    if sha256_file(p) != expected:
+        return f"checksum mismatch with {sidecar.name} (file truncated or corrupt)"
+    return None
 
 
 def _path(directory: Path, epoch: int) -> Path:
@@ -56,7 +83,7 @@ def save_checkpoint(directory: str | os.PathLike, epoch: int, state: dict, keep:
     atomic_write_bytes(path, data)
     # The checksum is written after the data: a crash in between leaves a file without a checksum,
     # which the loader treats as incomplete and skips.
-    atomic_write_text(path.with_name(path.name + ".sha256"), sha256_file(path) + "\n")
+    write_checksum(path)
     if keep > 0:
         for _, old in list_checkpoints(d)[:-keep]:
             for f in (old, old.with_name(old.name + ".sha256")):
@@ -70,18 +97,12 @@ def save_checkpoint(directory: str | os.PathLike, epoch: int, state: dict, keep:
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     """Verify the checksum of ``path`` and load it; :class:`CheckpointError` if it is damaged."""
     p = Path(path)
-    sidecar = p.with_name(p.name + ".sha256")
     if not p.is_file():
         raise CheckpointError(f"checkpoint {p}: file not found")
-    if not sidecar.is_file():
-        raise CheckpointError(f"checkpoint {p}: no checksum file (write interrupted?)")
-    try:
-        expected = sidecar.read_text(encoding="ascii").strip()
-    except (UnicodeDecodeError, OSError) as exc:
-        raise CheckpointError(f"checkpoint {p}: unreadable checksum file {sidecar.name} ({exc})") from None
-    actual = sha256_file(p)
-    if actual != expected:
-        raise CheckpointError(f"checkpoint {p}: checksum mismatch with {sidecar.name} (file truncated or corrupt)")
+    problem = checksum_problem(p)
+    if problem is not None:
+        interrupted = " (write interrupted?)" if problem.startswith("no checksum file") else ""
+        raise CheckpointError(f"checkpoint {p}: {problem}{interrupted}")
     try:
         state = torch.load(p, map_location=map_location, weights_only=True)
     except Exception as exc:  # unpickling errors come in many types
