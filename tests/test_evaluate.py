@@ -403,3 +403,10 @@ def test_cli_weights_that_do_not_fit_are_refused_naming_the_file(tmp_path, monke
     torch.save({"0.weight": torch.zeros(2, 2)}, tmp_path / "bad.pt")
     assert cli(_cli_args(tmp_path, "--weights", str(tmp_path / "bad.pt"), "--out", str(tmp_path / "o"))) == 2
     assert "bad.pt does not fit the model" in capsys.readouterr().err
+
+
+def test_loading_a_deeply_nested_results_file_is_an_error_naming_it(tmp_path):
+    p = tmp_path / "results.json"
+    p.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="results.json: nested too deeply"):
+        EvaluationResult.load(p)

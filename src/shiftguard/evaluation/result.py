@@ -139,6 +139,8 @@ class EvaluationResult:
             results = json.loads(p.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{p}: not valid JSON ({exc})") from None
+        except RecursionError:
+            raise ValueError(f"{p}: nested too deeply to be a results file") from None
         if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
             raise ValueError(f"{p}: not a shiftguard results file (no 'rows' list)")
         return cls(results)
