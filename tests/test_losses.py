@@ -383,7 +383,7 @@ def test_gradcheck_smooth_ap():
 # ---------------------------------------------------------------- registry
 
 def test_build_loss_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="valid names: .*recall_at_k.*watershed"):
+    with pytest.raises(ValueError, match="name: unknown loss 'nope'; expected one of .*recall_at_k.*watershed"):
         build_loss("nope")
 
 

@@ -94,7 +94,7 @@ def test_all_models_are_embedding_classifiers():
 
 
 def test_unknown_model_name_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown name 'alexnet'.*lenet"):
+    with pytest.raises(ValueError, match="arch: unknown model 'alexnet'; expected one of .*lenet"):
         build_model("alexnet")
 
 

@@ -93,7 +93,7 @@ def test_existing_run_dir_without_resume_is_refused(quick_run, capsys):
     "toml, message",
     [
         ("[train]\nepochz = 1\n", "unknown key train.'epochz'"),
-        ("[[models]]\narch = 'alexnet'\n", "unknown name 'alexnet'"),
+        ("[[models]]\narch = 'alexnet'\n", "unknown model 'alexnet'"),
         ("[[models]]\narch = 'lenet'\nloss = 'nope'\n", "nope"),
         ("[[models]]\narch = 'lenet'\nheads = ['oracle']\n", "unknown head 'oracle'"),
         ("[data]\ndataset = 'cifar10'\nroot = '/nonexistent/x'\n[[models]]\narch = 'lenet'\n", "cifar10"),

@@ -30,34 +30,55 @@ from typing import Optional
 
 import torch
 
+from shiftguard.registry import Registry
+
 from .cifar_c import CIFAR_C, CIFAR_C_EXTRA
 from .mnist_c import MNIST_C
 from .registry import CorruptionSpec
 
-__all__ = ["SUITES", "CorruptionSpec", "names", "get", "corrupt", "gallery"]
+__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "corrupt",
+           "gallery"]
 
-SUITES: dict[str, dict[str, CorruptionSpec]] = {
-    "mnist-c": MNIST_C,
-    "cifar-c": CIFAR_C,
-    "cifar-c-extra": CIFAR_C_EXTRA,
-}
+#: The suites by name: ``suite -> {corruption name -> CorruptionSpec}`` (benchmark order). Suite
+#: and corruption names are matched ignoring case, ``-`` and ``_``.
+SUITE_REGISTRY: Registry[dict[str, CorruptionSpec]] = Registry("suite", argument="suite")
+SUITE_REGISTRY.register("mnist-c", MNIST_C)
+SUITE_REGISTRY.register("cifar-c", CIFAR_C)
+SUITE_REGISTRY.register("cifar-c-extra", CIFAR_C_EXTRA)
+
+SUITES: dict[str, dict[str, CorruptionSpec]] = SUITE_REGISTRY.as_dict()
+
+#: The corruptions of each suite: ``suite -> Registry(corruption name -> CorruptionSpec)``.
+CORRUPTION_REGISTRIES: dict[str, Registry[CorruptionSpec]] = {}
+for _suite, _table in SUITES.items():
+    CORRUPTION_REGISTRIES[_suite] = Registry(f"{_suite} corruption", argument="name")
+    for _name, _spec in _table.items():
+        CORRUPTION_REGISTRIES[_suite].register(_name, _spec)
+
+# Every corruption name of every suite -> the suites that have it (a name may be in several).
+_ANY_SUITE: Registry[list[str]] = Registry("corruption", argument="name")
+for _suite, _table in SUITES.items():
+    for _name in _table:
+        if _name in _ANY_SUITE:
+            _ANY_SUITE.get(_name).append(_suite)
+        else:
+            _ANY_SUITE.register(_name, [_suite])
+del _suite, _table, _name, _spec
 
 #: Images processed per step (bounds memory; the random stream continues across chunks).
 CHUNK = 8192
 
 
-def _check_suite(suite: str) -> dict[str, CorruptionSpec]:
-    if suite not in SUITES:
-        raise ValueError(f"suite: unknown suite {suite!r}; valid: {', '.join(SUITES)}")
-    return SUITES[suite]
-
-
 def names(suite: str = "cifar-c", *, extra: bool = False) -> list[str]:
     """Corruption names of ``suite`` in benchmark order (``extra=True`` appends the 4 CIFAR-10-C
-    extras to ``"cifar-c"``)."""
-    out = list(_check_suite(suite))
+    extras to ``"cifar-c"``).
+
+    Raises ``TypeError`` / ``ValueError`` naming ``suite`` for a non-str or unknown suite (the
+    message lists the suites), ``ValueError`` naming ``extra`` for extras of another suite.
+    """
+    out = list(SUITE_REGISTRY.get(suite))
     if extra:
-        if suite != "cifar-c":
+        if SUITE_REGISTRY.canonical(suite) != "cifar-c":
             raise ValueError(f"extra: only the 'cifar-c' suite has extra corruptions, got suite={suite!r}")
         out += list(CIFAR_C_EXTRA)
     return out
@@ -69,25 +90,25 @@ def get(name: str, suite: Optional[str] = None, channels: Optional[int] = None) 
     ``suite`` may be given, or a qualified name ``"mnist-c/fog"`` used. Otherwise the suite is
     inferred: names that exist in both MNIST-C and CIFAR-10-C (shot_noise, impulse_noise,
     glass_blur, motion_blur, brightness, fog, spatter) resolve to MNIST-C for one-channel images
-    and to CIFAR-10-C otherwise.
+    and to CIFAR-10-C otherwise. Names are matched ignoring case, ``-`` and ``_``.
+
+    Raises:
+        TypeError: ``name`` or ``suite`` is not a str.
+        ValueError: an unknown suite or corruption; the message names the argument, lists the
+            valid names (of ``suite`` where one is given) and suggests the closest.
     """
     if not isinstance(name, str):
         raise TypeError(f"name: expected a string, got {type(name).__name__}")
     if "/" in name and suite is None:
         suite, name = name.split("/", 1)
     if suite is not None:
-        table = _check_suite(suite)
-        if name not in table:
-            raise ValueError(f"name: unknown corruption {name!r} for suite {suite!r}; valid: {', '.join(table)}")
-        return table[name]
-    found = [s for s, t in SUITES.items() if name in t]
-    if not found:
-        valid = sorted({n for t in SUITES.values() for n in t})
-        raise ValueError(f"name: unknown corruption {name!r}; valid: {', '.join(valid)}")
+        return CORRUPTION_REGISTRIES[SUITE_REGISTRY.canonical(suite)].get(name)
+    found = _ANY_SUITE.get(name)
     if len(found) > 1:
         pick = "mnist-c" if channels == 1 else next(s for s in found if s != "mnist-c")
-        return SUITES[pick][name]
-    return SUITES[found[0]][name]
+    else:
+        pick = found[0]
+    return CORRUPTION_REGISTRIES[pick].get(name)
 
 
 def _check_images(images) -> torch.Tensor:

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from shiftguard.data.base import ImageDataset
+from shiftguard.registry import Registry
 
-__all__ = ["load", "names", "describe", "DatasetInfo"]
+__all__ = ["load", "names", "describe", "DatasetInfo", "DATASET_REGISTRY"]
 
 
 @dataclass(frozen=True)
@@ -83,9 +84,12 @@ def _embedded(split, root, download):
     return load_embedded(split)
 
 
-_TABLE: dict[str, DatasetInfo] = {
-    d.name: d
-    for d in (
+#: Datasets by name: ``name -> DatasetInfo``. Names are matched ignoring case, ``-`` and ``_``;
+#: ``fmnist`` is an alias of ``fashion-mnist`` and ``default`` of ``mnist-embedded``.
+DATASET_REGISTRY: Registry[DatasetInfo] = Registry("dataset", argument="name")
+# "mnistc", "tiny-imagenet" and "tiny-imagenet-c" need no alias: they normalise to a name
+_ALIASES = {"fashion-mnist": ("fmnist",), "mnist-embedded": ("default",)}
+for _info in (
         DatasetInfo("mnist", "MNIST, official IDX gzip files (60k/10k, 1x28x28)", ("train", "test"), False, (), _mnist("mnist")),
         DatasetInfo("fashion-mnist", "Fashion-MNIST, IDX gzip files (60k/10k, 1x28x28)", ("train", "test"), False, (), _mnist("fashion-mnist")),
         DatasetInfo("mnist-embedded", "class-balanced real MNIST subset shipped in the package (10k/2k)", ("train", "test"), False, (), _embedded),
@@ -98,30 +102,19 @@ _TABLE: dict[str, DatasetInfo] = {
         DatasetInfo("tinyimagenet-c", "Tiny-ImageNet-C JPEG tree (10k per corruption x severity)", ("test",), True, (), _tiny_c),
         DatasetInfo("imagefolder", "any <class>/<image> tree decoded with Pillow", ("train", "val", "test"), False, ("image_size", "mode"), _imagefolder),
         DatasetInfo("digits", "scikit-learn's bundled 8x8 digits (1442/355, deterministic split)", ("train", "test"), False, (), _digits),
-    )
-}
-
-_ALIASES = {"fmnist": "fashion-mnist", "mnistc": "mnist-c", "tiny-imagenet": "tinyimagenet", "tiny-imagenet-c": "tinyimagenet-c", "default": "mnist-embedded"}
+):
+    DATASET_REGISTRY.register(_info.name, _info, aliases=_ALIASES.get(_info.name, ()))
+del _info
 
 
 def names() -> list[str]:
-    """All dataset names ``load`` accepts."""
-    return list(_TABLE)
+    """All dataset names ``load`` accepts, in the order of the table above (not sorted)."""
+    return list(DATASET_REGISTRY)
 
 
 def describe() -> dict[str, str]:
     """``name -> one-line description``."""
-    return {k: v.description for k, v in _TABLE.items()}
-
-
-def _canonical(name) -> str:
-    if not isinstance(name, str):
-        raise TypeError(f"name: expected a dataset name (str), got {type(name).__name__}")
-    key = name.strip().lower().replace("_", "-")
-    key = _ALIASES.get(key, key)
-    if key not in _TABLE:
-        raise ValueError(f"name: unknown dataset {name!r}; valid names: {', '.join(_TABLE)}")
-    return key
+    return {k: v.description for k, v in DATASET_REGISTRY.items()}
 
 
 def load(
@@ -153,7 +146,7 @@ def load(
     names the file) or ``FileNotFoundError`` (files absent: the message lists the files expected
     and every folder searched).
     """
-    info = _TABLE[_canonical(name)]
+    info = DATASET_REGISTRY.get(name)
     if not isinstance(split, str):
         raise TypeError(f"split: expected a str, got {type(split).__name__}")
     if not isinstance(download, bool):
@@ -165,7 +158,7 @@ def load(
     if info.corrupted:
         return info.loader(split, root, download, corruption=corruption, severity=severity, **options)
     if corruption is not None or severity is not None:
-        corrupted = [n for n, i in _TABLE.items() if i.corrupted]
+        corrupted = [n for n, i in DATASET_REGISTRY.items() if i.corrupted]
         raise ValueError(
             f"corruption/severity: {info.name} is a clean dataset; use one of {corrupted}, "
             "or shiftguard.corruptions.corrupt(images, name, severity) to corrupt it on the fly"

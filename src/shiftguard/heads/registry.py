@@ -10,26 +10,45 @@ from __future__ import annotations
 from typing import Callable
 
 from shiftguard.heads.base import EmbeddingHead
+from shiftguard.registry import Registry
 
-__all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "build_head", "head_input"]
+__all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "build_head", "head_input"]
+
+#: Heads by name: ``name -> factory(num_classes, k)`` returning a fresh, unfitted head. Names are
+#: matched ignoring case, ``-`` and ``_``.
+HEAD_REGISTRY: Registry[Callable[[int, int], EmbeddingHead]] = Registry("head", argument="heads")
+
+
+def _heads():
+    from shiftguard import heads  # deferred: this module is imported by shiftguard.heads itself
+
+    return heads
+
+
+HEAD_REGISTRY.register("softmax", lambda num_classes, k: _heads().SoftmaxHead(num_classes=num_classes))
+HEAD_REGISTRY.register("temperature", lambda num_classes, k: _heads().TemperatureScaling(num_classes=num_classes))
+HEAD_REGISTRY.register("logistic", lambda num_classes, k: _heads().LogisticRegressionHead(num_classes=num_classes))
+HEAD_REGISTRY.register("quantile", lambda num_classes, k: _heads().QuantileClassifierHead(num_classes=num_classes))
+HEAD_REGISTRY.register("ned", lambda num_classes, k: _heads().NED(k=k, fit_mode="holdout", num_classes=num_classes))
+HEAD_REGISTRY.register("knn", lambda num_classes, k: _heads().KNNVote(k=k, num_classes=num_classes))
+HEAD_REGISTRY.register("wknn", lambda num_classes, k: _heads().WeightedKNN(k=k, num_classes=num_classes))
+HEAD_REGISTRY.register("1nn", lambda num_classes, k: _heads().OneNN(num_classes=num_classes))
+HEAD_REGISTRY.register("distance_ratio", lambda num_classes, k: _heads().DistanceRatioHead(num_classes=num_classes))
 
 #: Heads that read logits ``(N, C)``.
 LOGIT_HEADS = ("softmax", "temperature")
 #: Heads fitted on embeddings ``(N, D)`` of a support (training) set.
-EMBEDDING_HEADS = ("logistic", "quantile", "ned", "knn", "wknn", "1nn", "distance_ratio")
+EMBEDDING_HEADS = tuple(name for name in HEAD_REGISTRY if name not in LOGIT_HEADS)
+#: Every head name, the logit heads first, in registration order.
 HEAD_NAMES = LOGIT_HEADS + EMBEDDING_HEADS
 
 
 def head_input(name: str) -> str:
-    """``"logits"`` or ``"embeddings"``: what head ``name`` is fitted and evaluated on."""
-    _check_name(name)
-    return "logits" if name in LOGIT_HEADS else "embeddings"
+    """``"logits"`` or ``"embeddings"``: what head ``name`` is fitted and evaluated on.
 
-
-def _check_name(name) -> str:
-    if name not in HEAD_NAMES:
-        raise ValueError(f"heads: unknown head {name!r}; expected one of {', '.join(HEAD_NAMES)}")
-    return name
+    Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head), naming ``heads``.
+    """
+    return "logits" if HEAD_REGISTRY.canonical(name) in LOGIT_HEADS else "embeddings"
 
 
 def build_head(name: str, num_classes: int, k: int = 10) -> EmbeddingHead:
@@ -38,18 +57,8 @@ def build_head(name: str, num_classes: int, k: int = 10) -> EmbeddingHead:
     ``temperature``: T fitted on the validation logits (Guo et al. 2017). ``ned``: T fitted on the
     validation embeddings against the support when a validation set is given, on a held-out 20%
     of the support otherwise (004, Sec. 2).
-    """
-    from shiftguard import heads as H
 
-    table: dict[str, Callable[[], EmbeddingHead]] = {
-        "softmax": lambda: H.SoftmaxHead(num_classes=num_classes),
-        "temperature": lambda: H.TemperatureScaling(num_classes=num_classes),
-        "logistic": lambda: H.LogisticRegressionHead(num_classes=num_classes),
-        "quantile": lambda: H.QuantileClassifierHead(num_classes=num_classes),
-        "ned": lambda: H.NED(k=k, fit_mode="holdout", num_classes=num_classes),
-        "knn": lambda: H.KNNVote(k=k, num_classes=num_classes),
-        "wknn": lambda: H.WeightedKNN(k=k, num_classes=num_classes),
-        "1nn": lambda: H.OneNN(num_classes=num_classes),
-        "distance_ratio": lambda: H.DistanceRatioHead(num_classes=num_classes),
-    }
-    return table[_check_name(name)]()
+    Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head: the message lists
+    :data:`HEAD_NAMES` sorted and suggests the closest), naming ``heads``.
+    """
+    return HEAD_REGISTRY.get(name)(num_classes, k)

@@ -20,7 +20,8 @@ Losses with learnable parameters (proxies, rho, temperatures, a classifier) own 
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 from torch import nn
 
@@ -31,65 +32,77 @@ from shiftguard.losses.probabilistic import ELKLoss, HIBLoss, MCInfoNCELoss, Niv
 from shiftguard.losses.recall_at_k import RecallAtKSurrogate
 from shiftguard.losses.smooth_ap import SmoothAPLoss
 from shiftguard.losses.watershed import WatershedLoss
+from shiftguard.registry import Registry
 
 __all__ = [
     "EmbeddingLoss", "WatershedLoss", "DRLoss", "ProxyDRLoss", "RecallAtKSurrogate", "SmoothAPLoss",
-    "MCInfoNCELoss", "HIBLoss", "ELKLoss", "NivMFProxyLoss", "PMLLoss", "CrossEntropyLoss", "dr_log_probs", "sd_softmax_log_probs", "build_loss", "LOSS_NAMES",
+    "MCInfoNCELoss", "HIBLoss", "ELKLoss", "NivMFProxyLoss", "PMLLoss", "CrossEntropyLoss", "dr_log_probs",
+    "sd_softmax_log_probs", "build_loss", "LOSS_NAMES", "LOSS_REGISTRY",
 ]
 
-_CUSTOM = ("watershed", "dr", "proxydr", "recall_at_k", "smooth_ap")
+#: The losses :func:`build_loss` builds by name: ``name -> builder(embedding_dim, num_classes, **kw)``.
+#: Names are matched ignoring case, ``-`` and ``_``; ``recall@k`` is an alias of ``recall_at_k``.
+LOSS_REGISTRY: Registry[Callable[..., nn.Module]] = Registry("loss", argument="name")
 
 
-def _build_custom(name, embedding_dim, num_classes, kw):
-    if name == "watershed":
-        return WatershedLoss(**kw)
-    if name == "dr":
-        if kw.get("mode") == "proxies":
-            return DRLoss(num_classes=num_classes, embedding_dim=embedding_dim, **kw)
-        return DRLoss(**kw)
-    if name == "proxydr":
-        if embedding_dim is None or num_classes is None:
-            raise ValueError("embedding_dim and num_classes: both are required for loss 'proxydr'")
-        return ProxyDRLoss(num_classes, embedding_dim, **kw)
-    if name == "recall_at_k":
-        return RecallAtKSurrogate(**kw)
-    if name == "smooth_ap":
-        return SmoothAPLoss(**kw)
-    raise AssertionError(name)
+def _need_dims(name: str, embedding_dim, num_classes) -> None:
+    if embedding_dim is None or num_classes is None:
+        raise ValueError(f"embedding_dim and num_classes: both are required for loss {name!r}")
+
+
+def _dr(embedding_dim, num_classes, **kw):
+    if kw.get("mode") == "proxies":
+        return DRLoss(num_classes=num_classes, embedding_dim=embedding_dim, **kw)
+    return DRLoss(**kw)
+
+
+def _proxydr(embedding_dim, num_classes, **kw):
+    _need_dims("proxydr", embedding_dim, num_classes)
+    return ProxyDRLoss(num_classes, embedding_dim, **kw)
+
+
+def _nivmf_proxy(embedding_dim, num_classes, **kw):
+    _need_dims("nivmf_proxy", embedding_dim, num_classes)
+    return NivMFProxyLoss(num_classes, embedding_dim, **kw)
+
+
+def _without_dims(cls: type) -> Callable[..., nn.Module]:
+    """A builder for a loss without per-class parameters: the dimensions are not passed on."""
+    def build(embedding_dim, num_classes, **kw):
+        return cls(**kw)
+
+    return build
+
+
+LOSS_REGISTRY.register("watershed", _without_dims(WatershedLoss))
+LOSS_REGISTRY.register("dr", _dr)
+LOSS_REGISTRY.register("proxydr", _proxydr)
+LOSS_REGISTRY.register("recall_at_k", _without_dims(RecallAtKSurrogate), aliases=("recall@k",))
+LOSS_REGISTRY.register("smooth_ap", _without_dims(SmoothAPLoss))
+LOSS_REGISTRY.register("mcinfonce", _without_dims(MCInfoNCELoss))
+LOSS_REGISTRY.register("hib", _without_dims(HIBLoss))
+LOSS_REGISTRY.register("elk", _without_dims(ELKLoss))
+LOSS_REGISTRY.register("nivmf_proxy", _nivmf_proxy)
+for _name in PML_LOSSES:
+    LOSS_REGISTRY.register(_name, functools.partial(make_pml_loss, _name))
+del _name
+
+#: Every name :func:`build_loss` accepts, sorted.
+LOSS_NAMES = tuple(LOSS_REGISTRY.names())
 
 
 def build_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None, **kw) -> nn.Module:
     """Build a loss by name (see :data:`LOSS_NAMES`); extra keywords go to its constructor.
 
+    ``name`` is matched ignoring case, ``-`` and ``_`` (``recall@k`` names ``recall_at_k``).
     ``embedding_dim`` and ``num_classes`` are required by losses that own per-class parameters
     (proxies or a classifier): ``proxydr``, ``nivmf_proxy``, ``cross_entropy``, ``proxy_nca``,
     ``proxy_anchor``, ``normface`` and ``dr`` with ``mode="proxies"``; other losses ignore them.
+
+    Raises:
+        TypeError: ``name`` is not a str.
+        ValueError: an unknown ``name`` (the message lists :data:`LOSS_NAMES` and suggests the
+            closest); missing ``embedding_dim`` / ``num_classes`` where required; invalid
+            constructor arguments (raised by the loss).
     """
-    if not isinstance(name, str):
-        raise TypeError(f"name: expected a str, got {type(name).__name__}")
-    key = name.lower().replace("-", "_").replace("@", "_at_")
-    if key in _CUSTOM:
-        return _build_custom(key, embedding_dim, num_classes, kw)
-    if key in _PROBABILISTIC:
-        return _build_probabilistic(key, embedding_dim, num_classes, kw)
-    if key in PML_LOSSES:
-        return make_pml_loss(key, embedding_dim, num_classes, **kw)
-    raise ValueError(f"name: unknown loss {name!r}; valid names: {', '.join(LOSS_NAMES)}")
-
-
-_PROBABILISTIC = ("mcinfonce", "hib", "elk", "nivmf_proxy")
-
-
-def _build_probabilistic(name, embedding_dim, num_classes, kw):
-    if name == "mcinfonce":
-        return MCInfoNCELoss(**kw)
-    if name == "hib":
-        return HIBLoss(**kw)
-    if name == "elk":
-        return ELKLoss(**kw)
-    if embedding_dim is None or num_classes is None:
-        raise ValueError("embedding_dim and num_classes: both are required for loss 'nivmf_proxy'")
-    return NivMFProxyLoss(num_classes, embedding_dim, **kw)
-
-
-LOSS_NAMES = tuple(sorted(_CUSTOM + _PROBABILISTIC + PML_LOSSES))
+    return LOSS_REGISTRY.get(name)(embedding_dim, num_classes, **kw)

@@ -18,6 +18,8 @@ from typing import Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from shiftguard.registry import Registry
+
 from ._base import ACTIVATIONS, EmbeddingClassifier
 from .densenet import DenseNet, densenet121
 from .lenet import LeNet5
@@ -28,25 +30,33 @@ from .vgg import VGG, vgg11, vgg16
 __all__ = [
     "ACTIVATIONS", "MODELS", "EmbeddingClassifier", "LeNet5", "MLP", "ResNet", "VGG", "DenseNet",
     "resnet18", "vgg11", "vgg16", "densenet121", "build_model", "build_user_model", "model_names",
+    "MODEL_REGISTRY",
 ]
 
-MODELS: dict[str, Callable[..., EmbeddingClassifier]] = {
-    "lenet": LeNet5,
-    "mlp": MLP,
-    "resnet18": resnet18,
-    "vgg11": vgg11,
-    "vgg16": vgg16,
-    "densenet121": densenet121,
-}
+#: The architectures :func:`build_model` builds by name: ``name -> constructor``. Names are matched
+#: ignoring case, ``-`` and ``_``; ``lenet5``, ``resnet`` and ``densenet`` are aliases.
+MODEL_REGISTRY: Registry[Callable[..., EmbeddingClassifier]] = Registry(
+    "model", argument="arch", hint="or a factory 'package.module:function'")
+MODEL_REGISTRY.register("lenet", LeNet5, aliases=("lenet5",))
+MODEL_REGISTRY.register("mlp", MLP)
+MODEL_REGISTRY.register("resnet18", resnet18, aliases=("resnet",))
+MODEL_REGISTRY.register("vgg11", vgg11)
+MODEL_REGISTRY.register("vgg16", vgg16)
+MODEL_REGISTRY.register("densenet121", densenet121, aliases=("densenet",))
+
+#: ``name -> constructor`` of :data:`MODEL_REGISTRY` as a dict (a snapshot taken at import:
+#: register new architectures with ``MODEL_REGISTRY.register``).
+MODELS: dict[str, Callable[..., EmbeddingClassifier]] = MODEL_REGISTRY.as_dict()
 
 
 def model_names() -> list[str]:
-    return sorted(MODELS)
+    """The registered architecture names, sorted."""
+    return MODEL_REGISTRY.names()
 
 
 def build_model(name: str, activation: str = "relu", num_classes: int = 10, in_channels: int = 1, *,
                 example_input: Optional[torch.Tensor] = None, **kw) -> nn.Module:
-    """Build a registered architecture by name (see :data:`MODELS`), or a user factory.
+    """Build a registered architecture by name (see :data:`MODEL_REGISTRY`), or a user factory.
 
     Registered names: extra keywords go to the constructor (``embedding_dim``, ``width`` for LeNet,
     ``growth_rate`` for DenseNet, ``hidden``/``input_size`` for the MLP); an unknown keyword is a
@@ -65,7 +75,9 @@ def build_model(name: str, activation: str = "relu", num_classes: int = 10, in_c
     call. An embedding loss or head needs the model to have ``embed(x)`` (checked by the caller).
 
     Raises:
-        ValueError: unknown registered name; a spec without one ``:`` between a module and an
+        TypeError: ``name`` is not a str.
+        ValueError: an unknown registered name (the message lists the registered names and
+            suggests the closest); a spec without one ``:`` between a module and an
             attribute; a module that cannot be imported; a missing attribute; a factory that is not
             callable, rejects ``kw`` or returns something other than an ``nn.Module``; an activation
             to convert to while ``shiftguard.nn.convert_activations`` is unavailable. Each message
@@ -73,14 +85,9 @@ def build_model(name: str, activation: str = "relu", num_classes: int = 10, in_c
     """
     if isinstance(name, str) and ":" in name:
         return build_user_model(name, activation, num_classes, in_channels, example_input=example_input, **kw)
-    key = str(name).lower().replace("-", "").replace("_", "")
-    aliases = {"lenet5": "lenet", "densenet": "densenet121", "resnet": "resnet18"}
-    key = aliases.get(key, key)
-    if key not in MODELS:
-        raise ValueError(f"arch: unknown name {name!r}; expected one of {', '.join(model_names())} "
-                         "or a factory 'package.module:function'")
+    constructor = MODEL_REGISTRY.get(name)
     try:
-        model = MODELS[key](activation=activation, num_classes=num_classes, in_channels=in_channels, **kw)
+        model = constructor(activation=activation, num_classes=num_classes, in_channels=in_channels, **kw)
     except TypeError as exc:
         raise ValueError(f"model {name!r}: {exc}") from None
     return model
