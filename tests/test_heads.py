@@ -278,7 +278,7 @@ def test_heads_keep_the_device_and_num_classes_can_exceed_the_labels_only_with_p
 
 
 def test_ned_subsampled_leave_one_out_is_nearly_optimal_for_the_full_leave_one_out_nll():
-    from shiftguard.heads.knn import knn_search
+    from shiftguard.neighbors import knn_search
     from shiftguard.heads.ned import ned_nll
 
     x, y = blobs(n=1500, spread=3.0)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shiftguard.heads.knn import knn_search
+from shiftguard.neighbors import knn_search
 
 
 def brute_force(query, support, k, exclude_self=False):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from shiftguard.heads import NED
-from shiftguard.heads.knn import _knn_dispatch, default_chunk_size, knn_search
-from shiftguard.heads.knn_pruned import PrunedKNNIndex, _topk_smallest
+from shiftguard.neighbors import PrunedKNNIndex, default_chunk_size, knn_search
+from shiftguard.neighbors.pruned import _topk_smallest
 
 
 def clustered(n_support, n_query, dim, n_centres=10, spread=4.0, noise=1.0, seed=0, dtype=torch.float32):
@@ -101,7 +101,8 @@ def test_self_index_on_a_subset_of_support_rows_as_ned_fit_does():
     _, s = clustered(2500, 1, 24)
     rows = torch.randperm(2500, generator=torch.Generator().manual_seed(0))[:400]
     chunk = default_chunk_size(2500)
-    assert_same(_knn_dispatch(s[rows], s, 8, "pruned", rows, chunk), _knn_dispatch(s[rows], s, 8, "torch", rows, chunk))
+    assert_same(knn_search(s[rows], s, 8, backend="pruned", exclude=rows, chunk_size=chunk),
+                knn_search(s[rows], s, 8, backend="torch", exclude=rows, chunk_size=chunk))
 
 
 def test_exclude_self_excludes_by_index_even_with_duplicates():

@@ -86,7 +86,7 @@ def _can_reset_peak() -> bool:
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_reset_peak(),
                     reason="needs Linux /proc/self/clear_refs to reset the peak RSS counter")
 def test_knn_heads_and_retrieval_metrics_stay_within_their_chunk_budget():
-    from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES
+    from shiftguard.neighbors import DEFAULT_MEMORY_BUDGET_BYTES
 
     budget = 32 * MiB
     small, big = 5_000, 20_000

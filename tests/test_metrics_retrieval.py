@@ -155,9 +155,9 @@ def test_one_search_index_is_built_for_all_query_chunks(monkeypatch, backend):
         faiss = pytest.importorskip("faiss")
         owner, name = faiss, "IndexFlatL2"
     else:
-        from shiftguard.heads import knn_pruned
+        from shiftguard.neighbors import search
 
-        owner, name = knn_pruned, "PrunedKNNIndex"
+        owner, name = search, "PrunedKNNIndex"
     built = []
     original = getattr(owner, name)
 

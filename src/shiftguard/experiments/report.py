@@ -17,14 +17,14 @@ from pathlib import Path
 
 from shiftguard.evaluation.report import build_comparison, build_report, format_summary
 
+from .rundir import COMPLETE_MARKER
+
 __all__ = ["add_arguments", "main", "load_run"]
 
 
 # --------------------------------------------------------------------------- loading runs
 def load_run(run_dir: str | Path) -> dict:
     """``results.json`` of a finished run; clear errors for anything else."""
-    from .run import COMPLETE_MARKER
-
     d = Path(run_dir)
     if not d.exists():
         raise FileNotFoundError(f"run directory not found: {d}")

@@ -39,10 +39,10 @@ from shiftguard._lock import LOCK_NAME, DirectoryInUseError, DirectoryLock
 from shiftguard.io import atomic_write, atomic_write_json, atomic_write_text
 
 from . import config as C
+from .rundir import COMPLETE_MARKER
 
 __all__ = ["add_arguments", "main", "execute", "COMPLETE_MARKER"]
 
-COMPLETE_MARKER = "COMPLETE"
 #: Official pre-corrupted set of each clean dataset (``shiftguard.data.load`` names).
 CORRUPTED_SETS = {"cifar10": "cifar10-c", "cifar100": "cifar100-c", "tinyimagenet": "tinyimagenet-c", "mnist": "mnist-c"}
 

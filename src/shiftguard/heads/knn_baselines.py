@@ -19,7 +19,7 @@ import torch
 
 from shiftguard._validation import check_positive
 from shiftguard.heads.base import EmbeddingHead
-from shiftguard.heads.knn import knn_search
+from shiftguard.neighbors import knn_search
 
 __all__ = ["KNNHeadBase", "OneNN", "KNNVote", "WeightedKNN", "dudani_weights", "gou_weights"]
 

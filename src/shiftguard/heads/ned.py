@@ -42,10 +42,9 @@ import torch
 from scipy.optimize import minimize_scalar
 
 from shiftguard._validation import check_positive
-from shiftguard.heads.knn import _knn_dispatch, default_chunk_size, knn_search
-from shiftguard.heads.knn_baselines import KNNHeadBase
-from shiftguard.heads.knn_pruned import PrunedKNNIndex
 from shiftguard.functional.scaling import distance_scale_exponent, ldexp
+from shiftguard.heads.knn_baselines import KNNHeadBase
+from shiftguard.neighbors import PrunedKNNIndex, knn_search
 
 __all__ = ["NED", "ned_probabilities", "ned_nll"]
 
@@ -150,9 +149,8 @@ class NED(KNNHeadBase):
             if self.k > n - 1:
                 raise ValueError(f"k: leave-one-out needs k <= {n - 1} (support size - 1), got {self.k}")
             rows = subset(n)
-            chunk = default_chunk_size(n, support.dtype)
-            d, idx = _knn_dispatch(support[rows], support, self.k, self.backend, rows, chunk,
-                                   index=self.knn_index_)
+            d, idx = knn_search(support[rows], support, self.k, backend=self.backend, exclude=rows,
+                                index=self.knn_index_)
             same = y[idx] == y[rows].unsqueeze(1)
         elif val_emb is not None:
             rows = subset(val_emb.shape[0])

@@ -1,5 +1,9 @@
-"""Adapter exposing ``shiftguard.nn.QuantileClassifier`` (000 Sec. 3, the calibrated quantile
-classifier fitted "on the train embedding") through the head interface.
+"""The quantile classifier (000 Sec. 3, fitted "on the train embedding") as a head.
+
+- :func:`fit_quantile_classifier` -- trains a ``shiftguard.nn.QuantileClassifier`` on frozen
+  embeddings (000 Sec. 4 Remark): Adam, shuffled mini-batches, each mini-batch its own QACT context,
+  then the frozen QACT statistics set from all training embeddings.
+- :class:`QuantileClassifierHead` -- the head interface over it (``fit`` / ``predict_proba``).
 """
 
 from __future__ import annotations
@@ -8,10 +12,77 @@ from typing import Any, Optional
 
 import torch
 
+from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
 from shiftguard.heads.base import EmbeddingHead
 from shiftguard.nn import QuantileClassifier
 
-__all__ = ["QuantileClassifierHead"]
+__all__ = ["QuantileClassifierHead", "fit_quantile_classifier"]
+
+
+def fit_quantile_classifier(classifier: QuantileClassifier, train_embeddings, train_labels, epochs: int = 30,
+                            batch_size: int = 256, lr: float = 1e-2, weight_decay: float = 0.0,
+                            seed: int = 0) -> QuantileClassifier:
+    """Train ``classifier`` in place on frozen training embeddings (000 Sec. 4 Remark) and return it.
+
+    Adam on :meth:`QuantileClassifier.loss` (000 Sec. 3) over shuffled mini-batches; each mini-batch
+    is its own QACT context (a trailing batch of one row is skipped: QACT needs a context). Afterwards
+    the frozen QACT statistics are set from all training embeddings, so ``context="frozen"`` scores
+    against the training distribution; the classifier is left in eval mode with its context mode
+    unchanged.
+
+    Args:
+        classifier: the ``QuantileClassifier`` to train (its parameters' device and dtype are used).
+        train_embeddings: ``(N, D)`` float tensor, finite. train_labels: ``(N,)`` labels in ``[0, K)``.
+        epochs: passes over the data (>= 1). batch_size: rows per step (>= 2). lr (> 0),
+            weight_decay: Adam's. seed: seed of the shuffling (a private generator; torch's global
+            RNG still seeds QACT's KDE samples).
+
+    Raises:
+        TypeError / ValueError naming ``train_embeddings``, ``train_labels``, ``epochs``, ``batch_size``
+        or ``lr`` for bad input.
+
+    Examples:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> x, y = torch.randn(64, 3), torch.arange(64) % 2
+        >>> clf = fit_quantile_classifier(QuantileClassifier(3, 2, n_samples=30), x, y, epochs=1, batch_size=32)
+        >>> clf.predict_proba(x).shape
+        torch.Size([64, 2])
+    """
+    emb = check_tensor(train_embeddings, "train_embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+    labels = check_labels(train_labels, "train_labels", num_classes=classifier.num_classes)
+    check_same_length([("train_embeddings", emb), ("train_labels", labels)])
+    check_positive(epochs, "epochs", integer=True)
+    check_positive(batch_size, "batch_size", integer=True)
+    check_positive(lr, "lr")
+    if batch_size < 2:
+        raise ValueError(f"batch_size: expected >= 2 (QACT needs a context), got {batch_size}")
+    weight = classifier.linear.weight
+    emb, labels = emb.to(weight.device, weight.dtype), labels.to(weight.device)
+    n = emb.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(classifier.parameters(), lr=lr, weight_decay=weight_decay)
+    mode = str(classifier.qact.context)
+    classifier.qact.context = "batch"
+    classifier.train()
+    try:
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen).to(weight.device)
+            for start in range(0, n, batch_size):
+                idx = order[start:start + batch_size]
+                if idx.numel() < 2:
+                    continue
+                opt.zero_grad(set_to_none=True)
+                loss = classifier.loss(classifier(emb[idx]), labels[idx])
+                loss.backward()
+                opt.step()
+    finally:
+        classifier.eval()
+        classifier.qact.context = mode
+    with torch.no_grad():
+        classifier.qact.fit_context(classifier.linear(emb))
+    classifier.qact.context = mode
+    return classifier
 
 
 class QuantileClassifierHead(EmbeddingHead):
@@ -20,7 +91,7 @@ class QuantileClassifierHead(EmbeddingHead):
     Args:
         num_classes: number of classes; inferred when None.
         classifier_kwargs: keyword arguments for ``QuantileClassifier(in_features, num_classes, **kw)``.
-        fit_kwargs: keyword arguments for ``QuantileClassifier.fit_embeddings(emb, labels, **kw)``.
+        fit_kwargs: keyword arguments for ``fit_quantile_classifier(classifier, emb, labels, **kw)``.
 
     Learned state: ``classifier_`` (the fitted ``QuantileClassifier``), ``num_classes_``.
     """
@@ -36,7 +107,7 @@ class QuantileClassifierHead(EmbeddingHead):
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         clf = QuantileClassifier(emb.shape[1], num_classes, **self.classifier_kwargs).to(emb.device)
-        clf.fit_embeddings(emb, y, **self.fit_kwargs)
+        fit_quantile_classifier(clf, emb, y, **self.fit_kwargs)
         self.classifier_ = clf
         self.in_features_ = emb.shape[1]
         self.num_classes_ = num_classes

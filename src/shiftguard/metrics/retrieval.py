@@ -19,7 +19,8 @@ MAP@R, R-precision and precision@1 agree with ``AccuracyCalculator`` (tested).
 
 Memory: queries are processed in chunks; each chunk needs its kNN list up to
 ``max(max(ks), max R_q in the chunk)`` and one ``(chunk, N)`` distance block (``knn_search``),
-so 100k x 100k never materialises an N x N matrix. For many samples per class the chunk's
+so 100k x 100k never materialises an N x N matrix. The support is prepared once for all chunks
+(``shiftguard.neighbors.KNNIndex``). For many samples per class the chunk's
 kNN list (chunk x max R) is the dominant cost; the chunk size adapts to keep it under the budget.
 """
 
@@ -31,18 +32,13 @@ from typing import Sequence
 import torch
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
-from shiftguard.heads.knn import (
-    DEFAULT_MEMORY_BUDGET_BYTES,
-    _check_backend,
-    _knn_dispatch,
-    _search_state,
-    default_chunk_size,
-)
+from shiftguard.neighbors import DEFAULT_MEMORY_BUDGET_BYTES, KNNIndex, check_backend, default_chunk_size
 
 __all__ = ["retrieval_metrics"]
 
 
-def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int], r_metrics: bool = True) -> dict[str, torch.Tensor]:
+def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int],
+               r_metrics: bool = True) -> dict[str, torch.Tensor]:
     """Per-query metric values from the relevance matrix ``rel (Q, L)`` (bool) and ``R_q (Q,)``;
     ``r_metrics=False`` leaves out MAP@R and R-precision (``L`` may then be just ``max(ks)``)."""
     q, length = rel.shape
@@ -109,7 +105,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     """
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
-    _check_backend(backend)
+    check_backend(backend)
     check_same_length([("embeddings", emb), ("labels", y)])
     y = y.to(emb.device)
     ks = _check_ks(ks)
@@ -121,7 +117,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     n_used = 0
     nearest = torch.empty(n, dtype=torch.long, device=emb.device) if return_nearest else None
     block_rows = default_chunk_size(n, emb.dtype, memory_budget_bytes)
-    search_state = _search_state(emb, backend)  # what every query chunk searches against, built once
+    index = KNNIndex(emb, backend)  # what every query chunk searches against, built once
     start = 0
     while start < n:
         # Rows whose neighbour list and per-query temporaries (rows x L, ~8 float64 tensors,
@@ -134,7 +130,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
             rows = max(1, rows // 2)
         sl = slice(start, start + rows)
         self_index = torch.arange(start, start + rows, device=emb.device)
-        _, idx = _knn_dispatch(emb[sl], emb, length, backend, self_index, block_rows, **search_state)
+        _, idx = index.search(emb[sl], length, exclude=self_index, chunk_size=block_rows)
         if nearest is not None:
             nearest[sl] = idx[:, 0]
         rel = y[idx] == y[sl].unsqueeze(1)
@@ -148,7 +144,8 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         start += rows
     if n_used == 0:
         raise ValueError("labels: every class has a single sample; no query has a relevant neighbour")
-    order = [f"recall@{k}" for k in ks] + [f"map@{k}" for k in ks] + (["map@r", "r_precision"] if r_metrics else []) + ["precision@1"]
+    order = ([f"recall@{k}" for k in ks] + [f"map@{k}" for k in ks]
+             + (["map@r", "r_precision"] if r_metrics else []) + ["precision@1"])
     out = {key: sums[key] / n_used for key in order}
     out["n_queries"] = n_used
     out["n_lone_queries"] = n - n_used

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from shiftguard._validation import check_labels, check_same_length, check_tensor
+from shiftguard.neighbors import knn_search
 
 __all__ = ["auroc_error", "r_auroc", "aurc"]
 
@@ -52,8 +53,6 @@ def r_auroc(embeddings, labels, uncertainty, backend: str = "torch") -> float:
     """R-AUROC (003 Paper "URL" Sec. 3.1, Alg. 1): AUROC of ``uncertainty`` for predicting that a
     sample's nearest other embedding (1-NN, itself excluded) has a different class (a Recall@1 miss).
     """
-    from shiftguard.heads.knn import knn_search  # noqa: PLC0415
-
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
     u = check_tensor(uncertainty, "uncertainty", ndim=1, finite=True)

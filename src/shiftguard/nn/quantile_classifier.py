@@ -10,8 +10,11 @@ evaluated batch is the context -- how the paper evaluates ("train the Quantile C
 embedding and evaluate it on test/corrupted embedding") -- so the *evaluation batch size matters*:
 ``predict_proba(x, batch_size=None)`` uses all of ``x`` as one context, a ``batch_size`` splits it
 into contexts of that size. ``context="frozen"`` instead uses the statistics of the training
-embeddings (stored at the end of :meth:`QuantileClassifier.fit_embeddings`), so single samples
-can be scored.
+embeddings (stored by ``shiftguard.heads.fit_quantile_classifier`` at the end of training), so single
+samples can be scored.
+
+This module is the model (forward pass and loss); training it on embeddings is
+``shiftguard.heads.fit_quantile_classifier`` (used by ``shiftguard.heads.QuantileClassifierHead``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
+from shiftguard._validation import check_labels, check_positive, check_tensor
 from shiftguard.nn.qact import QuantileActivation
 
 __all__ = ["QuantileClassifier", "quantile_classifier_loss"]
@@ -94,51 +97,6 @@ class QuantileClassifier(nn.Module):
     def loss(self, probs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """:func:`quantile_classifier_loss` of the forward output ``probs`` ``(N, K)``."""
         return quantile_classifier_loss(probs, labels, n_tau=self.qact.n_tau)
-
-    def fit_embeddings(self, train_emb, train_labels, epochs: int = 30, batch_size: int = 256, lr: float = 1e-2,
-                       weight_decay: float = 0.0, seed: int = 0) -> "QuantileClassifier":
-        """Train on frozen training embeddings (000, Sec. 4 Remark), Adam, shuffled mini-batches
-        (each mini-batch is its own QACT context). Afterwards the frozen statistics are set from all
-        training embeddings, so ``context="frozen"`` scores against the training distribution.
-
-        Args:
-            train_emb: ``(N, D)`` embeddings. train_labels: ``(N,)`` labels in ``[0, K)``.
-            epochs, batch_size (>= 2), lr, weight_decay: optimisation. seed: shuffling seed.
-        """
-        emb = check_tensor(train_emb, "train_emb", ndim=2, floating=True, finite=True, nonempty=True)
-        labels = check_labels(train_labels, "train_labels", num_classes=self.num_classes)
-        check_same_length([("train_emb", emb), ("train_labels", labels)])
-        check_positive(epochs, "epochs", integer=True)
-        check_positive(batch_size, "batch_size", integer=True)
-        check_positive(lr, "lr")
-        if batch_size < 2:
-            raise ValueError(f"batch_size: expected >= 2 (QACT needs a context), got {batch_size}")
-        dev = self.linear.weight.device
-        emb, labels = emb.to(dev, self.linear.weight.dtype), labels.to(dev)
-        n = emb.shape[0]
-        gen = torch.Generator().manual_seed(seed)
-        opt = torch.optim.Adam(self.parameters(), lr=lr, weight_decay=weight_decay)
-        mode = self.qact._context
-        self.qact.context = "batch"
-        self.train()
-        try:
-            for _ in range(epochs):
-                order = torch.randperm(n, generator=gen).to(dev)
-                for start in range(0, n, batch_size):
-                    idx = order[start:start + batch_size]
-                    if idx.numel() < 2:
-                        continue
-                    opt.zero_grad(set_to_none=True)
-                    loss = self.loss(self(emb[idx]), labels[idx])
-                    loss.backward()
-                    opt.step()
-        finally:
-            self.eval()
-            self.qact.context = mode
-        with torch.no_grad():
-            self.qact.fit_context(self.linear(emb))
-        self.qact.context = mode
-        return self
 
     @torch.no_grad()
     def class_scores(self, x, batch_size: Optional[int] = None) -> torch.Tensor:

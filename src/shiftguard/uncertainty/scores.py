@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from shiftguard._validation import check_positive, check_probabilities, check_tensor
+from shiftguard.neighbors import knn_search
 
 __all__ = [
     "max_probability_uncertainty",
@@ -53,8 +54,6 @@ def margin_uncertainty(probs) -> torch.Tensor:
 def knn_distance_uncertainty(embeddings, support, k: int = 1, backend: str = "torch",
                              exclude_self: bool = False) -> torch.Tensor:
     """Mean squared Euclidean distance to the ``k`` nearest ``support`` embeddings (004 Sec. 2)."""
-    from shiftguard.heads.knn import knn_search  # noqa: PLC0415
-
     check_positive(k, "k", integer=True)
     d, _ = knn_search(embeddings, support, k, backend=backend, exclude_self=exclude_self)
     return d.mean(dim=1)

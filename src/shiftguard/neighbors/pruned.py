@@ -1,7 +1,7 @@
 """Exact kNN that skips whole (query block, support cluster) products by provable lower bounds.
 
 ``knn_search(..., backend="pruned")`` and ``NED(backend="pruned")`` use this module. The ranking
-key (on rows centred at the support's mean ``m``, ``knn._key_centre``), its ``addmm``, the exact
+key (on rows centred at the support's mean ``m``, ``exact.key_centre``), its ``addmm``, the exact
 recomputation and the re-sort of the k winners are those of the brute-force ``"torch"`` back end;
 only products that provably cannot enter a query's top k are not computed.
 
@@ -60,20 +60,21 @@ Search, per query block (queries with the same home, at most ``block_rows``):
   cluster over just those queries, each re-checked against the query's current k-th key. This
   keeps a block from paying for clusters that only a few of its queries need.
 
-Only CPU tensors are pruned; on other devices (not tested, no GPU here) the search is the
-brute-force torch one.
+Only CPU tensors are pruned; on other devices the search is the brute-force torch one.
 
 When it helps: supports whose cluster structure a few directions reveal (class clusters of
 embeddings; on 10 Gaussian classes in 128 dimensions a query needs about its own class, 12.7% of
-the products). It does not help on 100 Gaussian classes in 128 dimensions either: their centres span
-99 directions, more than the projection keeps (measured: nothing pruned, fallback). It cannot help when no low-dimensional view separates the data (e.g. an isotropic
-Gaussian): every LB is then below the k-th distance. The search watches for this: once
-``fallback_min_queries`` queries are done and more than ``fallback_fraction`` of their brute-force
-products were computed, the remaining queries go to the brute-force ``"torch"`` search, so the loss
-is the index build plus those first queries (measured in ``benchmarks/bench_knn.py``).
+the products). It does not help on 100 Gaussian classes in 128 dimensions: their centres span
+99 directions, more than the projection keeps (nothing is pruned; the fallback below takes over). It
+cannot help when no low-dimensional view separates the data (e.g. an isotropic Gaussian): every LB is
+then below the k-th distance. The search watches for this: once ``fallback_min_queries`` queries are
+done and more than ``fallback_fraction`` of their brute-force products were computed, the remaining
+queries go to the brute-force ``"torch"`` search, so the loss is the index build plus those first
+queries (measured in ``benchmarks/bench_knn.py``).
 
-``self_index`` (leave-one-out): as in the torch back end the query's own support row is excluded by
-index (its key set to +inf), so a duplicate of the query elsewhere in the support is still found.
+``self_index`` (leave-one-out; ``exclude`` of ``knn_search``): as in the torch back end the query's
+own support row is excluded by index (its key set to +inf), so a duplicate of the query elsewhere in
+the support is still found.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ from typing import Optional
 
 import torch
 
-from shiftguard.heads.knn import DEFAULT_MEMORY_BUDGET_BYTES, _exact_sq_dist, _key_rows, _resort, _torch_knn
+from shiftguard.neighbors.exact import DEFAULT_MEMORY_BUDGET_BYTES, exact_sq_dist, key_rows, resort, torch_knn
 
 __all__ = ["PrunedKNNIndex"]
 
@@ -147,7 +148,7 @@ class PrunedKNNIndex:
         self.n_support, self.dim = n, dim
         # The torch back end's key rows support - centre and their ||.||^2 (computed on the original
         # order, then permuted).
-        self.centre, centred, s_sq = _key_rows(support)
+        self.centre, centred, s_sq = key_rows(support)
         gen = torch.Generator().manual_seed(seed)
         self.origin = self._chunked_mean(support)  # o, float64 (D,)
 
@@ -163,9 +164,8 @@ class PrunedKNNIndex:
         if n_clusters is None:
             # ~sqrt(n)/12: clusters of 1000-3000 rows for supports of 10k-60k rows, so that each
             # (block, cluster) addmm + topk is large enough for the per-call overhead not to
-            # dominate. Measured on the 60k x 128, 10-class benchmark: 20 clusters 0.53-0.57 s,
-            # 61 clusters 0.87 s (index build + both NED searches), though the products rose only
-            # from 11.7% to 12.7% of brute force; 10 clusters merge classes (55% of the products).
+            # dominate; far fewer clusters than classes merge classes and prune little
+            # (benchmarks/bench_knn.py compares the choices).
             n_clusters = int(min(64, max(1, round(math.sqrt(n) / 12))))
         lab, cent = self._kmeans(z.float(), n_clusters, kmeans_iters, gen)
         # Renumber the non-empty clusters so that near clusters get near numbers (k-means of the
@@ -267,7 +267,7 @@ class PrunedKNNIndex:
         The keyword arguments only tune speed and memory (see the module docstring); results do not
         depend on them. Key blocks stay within ``memory_budget_bytes``; the per (query, cluster)
         tables are bounded by searching at most ``query_chunk`` queries at a time. CPU tensors are
-        searched with pruning; other devices (untested) go to the brute-force torch search.
+        searched with pruning; other devices go to the brute-force torch search.
         """
         n_q, n = query.shape[0], self.n_support
         if n_q > query_chunk:
@@ -287,11 +287,11 @@ class PrunedKNNIndex:
                  "block_cluster_pairs": 0, "fallback_queries": 0}
         self.last_stats = stats
         u = _unit_roundoff(query.dtype, query.device)
-        # CPU only for now (the GPU path is untested): other devices search by brute force.
+        # The bounds are evaluated on the CPU: other devices search by brute force.
         if u is None or 2 * (self.dim + 2) * u > 0.05 or n_q == 0 or query.device.type != "cpu":
             stats["fallback_queries"] = n_q
             stats["products"] = n_q * n
-            return _torch_knn(query, self.support, k, self_index, chunk, keys=_key_rows(self.support, self.centre))
+            return torch_knn(query, self.support, k, self_index, chunk, keys=key_rows(self.support, self.centre))
         g_key = 2.0 * (self.dim + 2) * u
 
         zq, tq, noq, nrq = self._project(query)
@@ -355,16 +355,16 @@ class PrunedKNNIndex:
         out_i = self.perm[best_pos]
         if remaining:
             rest = torch.cat(remaining).to(query.device)
-            _, idx = _torch_knn(query[rest], self.support, k,
+            _, idx = torch_knn(query[rest], self.support, k,
                                 None if self_index is None else self_index[rest], chunk,
-                                keys=_key_rows(self.support, self.centre))
+                                keys=key_rows(self.support, self.centre))
             out_i[rest] = idx
             stats["fallback_queries"] = rest.numel()
             stats["products"] += rest.numel() * n
         # Same exact recomputation and stable re-sort as the torch back end (in 1 MiB pieces, which
         # stay in cache; the per-row arithmetic and so the values are the same).
-        d = _exact_sq_dist(query, self.support, out_i, memory_budget_bytes=2**20)
-        return _resort(d, out_i)
+        d = exact_sq_dist(query, self.support, out_i, memory_budget_bytes=2**20)
+        return resort(d, out_i)
 
     def _merge_rows(self, query, rows, c, self_pos, best_key, best_pos, budget):
         """Merge the keys of ``query[rows]`` against cluster ``c`` into their top k (in place)."""

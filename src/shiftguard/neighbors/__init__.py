@@ -1,0 +1,27 @@
+"""Exact k-nearest-neighbour search, the one kNN API of the library (used by heads, metrics and
+uncertainty scores).
+
+- :func:`knn_search` -- the ``k`` nearest support rows of every query, squared Euclidean distance;
+  back ends ``"torch"`` (chunked, memory-bounded), ``"faiss"`` and ``"pruned"`` (exact, cluster-pruned)
+- :class:`KNNIndex` -- one support prepared once for many searches (any back end)
+- :class:`PrunedKNNIndex` -- the cluster-pruned index of ``backend="pruned"``, reusable via ``index=``
+- :func:`default_chunk_size`, :data:`DEFAULT_MEMORY_BUDGET_BYTES` -- the memory bound of a search
+- :func:`exact_sq_dist`, :func:`check_backend`, :data:`BACKENDS`
+
+See ``docs/heads_metrics.md`` ("kNN search").
+"""
+
+from shiftguard.neighbors.exact import DEFAULT_MEMORY_BUDGET_BYTES, default_chunk_size, exact_sq_dist
+from shiftguard.neighbors.pruned import PrunedKNNIndex
+from shiftguard.neighbors.search import BACKENDS, KNNIndex, check_backend, knn_search
+
+__all__ = [
+    "BACKENDS",
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "KNNIndex",
+    "PrunedKNNIndex",
+    "check_backend",
+    "default_chunk_size",
+    "exact_sq_dist",
+    "knn_search",
+]
