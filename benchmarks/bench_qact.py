@@ -26,7 +26,7 @@ from torch import nn
 
 from shiftguard.functional import channel_values, gaussian_kde, gaussian_kde_grid, kde_grid_error_bound
 from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE
-from shiftguard.functional.quantile import _batch_context
+from shiftguard.functional.quantile import _forward
 from shiftguard.io import atomic_write_json
 from shiftguard.nn import QACTBlock
 
@@ -64,8 +64,9 @@ def check_exact(x: torch.Tensor) -> dict:
     reference (all channels), the density the backward multiplies by within the grid bound of the
     exact KDE of the layer's own KDE samples (4 channels)."""
     xv = channel_values(x).double()
-    stats, pre = _batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(0), density=True)
-    counts = torch.round(channel_values(pre["output"]).double() * 100).long()
+    fwd = _forward(x, None, None, 100, 100.0, 1000, torch.Generator().manual_seed(0), True)
+    stats = fwd.stats
+    counts = torch.round(channel_values(fwd.output).double() * 100).long()
     mism = 0
     beyond = 0
     levels = np.arange(1, 101) / 101
@@ -85,7 +86,7 @@ def check_exact(x: torch.Tensor) -> dict:
             dist = np.abs(xb[:, None] - q[None, :]).min(axis=1)
             beyond += int((dist > 4 * np.spacing(np.abs(xb).astype(np.float32)).astype(np.float64)).sum())
     sub = xv[:4, :20000]
-    dens = channel_values(pre["density"]).double()[:4, :20000]
+    dens = channel_values(fwd.density).double()[:4, :20000]
     h = stats.bandwidth[:4].double()
     exact = gaussian_kde(sub, stats.samples[:4].double(), h)
     _, spacing = gaussian_kde_grid(sub, stats.samples[:4].double(), h, return_spacing=True)

@@ -365,7 +365,7 @@ def test_make_activation(name, cls):
 
 
 def test_make_activation_unknown_name_lists_valid_ones():
-    with pytest.raises(ValueError, match="relu, prelu, selu, qact"):
+    with pytest.raises(ValueError, match="name: unknown activation 'gelu'; expected one of prelu, qact, relu, selu"):
         make_activation("gelu", 4)
 
 
@@ -378,3 +378,149 @@ def test_functional_boundaries_validate_their_arguments():
         weighted_quantiles(torch.randn(2, 3), torch.ones(2, 4), torch.tensor([0.5]))
     with pytest.raises(ValueError, match="levels"):
         weighted_quantiles(torch.randn(2, 3), torch.ones(2, 3), torch.tensor([1.5]))
+
+
+# ----------------------------------------------------------------------------- bit-for-bit record
+# SHA-256 over everything QACT produces in a fixed sequence of calls: outputs, input gradients and
+# the running statistics (quantiles, samples, bandwidth, update count) after three training steps,
+# then an evaluation forward in batch context (with and without a gradient), a frozen-context forward
+# with a gradient, and the functional with an explicit generator. Any change of the arithmetic, the
+# sampling, the dispatch or the running update changes a digest. The cases cover (N, C) and
+# (N, C, H, W) inputs, float32 and float64, both implementations (compiled CPU kernels and the eager
+# torch code), rows short enough for the precomputed quantile brackets and too long for them, draws
+# tallied per entry and found one by one, a cumulative average (momentum=None), and running buffers
+# of another dtype than the input (their update then runs apart from the fused pass).
+_RECORD_CASES = {
+    # name: (shape, dtype, compiled, layer keyword arguments, buffers' dtype)
+    "dense-f32": ((64, 8), torch.float32, True, {}, None),
+    "dense-f64": ((300, 4), torch.float64, True, {}, None),
+    "conv-f32": ((16, 4, 6, 6), torch.float32, True, {}, None),
+    "conv-f64-long-rows": ((4, 2, 30, 30), torch.float64, True, {"n_tau": 37}, None),
+    "dense-f32-untallied": ((40, 3), torch.float32, True, {"n_samples": 4}, None),
+    "dense-f32-cumulative": ((64, 8), torch.float32, True, {"momentum": None}, None),
+    "dense-f64-f32-buffers": ((64, 8), torch.float64, True, {}, torch.float32),
+    "dense-f32-eager": ((64, 8), torch.float32, False, {}, None),
+    "conv-f64-eager": ((16, 4, 6, 6), torch.float64, False, {"momentum": None}, None),
+}
+
+
+def _record_digest(shape, dtype, compiled, kwargs, buffer_dtype, monkeypatch) -> str:
+    import hashlib
+
+    monkeypatch.setattr(quantile_module, "USE_COMPILED", compiled)
+    torch.manual_seed(1234)
+    digest = hashlib.sha256()
+
+    def feed(*tensors):
+        for t in tensors:
+            digest.update(t.detach().contiguous().cpu().numpy().tobytes())
+
+    layer = QuantileActivation(num_features=shape[1] if buffer_dtype is not None else None, **kwargs)
+    if buffer_dtype is not None:
+        layer.to(buffer_dtype)
+
+    def step(x, train, grad):
+        layer.train(train)
+        x = x.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            y = layer(x)
+        feed(y)
+        if grad:
+            (y * torch.linspace(-1.0, 2.0, y.numel(), dtype=dtype).reshape(y.shape)).sum().backward()
+            feed(x.grad)
+        feed(layer.running_quantiles, layer.running_samples, layer.running_bandwidth, layer.num_batches_tracked)
+
+    for i in range(3):
+        step(torch.randn(shape, dtype=dtype) * (1.0 + i) + 0.3 * i, train=True, grad=True)
+    x = torch.randn(shape, dtype=dtype)
+    step(x, train=False, grad=False)
+    step(x, train=False, grad=True)
+    layer.context = "frozen"
+    step(x, train=True, grad=True)
+    xf = x.clone().requires_grad_(True)
+    y = quantile_activation(xf, n_tau=kwargs.get("n_tau", 100), n_samples=kwargs.get("n_samples", 1000),
+                            generator=_gen(77))
+    y.sum().backward()
+    feed(y, xf.grad)
+    return digest.hexdigest()[:32]
+
+
+_RECORD_DIGESTS = {
+    "conv-f32": "def557962a518e88c0802d4613b72510",
+    "conv-f64-eager": "9184868b7e4d011df3aec8379874b94a",
+    "conv-f64-long-rows": "d4ed79f0e9892610c8d7fc748a58f719",
+    "dense-f32": "d0ed7a1cec4f0e5c9070772fafcf4bc8",
+    "dense-f32-cumulative": "afb040d0ced7d545ffc7d2fdecfe3148",
+    "dense-f32-eager": "17c04b635476fcb7ee5688404492beee",
+    "dense-f32-untallied": "e136fe2da385c07e369f6db768fc0212",
+    "dense-f64": "5644fd8b0c48ec2d47c62714d7e0fa6c",
+    "dense-f64-f32-buffers": "827cccf30c16a1cfbadb14bececcf7ed",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_RECORD_CASES))
+def test_outputs_gradients_and_running_statistics_are_bit_for_bit_the_recorded_ones(name, monkeypatch):
+    assert _record_digest(*_RECORD_CASES[name], monkeypatch) == _RECORD_DIGESTS[name]
+
+
+# ----------------------------------------------------------------------------- functional contract
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no-grad"])
+def test_functional_moves_running_statistics_in_training_only(compiled, grad, monkeypatch):
+    # F.batch_norm's contract: in training the running statistics move towards the batch's in place
+    # (from zeros with weight 1/2: exactly half the batch's), otherwise they are left alone
+    monkeypatch.setattr(quantile_module, "USE_COMPILED", compiled)
+    x = torch.randn(48, 5, 3, dtype=torch.float64, requires_grad=grad)
+    batch = qact_statistics(channel_values(x.detach()), generator=_gen(4))
+    running = [torch.zeros(5, 100, dtype=torch.float64), torch.zeros(5, 1000, dtype=torch.float64),
+               torch.zeros(5, dtype=torch.float64)]
+    y = quantile_activation(x, *running, training=True, momentum=0.5, generator=_gen(4))
+    assert torch.equal(y, quantile_activation(x.detach(), generator=_gen(4)))
+    for got, want in zip(running, batch):
+        assert torch.equal(got, 0.5 * want)
+    before = [r.clone() for r in running]
+    quantile_activation(x, *running, training=False, momentum=0.5, generator=_gen(5))
+    assert all(torch.equal(a, b) for a, b in zip(running, before))
+
+
+def test_functional_frozen_context_applies_the_running_statistics_and_never_moves_them():
+    x = torch.randn(32, 4)
+    stats = qact_statistics(channel_values(torch.randn(200, 4)), generator=_gen(1))
+    running = [t.clone() for t in stats]
+    y = quantile_activation(x, *running, training=True, momentum=1.0, context="frozen")
+    assert torch.equal(y, qact_apply(x, stats))
+    assert all(torch.equal(a, b) for a, b in zip(running, stats))
+
+
+def test_module_forward_equals_the_functional_with_its_buffers():
+    layer = QuantileActivation(num_features=3).train()
+    x = torch.randn(40, 3)
+    running = [t.clone() for t in (layer.running_quantiles, layer.running_samples, layer.running_bandwidth)]
+    torch.manual_seed(9)
+    y = layer(x)
+    torch.manual_seed(9)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,)).item()))  # the layer's own draw
+    want = quantile_activation(x, *running, training=True, momentum=0.1, generator=g)
+    assert torch.equal(y, want) and int(layer.num_batches_tracked) == 1
+    assert torch.equal(layer.running_quantiles, running[0]) and torch.equal(layer.running_samples, running[1])
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"context": "global"}, "context"),
+    ({"context": "frozen"}, "running_quantiles"),
+    ({"running": (0, 1)}, "running_bandwidth"),
+    ({"running": (0, 1, 2), "training": True, "momentum": 1.5}, "momentum"),
+    ({"running": (0, 1, 2), "training": True, "n_samples": 7}, "running_samples"),
+    ({"statistics_channels": 5}, "statistics"),
+    ({"c": -1.0}, "c"),
+])
+def test_functional_names_the_argument_it_refuses(kwargs, name):
+    x = torch.randn(16, 3)
+    full = [torch.zeros(3, 100), torch.zeros(3, 1000), torch.ones(3)]
+    kwargs = dict(kwargs)
+    given = kwargs.pop("running", ())
+    running = [full[i] if i in given else None for i in range(3)]
+    if "statistics_channels" in kwargs:
+        kwargs["statistics"] = qact_statistics(torch.randn(kwargs.pop("statistics_channels"), 50))
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        quantile_activation(x, *running, **kwargs)

@@ -71,7 +71,7 @@ def test_quantiles_equal_the_eager_implementation(case, brackets, monkeypatch):
     # rows of up to _BRACKETS_MAX_ROW entries look their brackets up in a table (_brackets), longer
     # ones compute them per channel: both must be the eager code's arithmetic
     if brackets == "computed":
-        monkeypatch.setattr(K, "_BRACKETS_MAX_ROW", 0)
+        monkeypatch.setattr(K.quantiles, "_BRACKETS_MAX_ROW", 0)
     _, x3 = case
     ctx = K.sorted_grounded_context(np.ascontiguousarray(x3), 100.0)
     want_ctx = np.sort(np.concatenate([x3.transpose(1, 0, 2).reshape(x3.shape[1], -1),
@@ -359,8 +359,8 @@ def test_compiled_and_eager_layers_agree(monkeypatch):
         y.backward(g)
         outs[compiled] = (y, xi.grad)
         # the batch forward of either path equals the forward with its own statistics
-        stats_b, pre = Q._batch_context(x, 100, 100.0, 0, None)
-        torch.testing.assert_close(Q._apply(x, stats_b, pre), Q.qact_apply(x, stats_b), rtol=0, atol=0)
+        fwd = Q._forward(x, None, None, 100, 100.0, 0, None, False)
+        torch.testing.assert_close(fwd.output, Q.qact_apply(x, fwd.stats), rtol=0, atol=0)
     assert torch.equal(outs[True][0], outs[False][0])
     bound = kde.kde_grid_error_bound(stats.bandwidth, stats.bandwidth / kde.POINTS_PER_BANDWIDTH)
     diff = Q.channel_values((outs[True][1] - outs[False][1]) / g)
@@ -403,8 +403,9 @@ def test_density_computed_in_the_forward_equals_the_separate_backward(shape, dty
     # is compared exactly with the separate pass, which counts against all quantiles
     x = torch.randn(shape, dtype=dtype)
     g = torch.randn(shape, dtype=dtype)
-    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(2), density=True)
-    assert "density" in pre
+    fwd = Q._forward(x, None, None, 100, 100.0, 1000, torch.Generator().manual_seed(2), True)
+    stats = fwd.stats
+    assert fwd.density is not None
     # the same statistics as the separate kernels with the same seed
     ctx = K.sorted_grounded_context(Q._as3(x), 100.0)
     seed = Q._draw_seed(torch.Generator().manual_seed(2))
@@ -416,8 +417,8 @@ def test_density_computed_in_the_forward_equals_the_separate_backward(shape, dty
     xi = x.clone().requires_grad_(True)
     y = Q.qact_apply(xi, stats)
     y.backward(g)
-    assert torch.equal(pre["output"], y.detach())
-    fused = g * pre["density"]
+    assert torch.equal(fwd.output, y.detach())
+    fused = g * fwd.density
     # Same grid layout and interpolation. The fused pass bins each drawn entry once, weighted by
     # its number of draws, where the separate grid bins draw by draw: the float64 bins differ by
     # rounding (~1e-16), so in float64 the two agree to ~1e-13. A float32 layer convolves in
@@ -433,10 +434,11 @@ def test_fused_density_on_a_grid_capped_at_max_points():
     g = np.random.default_rng(8)
     v = np.concatenate([g.standard_normal(997) * 1e-4, [-50.0, 40.0, 50.0]])
     x = torch.from_numpy(np.stack([v, g.standard_normal(1000)], axis=1))
-    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True)
+    fwd = Q._forward(x, None, None, 100, 100.0, 1000, torch.Generator().manual_seed(1), True)
+    stats = fwd.stats
     xi = x.clone().requires_grad_(True)
     Q.qact_apply(xi, stats).backward(torch.ones_like(x))
-    torch.testing.assert_close(pre["density"], xi.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fwd.density, xi.grad, rtol=1e-12, atol=1e-12)
     xmin, xmax = torch.aminmax(Q.channel_values(x), dim=1)
     _, _, nodes = kde.grid_layout(stats.samples.min(1).values, stats.samples.max(1).values, stats.bandwidth, xmin, xmax)
     assert nodes[0].item() > 4096  # the cap was reached
@@ -451,18 +453,19 @@ def test_fused_density_of_values_off_the_grid():
     v = g.standard_normal((5000, 8))
     v[0] = 50.0
     x = torch.from_numpy(v)
-    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True)
+    fwd = Q._forward(x, None, None, 100, 100.0, 1000, torch.Generator().manual_seed(1), True)
+    stats = fwd.stats
     xi = x.clone().requires_grad_(True)
     y = Q.qact_apply(xi, stats)
     y.backward(torch.ones_like(x))
-    assert torch.equal(pre["output"], y.detach())
-    torch.testing.assert_close(pre["density"], xi.grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(fwd.output, y.detach())
+    torch.testing.assert_close(fwd.density, xi.grad, rtol=1e-12, atol=1e-12)
     xmin, xmax = torch.aminmax(Q.channel_values(x), dim=1)
     lo, delta, nodes = kde.grid_layout(stats.samples.min(1).values, stats.samples.max(1).values, stats.bandwidth,
                                        xmin, xmax)
     off = xmax > lo + (nodes - 1) * delta
     assert off.any() and not off.all()  # both loops ran
-    assert (pre["density"][0][off] == 0).all()
+    assert (fwd.density[0][off] == 0).all()
 
 
 def test_non_finite_input_with_gradient_is_a_value_error():
@@ -505,7 +508,7 @@ def test_pass_that_sorts_its_own_rows_equals_the_pass_on_the_sorted_context(shap
     got, want = [], []
     for ctx, into in ((None, got), (K.sorted_grounded_context(x3, 100.0), want)):
         run = (0.3, np.ones((shape[1], 100), np.float32), np.ones((shape[1], 1000), np.float32),
-               np.ones(shape[1], np.float32), np.zeros((), np.int64))
+               np.ones(shape[1], np.float32))
         into.extend(K.batch_channels(x3, ctx, 100.0, 100, 1000, 11, vbc, running=run, keep_samples=False))
         into.extend(run[1:])
     assert got[1] is None and want[1] is None  # (samples not kept)
@@ -519,9 +522,9 @@ def test_pass_that_sorts_its_own_rows_equals_the_pass_on_the_sorted_context(shap
 def test_channel_ranges_cover_every_channel_once(channels, threads, tiered, monkeypatch):
     # _run's split into contiguous ranges (even, or tiered: two a thread, the first half of them
     # 3/4 of the channels): every channel in exactly one range, in order
-    monkeypatch.setattr(K, "_threads", lambda: threads)
+    monkeypatch.setattr(K.common, "_threads", lambda: threads)
     ranges = []
-    monkeypatch.setattr(K, "parallel_parts", lambda fn, n, t: [fn(i) for i in range(n)])
+    monkeypatch.setattr(K.common, "parallel_parts", lambda fn, n, t: [fn(i) for i in range(n)])
     K._run(lambda c0, c1: ranges.append((c0, c1)), channels, 1 << 20, tiered=tiered)
     assert ranges[0][0] == 0 and ranges[-1][1] == channels
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(c0 < c1 for c0, c1 in ranges)
@@ -530,24 +533,24 @@ def test_channel_ranges_cover_every_channel_once(channels, threads, tiered, monk
         assert len(sizes) == 2 * threads and sum(sizes[:threads]) == 3 * channels // 4
 
 
-def test_running_statistics_of_another_dtype_are_left_to_the_caller():
+def test_running_statistics_of_another_dtype_are_moved_after_the_pass():
+    # buffers the fused pass cannot update in place (float64 buffers, float32 input) are moved by
+    # the separate update from the kept samples; buffers of the input's dtype inside the pass, and
+    # then the samples are not kept. Either way the dispatch moves them: the same statistics
     x = torch.randn(40, 3)
     buffers = (torch.zeros(3, 100, dtype=torch.float64), torch.zeros(3, 1000, dtype=torch.float64),
                torch.ones(3, dtype=torch.float64))
-    count = torch.tensor(4)
-    stats, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
-                                  running=(0.5,) + buffers + (count,))
-    assert pre["running_updated"] is False and stats.samples.shape == (3, 1000)  # the caller's update needs them
-    assert not buffers[0].any() and not buffers[1].any() and (buffers[2] == 1).all() and int(count) == 4
-    same = tuple(b.float() for b in buffers)
-    stats_in_pass, pre = Q._batch_context(x, 100, 100.0, 1000, torch.Generator().manual_seed(1), density=True,
-                                          running=(0.5,) + same + (count,))
-    assert pre["running_updated"] is True and same[1].any() and int(count) == 5
-    # the samples went into the running buffer in the pass and were not kept; the rest is the same
-    assert stats_in_pass.samples.shape == (3, 0)
-    assert torch.equal(same[1], 0.5 * stats.samples.float())  # lerp from 0 with weight 1/2: exact
-    assert torch.equal(stats_in_pass.quantiles, stats.quantiles.float())
-    assert torch.equal(stats_in_pass.bandwidth, stats.bandwidth.float())
+    apart = Q._forward(x, None, Q._Running(*buffers, 0.5), 100, 100.0, 1000, torch.Generator().manual_seed(1), True)
+    assert apart.stats.samples.shape == (3, 1000)
+    same = (torch.zeros(3, 100), torch.zeros(3, 1000), torch.ones(3))
+    in_pass = Q._forward(x, None, Q._Running(*same, 0.5), 100, 100.0, 1000, torch.Generator().manual_seed(1), True)
+    assert in_pass.stats.samples.shape == (3, 0)
+    # lerp from 0 with weight 1/2: exact in either dtype
+    assert torch.equal(buffers[1], 0.5 * apart.stats.samples.double())
+    assert torch.equal(same[1], 0.5 * apart.stats.samples)
+    assert torch.equal(in_pass.stats.quantiles, apart.stats.quantiles)
+    assert torch.equal(in_pass.stats.bandwidth, apart.stats.bandwidth)
+    assert torch.equal(in_pass.output, apart.output) and torch.equal(in_pass.density, apart.density)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -110,7 +110,7 @@ def test_user_model_without_activation_argument_is_converted_to_qact(user_module
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("{mod}", "arch: unknown name"),                       # no colon: not a registered name either
+    ("{mod}", "arch: unknown model"),                       # no colon: not a registered name either
     ("{mod}:", "arch '{mod}:': expected"),
     (":plain", "arch ':plain': expected"),
     ("no_such_module_xq:plain", "cannot import module 'no_such_module_xq'"),

@@ -1,27 +1,29 @@
 """Run GIL-releasing work in parallel on torch's own OpenMP threads (Python threads as fallback).
 
-Why: torch's CPU operators run on an OpenMP team, and after each parallel region the team's worker
-threads keep spinning for a while (GNU libgomp: ``GOMP_SPINCOUNT`` pause instructions, a few ms)
-waiting for the next one. Work handed to *other* threads in that window -- a Python thread pool
-running compiled kernels that release the GIL -- competes with the spinning workers for the cores.
-On a 2-core machine the QACT KDE grid of a (256, 512) batch took 2.0 ms on a two-thread pool after
-a numpy call but 3.8 ms after a BatchNorm, no faster than one thread (``docs/qact.md``). Started
-on torch's team instead (the runtime's ``GOMP_parallel``, called through ctypes), the work lands on
-the very threads that were spinning: 2.0 ms either way, and no extra threads exist.
+Why (the constraint): torch's CPU operators run on an OpenMP team, and after each parallel region
+the team's worker threads keep spinning for a while (GNU libgomp: ``GOMP_SPINCOUNT`` pause
+instructions, a few ms) waiting for the next one. Work handed to *other* threads in that window --
+a Python thread pool running compiled kernels that release the GIL -- competes with the spinning
+workers for the cores, and on a machine with as many cores as torch threads it runs no faster than
+on one thread. Started on torch's team instead (the runtime's ``GOMP_parallel``, called through
+ctypes), the work lands on the very threads that were spinning, and no extra threads exist. torch
+offers no public API that runs a Python callable on its intra-op team (``torch.set_num_threads``
+sizes it, ``at::parallel_for`` is C++ only), hence the runtime's own entry point; the figures are
+in ``docs/performance.md``.
 
 :func:`parallel_parts` calls ``fn(i)`` for ``i in range(n_parts)``, in parallel when ``fn`` releases
 the GIL (numba ``nogil`` kernels, numpy's sort), and re-raises the first exception any part raised.
 With fewer threads than parts, each thread takes the next part not yet taken when it is done with
 its last, so a thread that runs slower (the machine's other work, a cache it shares) takes fewer
-parts. On the 2-core machine one thread often ran QACT's fused pass ~25% slower than the other:
-at (256, 512), after a BatchNorm, two halves took 5.4 ms (median), eight parts on two threads 4.2
-ms (the whole BN-QACT-BN block: 7.8 -> 7.7 ms; at (1024, 128) 5.5 -> 5.1 ms).
+parts.
+
 The OpenMP route is taken when torch's ATen parallel backend is OpenMP and the GNU-ABI runtime it
 loaded (``libgomp``, or LLVM/Intel's ``libomp``/``libiomp5``, which export the same entry points)
-is found mapped in this process (Linux ``/proc/self/maps``); otherwise, in a process forked from
-this one (GNU OpenMP does not survive a fork: torch's own operators hang in such a child unless it
-sets one thread), or with the environment variable ``SHIFTGUARD_THREADS=pool``, a
-``concurrent.futures`` thread pool runs the parts.
+is found mapped in this process (Linux ``/proc/self/maps``: the runtime torch loaded, not another
+copy a ``dlopen`` by name could find). Fallback, with the same results: a ``concurrent.futures``
+thread pool runs the parts where that runtime cannot be told apart, off Linux, in a process forked
+from this one (GNU OpenMP does not survive a fork: torch's own operators hang in such a child unless
+it sets one thread), or with the environment variable ``SHIFTGUARD_THREADS=pool``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Pure tensor functions (no state, no data, no training).
 
-- :mod:`shiftguard.functional.quantile` -- quantile activation QACT (000, Alg. 1-2)
+- :mod:`shiftguard.functional.quantile` -- quantile activation QACT [QACT, Alg. 1-2]
 - :mod:`shiftguard.functional.kde` -- weighted Gaussian KDE for the QACT backward
 """
 
@@ -33,7 +33,7 @@ __all__ = [
     "silverman_bandwidth",
 ]
 
-from shiftguard.functional.vmf import (  # noqa: E402  (vMF utilities, 003 ch. 2 / app. A)
+from shiftguard.functional.vmf import (  # noqa: E402  (vMF utilities, [Kirchhof, Ch. 2 / App. A])
     log_vmf_normalizer,
     sample_vmf,
     vmf_log_prob,

@@ -1,6 +1,6 @@
-"""Weighted Gaussian kernel density estimates used by the QACT backward pass (000, Alg. 2, eq. (7)).
+"""Weighted Gaussian kernel density estimates used by the QACT backward pass [QACT, Alg. 2, eq. (7)].
 
-000, Sec. 2 "Estimating the Density for Back-Propagation": the gradient of QACT is the density of
+[QACT, Sec. 2] "Estimating the Density for Back-Propagation": the gradient of QACT is the density of
 the grounded context distribution z‡ (eq. (5)); it is estimated by (i) drawing ``S`` points from the
 context with the grounding weights and (ii) a Gaussian KDE of those points evaluated at every input.
 Here the ``S`` points already carry the weights (they were drawn with them), so the KDE gives each
@@ -44,8 +44,8 @@ __all__ = ["POINTS_PER_BANDWIDTH", "TRUNCATE", "silverman_bandwidth", "gaussian_
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 #: Default grid nodes per bandwidth (``delta = h / POINTS_PER_BANDWIDTH``) and kernel support in
-#: bandwidths of the grid KDE; error bound in the module docstring. (16 and 6 gave a 0.1% bound at
-#: 2-4x the cost of the convolution, which dominated the dense-layer backward: ``docs/qact.md``.)
+#: bandwidths of the grid KDE; error bound in the module docstring. A finer grid or a wider support
+#: tightens the bound but makes the convolution, which dominates the dense-layer backward, costlier.
 POINTS_PER_BANDWIDTH = 8
 TRUNCATE = 4.0
 

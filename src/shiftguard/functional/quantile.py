@@ -37,8 +37,12 @@ frozen running estimate, a reference set, or values gathered from every DDP proc
 - (b) :func:`qact_apply` ``(x (N, C, *), stats) -> (N, C, *)``: forward = count of quantiles
   ``<= x`` / n_tau, backward = ``grad * KDE(x)``.
 
-:func:`quantile_activation` is the batch-context composition ``qact_apply(x, qact_statistics(
-channel_values(x)))``. Everything is vectorised over channels (one ``torch.sort`` of the
+:func:`quantile_activation` is QACT with the contract of ``torch.nn.functional.batch_norm``: the
+input and the running statistics in, the running statistics moved in place in training; in batch
+context its output equals ``qact_apply(x, qact_statistics(channel_values(x)))``, computed in one
+pass where it can. One private dispatch (:func:`_forward`) chooses between the compiled kernels
+and the eager code below and returns a typed result (:class:`_Forward`); one autograd Function
+(:class:`_QACTFunction`) carries the backward. Everything is vectorised over channels (one ``torch.sort`` of the
 ``(C, M + 2)`` context, ``searchsorted`` for the levels and for the forward count), works on any
 device and floating dtype, and is deterministic given the ``generator`` used for the KDE samples.
 
@@ -59,7 +63,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-from shiftguard._validation import check_finite, check_tensor
+from shiftguard._validation import check_finite, check_positive, check_tensor
 from shiftguard.functional import _qact_cpu
 from shiftguard.functional.kde import gaussian_kde_grid, silverman_bandwidth
 
@@ -267,9 +271,9 @@ def qact_statistics(
 
 def _sort_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.sort(t, dim=1)`` (values, indices). On CPU float32/float64 it goes through
-    ``numpy.argsort``, whose vectorised (x86-simd-sort) kernels measured ~25% faster than
-    ``torch.sort`` on QACT contexts here (``benchmarks/bench_qact.py``); the sorted values are the
-    same either way (ties may be permuted, which no caller depends on)."""
+    ``numpy.argsort``, whose vectorised (x86-simd-sort) kernels are faster than ``torch.sort`` on
+    QACT contexts (``docs/performance.md``); the sorted values are the same either way (ties may be
+    permuted, which no caller depends on)."""
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64) and not t.requires_grad:
         order = torch.from_numpy(np.argsort(t.contiguous().numpy(), axis=1))
         return torch.gather(t, 1, order), order
@@ -332,19 +336,177 @@ def default_statistics(num_channels: int, n_tau: int = 100, n_samples: int = 100
     return QACTStatistics(q, s, silverman_bandwidth(s))
 
 
-def _compiled(x: torch.Tensor) -> bool:
-    """Whether the compiled CPU kernels (:mod:`shiftguard.functional._qact_cpu`) handle ``x``:
-    CPU float32/float64 with numba installed; the eager torch path does everything else (CUDA,
-    other dtypes). ``USE_COMPILED = False`` forces the eager path (the tests compare the two)."""
-    return USE_COMPILED and _qact_cpu.AVAILABLE and x.is_cpu and x.dtype in (torch.float32, torch.float64)
-
-
+# ----------------------------------------------------------------------------- dispatch
 USE_COMPILED = True
 
 
+def _compiled(x: torch.Tensor) -> bool:
+    """Whether the compiled CPU kernels (:mod:`shiftguard.functional._qact_cpu`) handle ``x``:
+    CPU float32/float64 with numba installed; the eager torch code does everything else (CUDA,
+    other dtypes). ``USE_COMPILED = False`` forces the eager code (the tests compare the two)."""
+    return USE_COMPILED and _qact_cpu.AVAILABLE and x.is_cpu and x.dtype in (torch.float32, torch.float64)
+
+
+class _Running(NamedTuple):
+    """Running statistics moved in place towards the applied ones: ``buffer += momentum * (new -
+    buffer)`` (``torch.lerp``), ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)``."""
+
+    quantiles: torch.Tensor
+    samples: torch.Tensor
+    bandwidth: torch.Tensor
+    momentum: float
+
+
+class _Forward(NamedTuple):
+    """What the forward of either implementation returns (no gradient attached).
+
+    Attributes:
+        output: shaped like the input, values ``k / n_tau``.
+        stats: the statistics applied: the batch's (``samples`` ``(C, 0)`` where they were drawn,
+            binned and averaged into the running statistics without being kept), or those given.
+        density: the KDE density at every value, shaped like the input, where it was computed with
+            the output (the compiled training pass); else None and the backward computes it.
+        value_range: per-channel ``(min, max)`` float64 arrays of the input, where the compiled
+            backward will lay its grid over them; None for the eager code.
+    """
+
+    output: torch.Tensor
+    stats: QACTStatistics
+    density: Optional[torch.Tensor] = None
+    value_range: Optional[tuple] = None
+
+
+def _forward(x: torch.Tensor, stats: Optional[QACTStatistics], running: Optional[_Running], n_tau: int, c: float,
+             n_samples: int, generator, need_density: bool) -> _Forward:
+    """The one dispatch of QACT's forward: the compiled CPU kernels where :func:`_compiled`, else the
+    eager torch code; both compute the same values (module doc) behind this signature.
+
+    ``stats``: the context's statistics, or None for the batch context (``x`` itself, with
+    ``n_samples`` KDE draws from ``generator``; 0 skips them). ``running``: moved towards the applied
+    statistics here, in the same call (the compiled training pass does it inside its pass where the
+    buffers allow, :func:`_running_arrays`; every other case through :func:`_running_lerp`, the same
+    arithmetic). ``need_density``: the gradient will be needed. ``x`` is validated except for
+    NaN/inf, which both implementations refuse before anything is drawn or stored."""
+    with torch.no_grad():
+        x = x.detach()
+        if _compiled(x):
+            return _compiled_forward(x, stats, running, n_tau, float(c), n_samples, generator, need_density)
+        return _eager_forward(x, stats, running, n_tau, float(c), n_samples, generator)
+
+
+def _eager_forward(x, stats, running, n_tau, c, n_samples, generator) -> _Forward:
+    """:func:`_forward` in torch: in batch context every value's count is read off the context sort
+    (:func:`_qact_statistics`), with given statistics ``searchsorted`` into their quantiles."""
+    if stats is None:
+        stats, counts = _qact_statistics(channel_values(x), n_tau, c, n_samples, generator, with_counts=True)
+        n_levels = n_tau
+    else:
+        q = stats.quantiles.to(x.dtype).contiguous()
+        counts = torch.searchsorted(q, channel_values(x).contiguous(), right=True)  # #{i : q_i <= x}
+        n_levels = q.shape[1]
+    output = _from_channel_values(counts.to(x.dtype).div_(n_levels), x)
+    if running is not None:
+        _move_running(running, stats)
+    return _Forward(output, stats)
+
+
+def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_density) -> _Forward:
+    """:func:`_forward` by the compiled CPU kernels.
+
+    Given statistics: one pass gives every value's output, the NaN/inf check and the per-channel range
+    (:func:`_qact_cpu.counts_output`). Batch context without a gradient: the context sort, the
+    quantiles, the same output pass, then the draws. Batch context with a gradient: one pass per
+    channel computes the statistics, the output and the density at every value
+    (:func:`_qact_cpu.batch_channels`), after the context sort, whose ends reveal NaN/inf; for an
+    ``(N, C)`` input (checked finite first) each thread sorts its own channels' rows inside it."""
+    x3 = _as3(x)
+    if stats is not None:
+        q = stats.quantiles.to(x.dtype)
+        out3, xmin, xmax = _qact_cpu.counts_output(x3, q.detach().contiguous().numpy(),
+                                                   _values_by_count(q.shape[1], x.dtype))
+        if running is not None:
+            _move_running(running, stats)
+        return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
+    vbc = _values_by_count(n_tau, x.dtype)
+    fused = bool(need_density and n_samples)
+    # rows of an (N, C) input are short: sorted inside the fused pass, one parallel region; rows of
+    # a conv input are long: sorted in a region of their own, which balances the threads better
+    merged = fused and x3.shape[2] == 1 and _qact_cpu.all_finite(x3)
+    ctx = None if merged else _qact_cpu.sorted_grounded_context(x3, c)
+    if not (merged or (fused and _qact_cpu.sorted_context_finite(ctx))):
+        q = _qact_cpu.grounded_quantiles(ctx, n_tau)
+        # the output pass also checks for NaN/inf, before any random draw or stored statistic
+        out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
+        stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
+        if running is not None:
+            _move_running(running, stats)
+        return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
+    arrays = _running_arrays(running, x, n_tau, n_samples)
+    # where the pass moves the running statistics itself, it keeps no samples (stats has (C, 0)):
+    # they are needed only for that update
+    q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc,
+                                                           running=arrays, keep_samples=arrays is None)
+    stats = QACTStatistics(torch.from_numpy(q), x.new_empty(x.shape[1], 0) if samples is None
+                           else torch.from_numpy(samples), torch.from_numpy(bw))
+    if running is not None and arrays is None:
+        _move_running(running, stats)
+    return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, torch.from_numpy(dens3.reshape(x.shape)))
+
+
+class _QACTFunction(torch.autograd.Function):
+    """Autograd of QACT given its finished forward (:class:`_Forward`): the output is returned as
+    computed; the backward is ``grad_output * f_hat(x)`` (Alg. 2, eq. (7)), with the density the
+    forward computed where it did, else the grid KDE of the applied statistics' samples at ``x``
+    (compiled: over the value range the forward recorded; eager: :func:`gaussian_kde_grid`)."""
+
+    @staticmethod
+    def forward(ctx, x, fwd):
+        ctx.x_shape = x.shape
+        ctx.value_range = fwd.value_range
+        ctx.density_known = fwd.density is not None
+        if ctx.density_known:
+            ctx.save_for_backward(fwd.density)
+        else:
+            ctx.save_for_backward(x, fwd.stats.samples.to(x.dtype), fwd.stats.bandwidth.to(x.dtype))
+        return fwd.output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.density_known:
+            (dens,) = ctx.saved_tensors
+            return grad_output * dens, None
+        x, samples, bandwidth = ctx.saved_tensors
+        if samples.shape[1] == 0:
+            raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
+        if ctx.value_range is not None:
+            g3 = _qact_cpu.kde_density_times(_as3(x), _as3(grad_output.to(x.dtype)),
+                                             samples.detach().contiguous().numpy(),
+                                             bandwidth.detach().double().numpy(), *ctx.value_range)
+            return torch.from_numpy(g3.reshape(ctx.x_shape)), None
+        xs = channel_values(x.detach()).contiguous()
+        n, ch = ctx.x_shape[0], ctx.x_shape[1]
+        if xs.dtype in (torch.float16, torch.bfloat16):
+            # eq. (7) in float32: the KDE's FFT has no half-precision kernel, and a density above
+            # 65504 (a bandwidth below ~6e-6) overflows float16. The gradient returns in x's dtype.
+            dens = gaussian_kde_grid(xs.float(), samples.float(), bandwidth.float())
+            dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
+            return (grad_output.float() * dens).to(xs.dtype), None
+        dens = gaussian_kde_grid(xs, samples, bandwidth)
+        dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
+        return grad_output * dens, None
+
+
+def _attach(x: torch.Tensor, fwd: _Forward) -> torch.Tensor:
+    """The forward's output, with QACT's gradient where one will be needed."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _QACTFunction.apply(x, fwd)
+    return fwd.output
+
+
+# ----------------------------------------------------------------------------- compiled-path helpers
 def _as3(t: torch.Tensor) -> np.ndarray:
-    """``(N, C, *spatial)`` tensor -> contiguous numpy ``(N, C, L)`` (no copy when contiguous; the
-    reshape is then numpy's: each torch call costs 10-35 us inside a training step)."""
+    """``(N, C, *spatial)`` tensor -> contiguous numpy ``(N, C, L)``, without a copy when contiguous
+    (reshaped by numpy: no torch call)."""
     t = t.detach()
     if t.is_contiguous():
         a = t.numpy()
@@ -354,136 +516,11 @@ def _as3(t: torch.Tensor) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _values_by_count(n_tau: int, dtype: torch.dtype) -> np.ndarray:
-    """``k / n_tau`` for ``k = 0..n_tau`` with torch's rounding in ``dtype`` (the eager forward);
-    read-only and cached (made per call, it cost ~50 us of a ~4 ms dense layer)."""
+    """``k / n_tau`` for ``k = 0..n_tau`` with torch's rounding in ``dtype`` (the eager forward's
+    values); read-only and cached."""
     table = torch.arange(n_tau + 1, dtype=dtype).div_(n_tau).numpy()
     table.flags.writeable = False
     return table
-
-
-class _DensityKnownFunction(torch.autograd.Function):
-    """The compiled batch context's forward, which computed the output and the KDE density at every
-    value in one pass (:func:`_batch_context`, ``pre["output"]``, ``pre["density"]``): returns the
-    output; the backward multiplies the gradient by the density (eq. (7))."""
-
-    @staticmethod
-    def forward(ctx, x, pre):
-        ctx.save_for_backward(pre["density"])
-        return pre["output"]
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        (dens,) = ctx.saved_tensors
-        return grad_output * dens, None
-
-
-class _QACTFunction(torch.autograd.Function):
-    """Forward eq. (6) given quantiles; backward eq. (7) given the KDE samples and bandwidth.
-
-    ``pre`` (optional) carries what the batch-context computation already knows: ``counts`` (eager
-    path), or the finished ``output`` with the per-channel value range ``xrange`` (compiled path:
-    the backward lays out the grid over it). (With the density known too:
-    :class:`_DensityKnownFunction`.)"""
-
-    @staticmethod
-    def forward(ctx, x, quantiles, samples, bandwidth, pre=None):
-        pre = pre or {}
-        ctx.x_shape = x.shape
-        if _compiled(x):
-            if "output" in pre:
-                out, xrange = pre["output"], pre["xrange"]
-            else:
-                out3, xmin, xmax = _qact_cpu.counts_output(_as3(x), quantiles.detach().contiguous().numpy(),
-                                                           _values_by_count(quantiles.shape[1], x.dtype))
-                out, xrange = torch.from_numpy(out3.reshape(x.shape)), (xmin, xmax)
-            ctx.xrange = xrange
-            ctx.save_for_backward(x, samples, bandwidth)
-            return out
-        xv = channel_values(x).contiguous()
-        counts = pre.get("counts")
-        if counts is None:
-            counts = torch.searchsorted(quantiles.contiguous(), xv, right=True)  # #{i : q_i <= x}
-        out = counts.to(x.dtype).div_(quantiles.shape[1])
-        ctx.xrange = None
-        ctx.save_for_backward(xv, samples, bandwidth)
-        return _from_channel_values(out, x)
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        xs, samples, bandwidth = ctx.saved_tensors
-        if samples.shape[1] == 0:
-            raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
-        if ctx.xrange is not None:  # compiled path: xs is x itself
-            g3 = _qact_cpu.kde_density_times(_as3(xs), _as3(grad_output.to(xs.dtype)),
-                                             samples.detach().contiguous().numpy(),
-                                             bandwidth.detach().double().numpy(), *ctx.xrange)
-            return torch.from_numpy(g3.reshape(ctx.x_shape)), None, None, None, None
-        if xs.dtype in (torch.float16, torch.bfloat16):
-            # eq. (7) in float32: the KDE's FFT has no half-precision kernel, and a density above
-            # 65504 (a bandwidth below ~6e-6) overflows float16. The gradient returns in x's dtype.
-            dens = gaussian_kde_grid(xs.float(), samples.float(), bandwidth.float())
-            n, ch = ctx.x_shape[0], ctx.x_shape[1]
-            dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
-            return (grad_output.float() * dens).to(xs.dtype), None, None, None, None
-        dens = gaussian_kde_grid(xs, samples, bandwidth)
-        n, ch = ctx.x_shape[0], ctx.x_shape[1]
-        dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
-        return grad_output * dens, None, None, None, None
-
-
-def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = None) -> torch.Tensor:
-    """Validate a QACT input. ``finite=None``: the NaN/inf check is left to the compiled forward
-    where that runs (it checks in the same pass as the counts, :func:`_qact_cpu.counts_output`,
-    before anything is stored), saving a full pass; ``True``: check here."""
-    x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
-    if finite or not _compiled(x):
-        check_finite(x, name)
-    return x
-
-
-def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
-    """(b) Apply given context statistics to ``x`` (000, Alg. 1 eq. (6) and Alg. 2 eq. (7)).
-
-    Args:
-        x: ``(N, C)`` or ``(N, C, *spatial)`` finite floating tensor.
-        stats: :class:`QACTStatistics` with ``C`` rows, same dtype/device as ``x``.
-
-    Returns:
-        Tensor shaped like ``x`` with values in ``{0, 1/n_tau, ..., 1}``. Its gradient is
-        ``grad_output * f_hat(x)`` (fast grid KDE, :func:`shiftguard.functional.kde.gaussian_kde_grid`).
-    """
-    if x.shape[1] != stats.quantiles.shape[0]:
-        raise ValueError(f"stats: expected statistics for {x.shape[1]} channels, got {stats.quantiles.shape[0]}")
-    return _apply(x, stats)
-
-
-def _apply(x: torch.Tensor, stats: QACTStatistics, pre: Optional[dict] = None) -> torch.Tensor:
-    """:func:`qact_apply` without checks; ``pre``: what the batch context already computed (the
-    forward counts, the output and value range, or the output and density; :func:`_batch_context`)."""
-    if pre is not None and "density" in pre:
-        return _DensityKnownFunction.apply(x, pre)
-    return _QACTFunction.apply(x, stats.quantiles.to(x.dtype), stats.samples.to(x.dtype), stats.bandwidth.to(x.dtype),
-                               pre)
-
-
-def _batch_context(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator, density: bool = False,
-                   running: Optional[tuple] = None) -> tuple:
-    """Statistics of ``x`` as its own context, and what the forward needs beyond them (``pre`` of
-    :func:`_apply`): the counts of ``x`` read off the context sort (eager path), or the finished
-    output and the value range or, with ``density``, the KDE density at every value (compiled
-    path). No gradient.
-
-    ``running``: optional ``(momentum, quantiles, samples, bandwidth, count)``, a module's running
-    statistics and its count of updates (``num_batches_tracked``); where the compiled pass can move
-    them towards this batch's statistics itself (:func:`_qact_cpu.batch_channels`: CPU tensors of
-    ``x``'s dtype and the statistics' shapes, a CPU int64 count) it does, adds 1 to the count, and
-    ``pre["running_updated"]`` is True (the returned statistics then hold no samples, ``(C, 0)``:
-    they were drawn, binned and averaged in, not kept); otherwise the caller updates them."""
-    with torch.no_grad():
-        if _compiled(x):
-            return _batch_context_compiled(x.detach(), n_tau, float(c), n_samples, generator, density, running)
-        stats, counts = _qact_statistics(channel_values(x.detach()), n_tau, float(c), n_samples, generator, with_counts=True)
-        return stats, {"counts": counts}
 
 
 def _draw_seed(generator) -> int:
@@ -519,75 +556,151 @@ def _running_lerp(buffer: torch.Tensor, new: torch.Tensor, momentum: float) -> N
         buffer.lerp_(new, momentum)
 
 
-def _running_arrays(running: Optional[tuple], x: torch.Tensor, n_tau: int, n_samples: int) -> Optional[tuple]:
-    """``running`` (:func:`_batch_context`) as the numpy arrays the fused kernel updates in place,
-    or None where it cannot (another dtype or device, a shape the torch update would reject)."""
+def _move_running(running: _Running, stats: QACTStatistics) -> None:
+    """Move the running statistics towards ``stats`` (:func:`_running_lerp` each)."""
+    _running_lerp(running.quantiles, stats.quantiles, running.momentum)
+    _running_lerp(running.samples, stats.samples, running.momentum)
+    _running_lerp(running.bandwidth, stats.bandwidth, running.momentum)
+
+
+def _running_arrays(running: Optional[_Running], x: torch.Tensor, n_tau: int, n_samples: int) -> Optional[tuple]:
+    """``running`` as the numpy arrays the fused kernel updates in place, or None where it cannot
+    (another dtype or device, a non-contiguous buffer)."""
     if running is None:
         return None
-    m, rq, rs, rb, count = running
+    rq, rs, rb = running.quantiles, running.samples, running.bandwidth
     ch = x.shape[1]
-    for b in (rq, rs, rb):  # (a plain loop: all() over a generator cost ~5 us more a step)
+    for b in (rq, rs, rb):
         if not b.is_cpu or b.dtype != x.dtype or not b.is_contiguous() or b.requires_grad:
             return None
     if rq.shape != (ch, n_tau) or rs.shape != (ch, n_samples) or rb.shape != (ch,):
         return None
-    if not count.is_cpu or count.dtype != torch.int64 or count.dim() != 0:
-        return None
-    return float(m), rq.numpy(), rs.numpy(), rb.numpy(), count.numpy()
+    return float(running.momentum), rq.numpy(), rs.numpy(), rb.numpy()
 
 
-def _batch_context_compiled(x: torch.Tensor, n_tau: int, c: float, n_samples: int, generator,
-                            density: bool = False, running: Optional[tuple] = None) -> tuple:
-    """:func:`_batch_context` by the compiled CPU kernels (same statistics and output).
+# ----------------------------------------------------------------------------- public entry points
+def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = None) -> torch.Tensor:
+    """Validate a QACT input. ``finite=None``: the NaN/inf check is left to the compiled forward
+    where that runs (its first pass over the values checks them, before anything is drawn or
+    stored); ``True``: check here."""
+    x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
+    if finite or not _compiled(x):
+        check_finite(x, name)
+    return x
 
-    ``density``: the gradient will be needed, so one pass per channel (:func:`_qact_cpu.batch_channels`,
-    after the context sort, whose ends give the range the KDE grid must cover; for an (N, C) input
-    inside it) computes the statistics, the output and the density at every value; the backward is
-    then one multiplication."""
-    x3 = _as3(x)
-    vbc = _values_by_count(n_tau, x.dtype)
-    fused = bool(density and n_samples)
-    # An (N, C) input, checked finite first (one vectorised pass, ~10 us at (256, 512)), has its
-    # context rows sorted inside the fused pass (ctx=None), each thread its own channels': one
-    # parallel region instead of two (the block 2.5-5% faster at (256, 512) and (1024, 128)). With
-    # spatial positions the rows are long: sorted first, in a region of their own, which balances
-    # the threads better (the one region was 1.5-3% slower at the conv shapes of the benchmark).
-    merged = fused and x3.shape[2] == 1 and _qact_cpu.all_finite(x3)
-    ctx = None if merged else _qact_cpu.sorted_grounded_context(x3, c)
-    if not (merged or (fused and _qact_cpu.sorted_context_finite(ctx))):
-        q = _qact_cpu.grounded_quantiles(ctx, n_tau)
-        # the output pass also checks for NaN/inf, before any random draw or stored statistic
-        out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
-        stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
-        return stats, {"output": torch.from_numpy(out3.reshape(x.shape)), "xrange": (xmin, xmax)}
-    arrays = _running_arrays(running, x, n_tau, n_samples)
-    # where the pass moves the running statistics itself, the samples are not kept (stats then has
-    # none: (C, 0)); the caller needs them only to update the running statistics
-    q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc,
-                                                           running=arrays, keep_samples=arrays is None)
-    samples = x.new_empty(x.shape[1], 0) if samples is None else torch.from_numpy(samples)
-    stats = QACTStatistics(torch.from_numpy(q), samples, torch.from_numpy(bw))
-    # (numpy's reshape: torch's view of the same array cost ~4.5 us more, each)
-    return stats, {"output": torch.from_numpy(out3.reshape(x.shape)),
-                   "density": torch.from_numpy(dens3.reshape(x.shape)), "running_updated": arrays is not None}
+
+def _check_statistic(t, name: str, shape: tuple) -> torch.Tensor:
+    """A statistic's tensor of exactly ``shape`` (``-1``: any size there)."""
+    t = check_tensor(t, name, ndim=len(shape), floating=True)
+    if any(want not in (-1, got) for want, got in zip(shape, t.shape)):
+        want = ", ".join("*" if s == -1 else str(s) for s in shape)
+        raise ValueError(f"{name}: expected shape ({want}{',' if len(shape) == 1 else ''}), got {tuple(t.shape)}")
+    return t
+
+
+def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
+    """(b) Apply given context statistics to ``x`` (000, Alg. 1 eq. (6) and Alg. 2 eq. (7)).
+
+    Args:
+        x: ``(N, C)`` or ``(N, C, *spatial)`` finite floating tensor.
+        stats: :class:`QACTStatistics` with ``C`` rows on ``x``'s device (converted to ``x``'s dtype).
+
+    Returns:
+        Tensor shaped like ``x`` with values in ``{0, 1/n_tau, ..., 1}``. Its gradient is
+        ``grad_output * f_hat(x)`` (fast grid KDE, :func:`shiftguard.functional.kde.gaussian_kde_grid`).
+
+    Raises:
+        ValueError: ``x`` is not a non-empty floating tensor of at least 2 dims, or (compiled CPU
+            kernels) holds NaN/inf; ``stats`` has another number of channels.
+    """
+    x = check_tensor(x, "x", min_ndim=2, floating=True, nonempty=True)
+    if x.shape[1] != stats.quantiles.shape[0]:
+        raise ValueError(f"stats: expected statistics for {x.shape[1]} channels, got {stats.quantiles.shape[0]}")
+    return _attach(x, _forward(x, stats, None, stats.quantiles.shape[1], 0.0, 0, None, False))
 
 
 def quantile_activation(
-    x: torch.Tensor,
+    input: torch.Tensor,
+    running_quantiles: Optional[torch.Tensor] = None,
+    running_samples: Optional[torch.Tensor] = None,
+    running_bandwidth: Optional[torch.Tensor] = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    *,
+    context: str = "batch",
+    statistics: Optional[QACTStatistics] = None,
     n_tau: int = 100,
     c: float = 100.0,
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """QACT of ``x`` with ``x`` itself as the context (000, Alg. 1-2; "batch" context).
+    """QACT (000, Alg. 1-2) with the contract of :func:`torch.nn.functional.batch_norm`.
+
+    ``context="batch"``: ``input`` is its own context (its statistics are computed here); when
+    ``training`` and running statistics are given, they move towards the batch's in place,
+    ``running = (1 - momentum) * running + momentum * batch`` (as ``torch.lerp``), sorted samples
+    staying sorted. ``statistics`` replaces the batch's own by statistics computed elsewhere (the
+    context gathered over processes), applied and averaged in the same way. ``context="frozen"``:
+    the running statistics are the context; nothing is updated (``training`` and ``momentum`` are
+    not used). The update count (``num_batches_tracked``) is the caller's, as for BatchNorm.
 
     Args:
-        x: ``(N, C)`` or ``(N, C, *spatial)`` finite floating tensor (at least 2 dims).
-        n_tau, c, n_samples, generator: see :func:`qact_statistics`.
+        input: ``(N, C)`` or ``(N, C, *spatial)`` finite floating tensor.
+        running_quantiles: ``(C, n_tau)`` or None. running_samples: ``(C, S)`` or None.
+            running_bandwidth: ``(C,)`` or None. All three or none; floating, on ``input``'s device
+            (any floating dtype: converted for use, updated in their own). Required by ``"frozen"``;
+            in batch context their shapes must match ``n_tau`` and ``n_samples``.
+        training: move the running statistics (batch context only).
+        momentum: weight of the batch in the update, in ``[0, 1]``; ``1 / (n + 1)`` after ``n``
+            updates gives the cumulative average.
+        context: ``"batch"`` or ``"frozen"``.
+        statistics: :class:`QACTStatistics` with ``C`` rows to use instead of ``input``'s own (batch
+            context only).
+        n_tau, c, n_samples, generator: see :func:`qact_statistics` (batch context). The KDE sample
+            is drawn only where it is used: for the gradient or the running update.
 
     Returns:
-        Tensor shaped like ``x`` in ``[0, 1]``.
+        Tensor shaped like ``input``, values in ``{0, 1/n_tau, ..., 1}``; its gradient is
+        ``grad_output * f_hat(input)`` (Alg. 2, eq. (7)).
+
+    Raises:
+        ValueError: an argument out of its domain, named: ``input`` not a non-empty floating tensor of
+            at least 2 dims or holding NaN/inf, a running statistic of the wrong shape or missing,
+            ``context`` unknown, ``momentum`` outside ``[0, 1]``, ``c`` not positive.
+        TypeError: a tensor argument that is not a (floating) tensor.
     """
-    x = _check_input(x)
-    stats, pre = _batch_context(x, n_tau, c, n_samples, generator, density=torch.is_grad_enabled() and x.requires_grad)
-    return _apply(x, stats, pre)
+    input = _check_input(input)
+    if context not in ("batch", "frozen"):
+        raise ValueError(f"context: expected one of batch, frozen, got {context!r}")
+    given = [t is not None for t in (running_quantiles, running_samples, running_bandwidth)]
+    if any(given) and not all(given):
+        missing = [n for n, g in zip(("running_quantiles", "running_samples", "running_bandwidth"), given) if not g]
+        raise ValueError(f"{missing[0]}: expected all three running statistics or none")
+    ch = input.shape[1]
+    if context == "frozen":
+        if not all(given):
+            raise ValueError("running_quantiles: the frozen context needs the running statistics")
+        if statistics is not None:
+            raise ValueError("statistics: only the batch context takes statistics computed elsewhere")
+        stats = QACTStatistics(_check_statistic(running_quantiles, "running_quantiles", (ch, -1)),
+                               _check_statistic(running_samples, "running_samples", (ch, -1)),
+                               _check_statistic(running_bandwidth, "running_bandwidth", (ch,)))
+        return _attach(input, _forward(input, stats, None, stats.quantiles.shape[1], 0.0, 0, None, False))
+    if statistics is not None and statistics.quantiles.shape[0] != ch:
+        raise ValueError(f"statistics: expected statistics for {ch} channels, got {statistics.quantiles.shape[0]}")
+    n_tau = check_positive(n_tau, "n_tau", integer=True)
+    n_samples = check_positive(n_samples, "n_samples", strict=False, integer=True)
+    if not c > 0:
+        raise ValueError(f"c: expected a positive grounding bound, got {c}")
+    running = None
+    if training and all(given):
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum: expected a value in [0, 1], got {momentum}")
+        n_s = n_samples if statistics is None else statistics.samples.shape[1]
+        n_q = n_tau if statistics is None else statistics.quantiles.shape[1]
+        running = _Running(_check_statistic(running_quantiles, "running_quantiles", (ch, n_q)),
+                           _check_statistic(running_samples, "running_samples", (ch, n_s)),
+                           _check_statistic(running_bandwidth, "running_bandwidth", (ch,)), float(momentum))
+    need_density = torch.is_grad_enabled() and input.requires_grad
+    draws = n_samples if (need_density or running is not None) else 0
+    return _attach(input, _forward(input, statistics, running, n_tau, c, draws, generator, need_density))

@@ -1,7 +1,7 @@
-"""von Mises-Fisher (vMF) utilities on the unit sphere S^{M-1} in R^M (003 Paper I Supp. A, eq. (11)).
+"""von Mises-Fisher (vMF) utilities on the unit sphere S^{M-1} in R^M [Kirchhof, Paper I, Supp. A, eq. (11)].
 
 - ``log_vmf_normalizer(kappa, dim)``: ``log C_M(kappa) = (M/2 - 1) log kappa - (M/2) log(2 pi)
-  - log I_{M/2-1}(kappa)`` (003 eq. (11)), exact to ~1e-10 relative for ``M`` up to 512+ and
+  - log I_{M/2-1}(kappa)`` [Kirchhof, eq. (11)], exact to ~1e-10 relative for ``M`` up to 512+ and
   ``kappa`` in ``[0, 1e4]`` and beyond. ``I_v`` is evaluated as ``log(ive(v, k)) + k`` with SciPy's
   exponentially scaled Bessel function; where that underflows (large order, small kappa) the
   uniform asymptotic (Debye) expansion of DLMF 10.41.3 with four correction terms is used (order
@@ -10,7 +10,7 @@
   large-argument expansion DLMF 10.40.1 (smaller orders) takes over. The gradient is exact:
   ``d/dkappa log C_M(kappa) = -A_M(kappa)`` with the Bessel ratio ``A_M = I_{M/2} / I_{M/2-1}``
   (from DLMF 10.29.2), implemented in a custom ``autograd.Function`` (first derivatives only).
-  003 itself fits quadratics to log C_M for M in {128, 512} (eqs. (12)-(13)) because the exact
+  Kirchhof [Kirchhof] fits quadratics to log C_M for M in {128, 512} (eqs. (12)-(13)) because the exact
   function had no autograd support; with the exact function and its gradient that is unnecessary.
 - ``vmf_mean_resultant_length(kappa, dim)``: ``A_M(kappa) = E[mu^T x]`` for ``x ~ vMF(mu, kappa)``.
 - ``sample_vmf(mu, kappa, n_samples, generator=None)``: Wood (1994, "Simulation of the von
@@ -21,7 +21,7 @@
   Reparameterised gradients: w.r.t. ``mu`` exactly (the Householder map carrying e1 to mu is
   differentiable); w.r.t. ``kappa`` through Wood's transform ``w = (1 - (1+b) z) / (1 - (1-b) z)``
   of the accepted proposal ``z`` (the "reparameterised" part of the rejection-sampling gradient of
-  Naesseth et al. 2017, used by Davidson et al. 2018, which 003 cites for differentiable vMF
+  Naesseth et al. 2017, used by Davidson et al. 2018, which [Kirchhof] cites for differentiable vMF
   sampling). The correction (score-function) term of Naesseth et al. is omitted, so the kappa
   gradient is approximate; ``tests/test_vmf.py`` measures its bias on ``d E[mu^T x] / d kappa``.
 - ``vmf_log_prob(x, mu, kappa)``: ``log C_M(kappa) + kappa mu^T x``.
@@ -186,7 +186,7 @@ def _check_dim(dim) -> int:
 
 
 def log_vmf_normalizer(kappa: torch.Tensor, dim: int) -> torch.Tensor:
-    """``log C_M(kappa)`` of the vMF on S^{dim-1} (003 eq. (11)), any shape, differentiable in kappa.
+    """``log C_M(kappa)`` of the vMF on S^{dim-1} [Kirchhof, eq. (11)], any shape, differentiable in kappa.
 
     Args:
         kappa: concentrations ``>= 0``, float tensor of any shape.

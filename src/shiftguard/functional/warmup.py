@@ -49,19 +49,18 @@ def warm_up(dtype: torch.dtype = torch.float32) -> float:
         x = torch.linspace(-2.0, 2.0, int(torch.Size(shape).numel()), dtype=dtype).reshape(shape)
         x = x.requires_grad_(True)
         ch = shape[1]
-        # training step: fused pass that moves the running statistics, then the backward
+        # a layer's training step (the pass that moves the running statistics), then its backward
         rs = Q.default_statistics(ch, n_tau, n_samples, dtype)
-        running = (0.1, rs.quantiles, rs.samples, rs.bandwidth, torch.tensor(0, dtype=torch.long))
-        stats, pre = Q._batch_context(x, n_tau, c, n_samples, gen, density=True, running=running)
-        Q._apply(x, stats, pre).sum().backward()
-        # the same without running statistics (a layer whose statistics the caller updates)
-        Q.quantile_activation(x, n_tau, c, n_samples, gen).sum().backward()
-        Q._running_lerp(rs.quantiles, rs.quantiles, 0.1)
+        Q.quantile_activation(x, *rs, training=True, n_tau=n_tau, c=c, n_samples=n_samples,
+                              generator=gen).sum().backward()
+        with torch.no_grad():  # a training step without a gradient: the separate running update
+            Q.quantile_activation(x, *rs, training=True, n_tau=n_tau, c=c, n_samples=n_samples, generator=gen)
+        # no running statistics
+        Q.quantile_activation(x, n_tau=n_tau, c=c, n_samples=n_samples, generator=gen).sum().backward()
         with torch.no_grad():  # evaluation in batch context: statistics without samples
-            stats, pre = Q._batch_context(x, n_tau, c, 0, gen)
-            Q._apply(x, stats, pre)
+            Q.quantile_activation(x, n_tau=n_tau, c=c, n_samples=n_samples, generator=gen)
         frozen = Q.default_statistics(ch, n_tau, n_samples, dtype)
-        Q.qact_apply(x, frozen).sum().backward()  # frozen context, training through it
+        Q.quantile_activation(x, *frozen, context="frozen").sum().backward()  # frozen context, training through it
         with torch.no_grad():
-            Q.qact_apply(x, frozen)
+            Q.quantile_activation(x, *frozen, context="frozen")
     return time.perf_counter() - t0

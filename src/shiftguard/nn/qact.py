@@ -31,21 +31,30 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from shiftguard._validation import check_positive
+from shiftguard._validation import check_positive, check_tensor
+from shiftguard.registry import Registry
 from shiftguard.functional.quantile import (
     QACTStatistics,
-    _check_input,
+    channel_values,
     default_statistics,
-    qact_apply,
-    _apply,
-    _batch_context,
-    _running_lerp,
+    qact_statistics,
+    quantile_activation,
 )
 
 __all__ = ["QuantileActivation", "QACTBlock", "make_activation", "CONTEXT_MODES", "ACTIVATION_NAMES"]
 
 CONTEXT_MODES = ("batch", "frozen")
-ACTIVATION_NAMES = ("relu", "prelu", "selu", "qact")
+#: Activations by name: ``name -> factory(num_features) -> nn.Module`` (see :func:`make_activation`).
+#: Names are matched ignoring case, ``-`` and ``_``.
+ACTIVATION_REGISTRY: Registry = Registry("activation", argument="name")
+ACTIVATION_REGISTRY.register("relu", lambda num_features: nn.ReLU())
+ACTIVATION_REGISTRY.register(
+    "prelu", lambda num_features: nn.PReLU(check_positive(num_features, "num_features", integer=True)))
+ACTIVATION_REGISTRY.register("selu", lambda num_features: nn.SELU())
+ACTIVATION_REGISTRY.register(
+    "qact", lambda num_features: QACTBlock(check_positive(num_features, "num_features", integer=True)))
+#: The activation names, in registration order.
+ACTIVATION_NAMES = tuple(ACTIVATION_REGISTRY)
 
 
 class _ContextMode(str):
@@ -127,6 +136,10 @@ class QuantileActivation(nn.Module):
         return g
 
     def _ensure_buffers(self, x: torch.Tensor) -> None:
+        """Create the lazily sized statistics for ``x``'s channels, or refuse another channel count."""
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] == self.running_quantiles.shape[0] > 0:
+            return
+        x = check_tensor(x, "input", min_ndim=2, floating=True, nonempty=True)
         ch = x.shape[1]
         if self.running_quantiles.shape[0] == 0:
             s = default_statistics(ch, self.n_tau, self.n_samples, dtype=x.dtype, device=x.device)
@@ -138,13 +151,14 @@ class QuantileActivation(nn.Module):
     def batch_statistics(self, x: torch.Tensor, with_samples: bool = True) -> QACTStatistics:
         """Statistics with ``x`` ``(N, C, *)`` as the context (no gradient). Without samples (when no
         gradient and no running update is needed) the KDE sample is skipped."""
+        x = check_tensor(x, "x", min_ndim=2, floating=True, nonempty=True, finite=True)
         s = self.n_samples if with_samples else 0
-        return _batch_context(x, self.n_tau, self.c, s, self._generator(x.device))[0]
+        return qact_statistics(channel_values(x.detach()), self.n_tau, self.c, s, self._generator(x.device))
 
     @torch.no_grad()
     def fit_context(self, x: torch.Tensor) -> "QuantileActivation":
         """Store the statistics of the reference set ``x`` ``(N, C, *)`` and switch to ``"frozen"``."""
-        x = _check_input(x)
+        x = check_tensor(x, "input", min_ndim=2, floating=True, nonempty=True, finite=True)
         self._ensure_buffers(x)
         s = self.batch_statistics(x)
         self.running_quantiles.copy_(s.quantiles)
@@ -169,34 +183,22 @@ class QuantileActivation(nn.Module):
             self._context = mode
 
     def _next_momentum(self) -> float:
-        """The weight of the next batch in the running statistics (cumulative average: 1 / n)."""
+        """The weight of the next batch in the running statistics (cumulative average: 1 / (n + 1))."""
         return 1.0 / float(self.num_batches_tracked + 1) if self.momentum is None else float(self.momentum)
 
-    @torch.no_grad()
-    def _update_running(self, s: QACTStatistics) -> None:
-        m = self._next_momentum()
-        self.num_batches_tracked += 1
-        _running_lerp(self.running_quantiles, s.quantiles, m)
-        _running_lerp(self.running_samples, s.samples, m)
-        _running_lerp(self.running_bandwidth, s.bandwidth, m)
-
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _check_input(x)
-        self._ensure_buffers(x)
-        if self._context == "batch":
-            need_samples = self.training or (torch.is_grad_enabled() and x.requires_grad)
-            s = self.n_samples if need_samples else 0
-            # The forward output comes with the statistics (one sort, one pass over the values).
-            # In training the compiled pass moves the running statistics itself where it can.
-            running = (self._next_momentum(), self.running_quantiles, self.running_samples,
-                       self.running_bandwidth, self.num_batches_tracked) if self.training else None
-            stats, pre = _batch_context(x, self.n_tau, self.c, s, self._generator(x.device),
-                                        density=torch.is_grad_enabled() and x.requires_grad, running=running)
-            if self.training and not pre.get("running_updated"):
-                self._update_running(stats)
-            return _apply(x, stats, pre)
-        return qact_apply(x, self.statistics())
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._ensure_buffers(input)
+        batch = self._context == "batch"
+        update = self.training and batch
+        out = quantile_activation(
+            input, self.running_quantiles, self.running_samples, self.running_bandwidth,
+            training=update, momentum=self._next_momentum() if update else 0.0, context=self._context,
+            n_tau=self.n_tau, c=self.c, n_samples=self.n_samples,
+            generator=self._generator(input.device) if batch else None)
+        if update:  # counted once the update is done: an input refused leaves every buffer as it was
+            self.num_batches_tracked.add_(1)
+        return out
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Lazily-sized buffers take the stored shape (like nn.LazyModule).
@@ -249,16 +251,14 @@ class QACTBlock(nn.Module):
 
 def make_activation(name: str, num_features: int) -> nn.Module:
     """Activation by name: ``relu`` | ``prelu`` (one slope per channel) | ``selu`` | ``qact``
-    (the :class:`QACTBlock`, 000 Sec. 4 "replace the usual ReLU activation with QACT")."""
-    key = name.lower() if isinstance(name, str) else name
-    if key in ("prelu", "qact"):
-        check_positive(num_features, "num_features", integer=True)
-    if key == "relu":
-        return nn.ReLU()
-    if key == "prelu":
-        return nn.PReLU(num_features)
-    if key == "selu":
-        return nn.SELU()
-    if key == "qact":
-        return QACTBlock(num_features)
-    raise ValueError(f"name: unknown activation {name!r}; expected one of {', '.join(ACTIVATION_NAMES)}")
+    (the :class:`QACTBlock`, 000 Sec. 4 "replace the usual ReLU activation with QACT").
+
+    ``name`` is matched ignoring case, ``-`` and ``_``; ``num_features`` (channels) is used, and
+    checked, by ``prelu`` and ``qact`` only.
+
+    Raises:
+        TypeError: ``name`` is not a str; ``num_features`` is not an int (``prelu``, ``qact``).
+        ValueError: an unknown ``name`` (the message lists :data:`ACTIVATION_NAMES` and suggests
+            the closest); ``num_features < 1`` (``prelu``, ``qact``).
+    """
+    return ACTIVATION_REGISTRY.get(name)(num_features)

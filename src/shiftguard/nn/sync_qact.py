@@ -5,7 +5,8 @@ Under data parallelism every process sees ``1/W`` of the batch, but QACT's conte
 :class:`SyncQuantileActivation` therefore gathers, in every training-mode forward in ``"batch"``
 context, what the statistics need from every process, and all processes compute *identical*
 statistics (:func:`shiftguard.functional.quantile.qact_statistics`, 000 Alg. 1-2) which each then
-applies to its own inputs (:func:`~shiftguard.functional.quantile.qact_apply`).
+applies to its own inputs (:func:`~shiftguard.functional.quantile.quantile_activation` with
+``statistics=``).
 
 Nothing is communicated in the backward: 000 Alg. 2 treats the quantiles and the KDE samples as
 constants, so ``grad_input = grad_output * f_hat(x)`` only needs the (already identical) samples.
@@ -49,14 +50,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shiftguard._validation import check_positive
+from shiftguard._validation import check_positive, check_tensor
 from shiftguard.functional.kde import silverman_bandwidth
 from shiftguard.functional.quantile import (
     QACTStatistics,
-    _check_input,
     channel_values,
-    qact_apply,
     qact_statistics,
+    quantile_activation,
     quantile_levels,
 )
 from shiftguard.nn.qact import QuantileActivation
@@ -202,11 +202,14 @@ class SyncQuantileActivation(QuantileActivation):
         if not self._needs_sync():
             self.last_mode, self.last_sent_numel = "local", 0
             return super().forward(x)
-        x = _check_input(x, finite=True)  # before the gather: a NaN would reach every process
-        self._ensure_buffers(x)
+        x = check_tensor(x, "input", min_ndim=2, floating=True, nonempty=True, finite=True)  # before the gather:
+        self._ensure_buffers(x)  # a NaN would reach every process
         stats = self.global_statistics(x)
-        self._update_running(stats)  # identical on every process, so the buffers stay in sync
-        return qact_apply(x, stats)
+        # the global statistics are identical on every process, and so are the buffers moved towards them
+        out = quantile_activation(x, self.running_quantiles, self.running_samples, self.running_bandwidth,
+                                  training=True, momentum=self._next_momentum(), statistics=stats)
+        self.num_batches_tracked.add_(1)
+        return out
 
     @torch.no_grad()
     def global_statistics(self, x: torch.Tensor) -> QACTStatistics:
