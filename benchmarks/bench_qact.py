@@ -3,7 +3,7 @@
 Prints a table (median of repeats, ratio QACT/ReLU per shape) and writes
 ``benchmarks/results/bench_qact.json``. Also checks, per shape, that the layer's training-mode
 output (batch context, the path timed) equals the exact reference computed channel by channel
-(numpy weighted quantiles, Alg. 1 of 000) and that the density its backward multiplies by is within
+(numpy weighted quantiles, Alg. 1 of QACT) and that the density its backward multiplies by is within
 the proven KDE grid error bound of the exact KDE of its samples.
 Timings are noisy on a shared machine: compare the ratios, measured in the same run.
 

@@ -1,4 +1,4 @@
-"""QACT (000, Alg. 1-2) against a slow, obviously-correct reference written from the algorithm text.
+"""QACT [QACT, Alg. 1-2] against a slow, obviously-correct reference written from the algorithm text.
 
 The reference (numpy, one Python loop per channel and per level) follows Alg. 1 literally:
 append -c and +c, weight negatives 1/n_- and non-negatives 1/n_+ (zeros non-negative, eq. (8)),

@@ -23,7 +23,7 @@ _N_TAPS = 2 * math.ceil(kde.TRUNCATE * kde.POINTS_PER_BANDWIDTH) + 1
 
 
 def _contexts():
-    """(name, x3 (N, C, L)) inputs covering the corner cases of 000 Alg. 1 (float64)."""
+    """(name, x3 (N, C, L)) inputs covering the corner cases of [QACT, Alg. 1] (float64)."""
     g = np.random.default_rng(0)
     yield "normal", g.standard_normal((50, 4, 3))
     yield "ties", g.integers(-3, 4, size=(40, 3, 5)).astype(float)  # many equal values and quantiles

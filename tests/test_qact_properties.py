@@ -1,4 +1,4 @@
-"""Properties of QACT (000, eqs. (4)-(6)) checked with hypothesis on random contexts."""
+"""Properties of QACT [QACT, eqs. (4)-(6)] checked with hypothesis on random contexts."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_frozen_mode_gives_a_sample_the_same_output_alone_or_in_a_batch(x, i):
 def test_batch_mode_output_depends_on_the_context(x, i):
     # One sample in two batches: once every other value of its channel lies below it, once above it
     # (offsets in [1/4, 25.25]: values stay inside (-c, c) = (-100, 100)). Its output is its quantile
-    # level in the batch (000, eq. (4)), so it is strictly higher in the first batch, in every channel.
+    # level in the batch [QACT, eq. (4)], so it is strictly higher in the first batch, in every channel.
     sample = x[i % x.shape[0]]
     offsets = ((x - sample).abs() + 1) / 4
     below = torch.cat([sample[None], sample - offsets])

@@ -106,7 +106,8 @@ def gaussian_kde(x: torch.Tensor, samples: torch.Tensor, bandwidth: torch.Tensor
     s = samples[:, None, :]
     for start in range(0, x.shape[1], chunk):
         u = (x[:, start:start + chunk, None] - s) / h
-        out[:, start:start + chunk] = torch.exp(-0.5 * u * u).sum(dim=2) * (_INV_SQRT_2PI / samples.shape[1]) / h[:, :, 0]
+        dens = torch.exp(-0.5 * u * u).sum(dim=2) * (_INV_SQRT_2PI / samples.shape[1])
+        out[:, start:start + chunk] = dens / h[:, :, 0]
     return out
 
 

@@ -1,9 +1,9 @@
-"""Quantile activation (QACT) math: 000, Sec. 2, Algorithms 1-2, eqs. (4)-(9).
+"""Quantile activation (QACT) math: QACT, Sec. 2, Algorithms 1-2, eqs. (4)-(9).
 
-For one neuron (channel) with context values ``z_1..z_M`` (000, Sec. 3 "Extending to standard
-layers": every value of ``x[:, c, ...]``, i.e. all of the batch and all spatial positions):
+For one neuron (channel) with context values ``z_1..z_M`` [QACT, Sec. 3 "Extending to standard
+layers": every value of ``x[:, c, ...]``, i.e. all of the batch and all spatial positions]:
 
-1. *Grounding* (000, eqs. (8)-(9) and Alg. 1): append ``-c`` and ``+c`` (``c = 100``), then give the
+1. *Grounding* [QACT, eqs. (8)-(9) and Alg. 1]: append ``-c`` and ``+c`` (``c = 100``), then give the
    negative values total weight 1/2 (``w_- = 1/n_-`` each, normalised) and the non-negative values
    total weight 1/2 (``w_+ = 1/n_+``). Exact zeros count as non-negative, following eq. (8)
    (``z+ = z if z >= 0``). The appended ``+-c`` guarantee that both sides are non-empty.
@@ -101,7 +101,7 @@ def quantile_levels(n_tau: int, dtype: torch.dtype = torch.float32, device=None)
 
 def channel_values(x: torch.Tensor) -> torch.Tensor:
     """The context matrix ``(C, M)`` of ``x`` ``(N, C, *spatial)``: row ``c`` holds every value of
-    ``x[:, c, ...]`` (``M = N * prod(spatial)``; 000, Sec. 3 "Extending to standard layers")."""
+    ``x[:, c, ...]`` (``M = N * prod(spatial)``; QACT, Sec. 3 "Extending to standard layers")."""
     return x.transpose(0, 1).reshape(x.shape[1], -1)
 
 
@@ -112,7 +112,7 @@ def _from_channel_values(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def grounding_weights(values: torch.Tensor) -> torch.Tensor:
-    """Grounding weights of 000 eq. (9) / Alg. 1 for each row of ``values`` ``(C, K)``.
+    """Grounding weights of QACT eq. (9) / Alg. 1 for each row of ``values`` ``(C, K)``.
 
     Negative values share weight 1/2 equally (``0.5 / n_-`` each), non-negative values (zeros
     included, eq. (8)) share the other 1/2 (``0.5 / n_+``). A side with no values gets no weight
@@ -247,7 +247,7 @@ def qact_statistics(
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
 ) -> QACTStatistics:
-    """(a) Context statistics of QACT from a ``(C, M)`` matrix of context values (000, Alg. 1-2).
+    """(a) Context statistics of QACT from a ``(C, M)`` matrix of context values [QACT, Alg. 1-2].
 
     Appends ``-c, +c`` to every row, grounds (eqs. (8)-(9)), returns the weighted quantiles at
     :func:`quantile_levels` ``(n_tau)``, ``n_samples`` points drawn with the grounding weights
@@ -599,7 +599,7 @@ def _check_statistic(t, name: str, shape: tuple) -> torch.Tensor:
 
 
 def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
-    """(b) Apply given context statistics to ``x`` (000, Alg. 1 eq. (6) and Alg. 2 eq. (7)).
+    """(b) Apply given context statistics to ``x`` [QACT, Alg. 1 eq. (6) and Alg. 2 eq. (7)].
 
     Args:
         x: ``(N, C)`` or ``(N, C, *spatial)`` finite floating tensor.
@@ -634,7 +634,7 @@ def quantile_activation(
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
-    """QACT (000, Alg. 1-2) with the contract of :func:`torch.nn.functional.batch_norm`.
+    """QACT [QACT, Alg. 1-2] with the contract of :func:`torch.nn.functional.batch_norm`.
 
     ``context="batch"``: ``input`` is its own context (its statistics are computed here); when
     ``training`` and running statistics are given, they move towards the batch's in place,

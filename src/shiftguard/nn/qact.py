@@ -1,15 +1,15 @@
 """Quantile activation modules: ``QuantileActivation``, ``QACTBlock``, ``make_activation``.
 
-``QuantileActivation`` is a thin module over :mod:`shiftguard.functional.quantile` (000, Alg. 1-2).
+``QuantileActivation`` is a thin module over :mod:`shiftguard.functional.quantile` [QACT, Alg. 1-2].
 
-Context modes (000, Sec. 3 "Inference with QACT"):
+Context modes [QACT, Sec. 3 "Inference with QACT"]:
 
 - ``"batch"`` (default, in training *and* evaluation): the current input is its own context. This
   is training, and the paper's context-aware inference ("we include several samples from the
   context distribution"). ``model.eval()`` does **not** change the mode -- unlike BatchNorm -- because
   the paper evaluates with the test batch as context; switch explicitly.
 - ``"frozen"``: the stored statistics are used, so a single sample can be classified (approach (1)
-  of 000, Sec. 3). The stored statistics are running estimates updated in every *training-mode*
+  of QACT, Sec. 3). The stored statistics are running estimates updated in every *training-mode*
   forward in batch context, like BatchNorm's running stats: with momentum ``m`` (default 0.1),
   ``running = (1 - m) * running + m * batch`` for the quantiles ``(C, n_tau)``, the sorted KDE
   samples ``(C, S)`` and the bandwidth ``(C,)`` (averaging sorted samples averages quantile
@@ -79,12 +79,12 @@ def _check_mode(mode) -> str:
 
 
 class QuantileActivation(nn.Module):
-    """QACT (000, Alg. 1-2): each value becomes its grounded quantile level in its channel's context.
+    """QACT [QACT, Alg. 1-2]: each value becomes its grounded quantile level in its channel's context.
 
     Args:
         n_tau: number of quantile levels ``tau_i = i / (n_tau + 1)``.
-        c: grounding bound appended as ``+-c`` to every context (000: ``c = 100``).
-        n_samples: KDE sample size ``S`` for the backward (000: ``S = 1000``).
+        c: grounding bound appended as ``+-c`` to every context (QACT: ``c = 100``).
+        n_samples: KDE sample size ``S`` for the backward (QACT: ``S = 1000``).
         context: ``"batch"`` or ``"frozen"`` (module docstring).
         momentum: running-statistics momentum for ``"frozen"`` (None = cumulative average).
         num_features: number of channels ``C``; when None the stored statistics are created at the
@@ -225,7 +225,7 @@ _BN_BY_DIM = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
 
 
 class QACTBlock(nn.Module):
-    """BatchNorm -> QACT -> BatchNorm, the stable-training recipe of 000 (Remark after Alg. 2:
+    """BatchNorm -> QACT -> BatchNorm, the stable-training recipe of QACT (Remark after Alg. 2:
     "we prepend and append the quantile activation with BatchNorm layers").
 
     Args:
@@ -251,7 +251,7 @@ class QACTBlock(nn.Module):
 
 def make_activation(name: str, num_features: int) -> nn.Module:
     """Activation by name: ``relu`` | ``prelu`` (one slope per channel) | ``selu`` | ``qact``
-    (the :class:`QACTBlock`, 000 Sec. 4 "replace the usual ReLU activation with QACT").
+    (the :class:`QACTBlock`, [QACT, Sec. 4] "replace the usual ReLU activation with QACT").
 
     ``name`` is matched ignoring case, ``-`` and ``_``; ``num_features`` (channels) is used, and
     checked, by ``prelu`` and ``qact`` only.

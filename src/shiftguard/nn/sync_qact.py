@@ -1,14 +1,14 @@
 """QACT whose context is the *global* batch of a ``torch.distributed`` job (like ``nn.SyncBatchNorm``).
 
-Under data parallelism every process sees ``1/W`` of the batch, but QACT's context (000, Sec. 3
-"Extending to standard layers": all values of a channel in the batch) is the whole batch.
+Under data parallelism every process sees ``1/W`` of the batch, but QACT's context [QACT, Sec. 3
+"Extending to standard layers": all values of a channel in the batch] is the whole batch.
 :class:`SyncQuantileActivation` therefore gathers, in every training-mode forward in ``"batch"``
 context, what the statistics need from every process, and all processes compute *identical*
-statistics (:func:`shiftguard.functional.quantile.qact_statistics`, 000 Alg. 1-2) which each then
+statistics (:func:`shiftguard.functional.quantile.qact_statistics`, [QACT, Alg. 1-2]) which each then
 applies to its own inputs (:func:`~shiftguard.functional.quantile.quantile_activation` with
 ``statistics=``).
 
-Nothing is communicated in the backward: 000 Alg. 2 treats the quantiles and the KDE samples as
+Nothing is communicated in the backward: [QACT, Alg. 2] treats the quantiles and the KDE samples as
 constants, so ``grad_input = grad_output * f_hat(x)`` only needs the (already identical) samples.
 
 What is gathered, per channel, from each process of context size ``M_r = N_r * prod(spatial)``:
@@ -24,7 +24,7 @@ What is gathered, per channel, from each process of context size ``M_r = N_r * p
   values at mid-ranks ``floor((j + 1/2) n_- / K)``, the same for its non-negative values, plus the
   exact counts ``n_-``, ``n_+`` (a side with ``n <= K`` values is sent exactly). Each sketch value
   stands for ``n / K`` context values, so the union of the sketches is a weighted sample of the
-  global context whose grounding (000, eqs. (8)-(9): each side weight 1/2, shared equally) uses
+  global context whose grounding [QACT, eqs. (8)-(9): each side weight 1/2, shared equally] uses
   the exact global counts. The weighted quantiles (midpoint rule, as in
   :func:`~shiftguard.functional.quantile.weighted_quantiles`) then differ from the exact ones by
   at most the spacing of ``~1/K`` quantile levels within a side, far below QACT's output step
@@ -103,7 +103,7 @@ def sketch_statistics(
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
 ) -> QACTStatistics:
-    """QACT statistics (000, Alg. 1-2) from the sketches of ``W`` processes (sampled mode).
+    """QACT statistics [QACT, Alg. 1-2] from the sketches of ``W`` processes (sampled mode).
 
     Args:
         sketches: ``(W, C, 2K)`` from :func:`sketch_context` on each process.
@@ -111,7 +111,7 @@ def sketch_statistics(
         n_tau, c, n_samples, generator: as in :func:`~shiftguard.functional.quantile.qact_statistics`.
 
     Every sketch value of side ``s`` of process ``r`` carries ``n_{r,s} / (number of values sent)``
-    context values; ``-c`` and ``+c`` carry one each. Grounding (000, eqs. (8)-(9)) then gives each
+    context values; ``-c`` and ``+c`` carry one each. Grounding [QACT, eqs. (8)-(9)] then gives each
     side total weight 1/2 using the exact global side counts, the quantiles use the midpoint rule of
     :func:`~shiftguard.functional.quantile.weighted_quantiles`, and the KDE samples are drawn with
     the grounded weights (Alg. 2).

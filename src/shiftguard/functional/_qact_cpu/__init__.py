@@ -8,7 +8,7 @@ vectorised sort (values only, no permutation) and each value is then read once, 
 ranges on torch's thread count, on torch's own OpenMP threads (:mod:`shiftguard._parallel`; the
 kernels release the GIL).
 
-What is computed, per channel ``c`` (000, Alg. 1-2; module doc of ``quantile.py``):
+What is computed, per channel ``c`` [QACT, Alg. 1-2; module doc of ``quantile.py``]:
 
 - :func:`sorted_grounded_context`: the channel's values and ``-c, +c``, sorted;
   :func:`sorted_context_finite` reads the values' finiteness off its ends (and the fused pass each

@@ -1,4 +1,4 @@
-"""Stage 4: the KDE of the backward (000, Alg. 2): the ``S`` systematic draws with the grounding weights
+"""Stage 4: the KDE of the backward [QACT, Alg. 2]: the ``S`` systematic draws with the grounding weights
 and Silverman's bandwidth, and the grid KDE of :mod:`shiftguard.functional.kde` (linear binning, a
 direct convolution with the Gaussian kernel truncated at ``TRUNCATE * h``) per channel."""
 

@@ -1,4 +1,4 @@
-"""Stage 3: every value's forward output ``#{i : q_i <= x} / n_tau`` (000, eq. (6)) through a cell table
+"""Stage 3: every value's forward output ``#{i : q_i <= x} / n_tau`` [QACT, eq. (6)] through a cell table
 over the quantiles, and the linear interpolation of a KDE grid at a value (the density of eq. (7))."""
 
 from __future__ import annotations

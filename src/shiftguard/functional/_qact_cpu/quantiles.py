@@ -1,4 +1,4 @@
-"""Stage 2: the weighted quantiles of a sorted grounded context row (000, Alg. 1, eqs. (8)-(9)) by the
+"""Stage 2: the weighted quantiles of a sorted grounded context row [QACT, Alg. 1, eqs. (8)-(9)] by the
 closed-form midpoint positions of the grounding weights, in float64, rounded once to the row's dtype
 (the arithmetic of ``quantile._grounded_quantiles``)."""
 

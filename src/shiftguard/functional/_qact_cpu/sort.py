@@ -1,4 +1,4 @@
-"""Stage 1: the sorted grounded context. Every value of a channel and ``-c, +c`` (000, Alg. 1), gathered
+"""Stage 1: the sorted grounded context. Every value of a channel and ``-c, +c`` [QACT, Alg. 1], gathered
 channel-major and sorted by numpy's value sort; its ends reveal NaN/inf and the value range."""
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def _gather_and_sort(c0: int, c1: int, x3: np.ndarray, c: float, ctx: np.ndarray
 
 def sorted_grounded_context(x3: np.ndarray, c: float) -> np.ndarray:
     """``(C, M + 2)`` sorted rows: every value of channel ``c`` of ``x3`` ``(N, C, L)``, and ``-c, +c``
-    (000, Alg. 1), by numpy's sort of the values alone (x86-simd-sort; no permutation is kept).
+    [QACT, Alg. 1], by numpy's sort of the values alone (x86-simd-sort; no permutation is kept).
     Each thread gathers and sorts its own range of rows (one parallel region, the rows still in
     cache when sorted)."""
     n, ch, length = x3.shape
