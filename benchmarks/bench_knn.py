@@ -1,9 +1,9 @@
 """Speed of NED (fit + predict) with each kNN back end, against scikit-learn.
 
-Workload (issue #5): a support of 60,000 x 128 float32 embeddings (10 Gaussian classes), 10,000
+Workload: a support of 60,000 x 128 float32 embeddings (10 Gaussian classes), 10,000
 queries, k = 10. "fit" = the leave-one-out temperature fit of NED (default: 5,000 calibration
 queries against the full support, own row excluded) and "predict" = kNN of the 10k queries +
-eq. (3) of 004. Back ends, in the same run on the same data:
+[NED, eq. (3)]. Back ends, in the same run on the same data:
 
 - ``torch``: shiftguard's exact chunked matmul + topk (``knn_search(backend="torch")``);
 - ``faiss``: ``faiss.IndexFlatL2`` (``knn_search(backend="faiss")``);

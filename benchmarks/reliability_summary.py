@@ -1,4 +1,4 @@
-"""Reliability summary (issue #8): run the fault-injection, fuzz, hardening and memory tests and
+"""Reliability summary: run the fault-injection, fuzz, hardening and memory tests and
 tabulate what was tried and what held.
 
     python benchmarks/reliability_summary.py            # the default test set (about 2 min on 2 cores)

@@ -1,8 +1,8 @@
 """Side-by-side retrieval comparison of the shiftguard losses on Fashion-MNIST (CPU-sized).
 
 Trains the same tiny CNN embedding with each loss (class-balanced batches of m samples per class,
-002 Sec. 5.3.2) and reports Recall@1/2/4/8 (retrieval sense: a positive among the k nearest neighbours,
-002 Sec. 5.3.1) and MAP@R (pytorch-metric-learning's AccuracyCalculator) on held-out test images, next to
+[Patel, Sec. 5.3.2]) and reports Recall@1/2/4/8 (retrieval sense: a positive among the k nearest neighbours,
+[Patel, Sec. 5.3.1]) and MAP@R (pytorch-metric-learning's AccuracyCalculator) on held-out test images, next to
 the untrained network.  Every number in docs/losses.md's retrieval table comes from this script:
 
     .venv/bin/python experiments/losses_retrieval.py --out experiments/results/losses_retrieval.json
@@ -44,7 +44,7 @@ LOSSES = {
     "ELK": ("elk", {}),
 }
 #: sampling-based vMF losses read ||e|| as kappa; the untrained CNN has ||e|| ~ 0.3 (a near-uniform vMF), so its
-#: last layer is scaled at init by --prob-init-scale (003, appendix B.1 likewise starts kappa^ in range).
+#: last layer is scaled at init by --prob-init-scale ([Kirchhof, App. B.1] likewise starts kappa^ in range).
 SAMPLED_VMF = {"mcinfonce", "nivmf_proxy", "hib"}
 
 
@@ -121,7 +121,8 @@ def train_one(loss_name, kw, xtr, ytr, args):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--root", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fashion-mnist"))
+    default_root = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "fashion-mnist"
+    p.add_argument("--root", default=str(default_root))
     p.add_argument("--train-per-class", type=int, default=600)
     p.add_argument("--test-per-class", type=int, default=200)
     p.add_argument("--epochs", type=int, default=3)
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, default=6)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--loss-lr-mult", type=float, default=10.0, help="learning-rate multiplier for loss parameters (proxies)")
+    p.add_argument("--loss-lr-mult", type=float, default=10.0,
+                   help="learning-rate multiplier for loss parameters (proxies)")
     p.add_argument("--prob-init-scale", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", default=None, help="subset of loss labels to run")

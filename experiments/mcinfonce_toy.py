@@ -1,6 +1,6 @@
-"""MCInfoNCE identifiability toy (003, chapter 3 / appendix B "Controlled Experiment"), CPU-sized.
+"""MCInfoNCE identifiability toy ([Kirchhof, Ch. 3 / App. B] "Controlled Experiment"), CPU-sized.
 
-Setup (003, appendix B.1-B.3, reproduced at a smaller scale):
+Setup ([Kirchhof, App. B.1-B.3], reproduced at a smaller scale):
 
 * Generative process: observations ``x ~ U[0, 1]^D``; posterior ``P(z|x) = vMF(mu(x), kappa(x))`` with two
   fixed random MLPs: ``mu``: three linear layers D->D->D->D with leaky ReLU, output normalised, re-drawn
@@ -11,17 +11,17 @@ Setup (003, appendix B.1-B.3, reproduced at a smaller scale):
   ``z ~ P(z|x)``, ``z+ ~ P(z+|x+)``, accepted with probability
   ``C(kp) e^{kp z^T z+} / (C(kp) e^{kp z^T z+} + C(0))``, ``kp = kappa_pos = 20``.  Negatives: uniform x.
 * Encoder: MLPs for ``mu^(x)`` (normalised) and ``kappa^(x) = 1 + exp(.)`` (initialised mid-range); the
-  loss sees the embedding ``kappa^(x) mu^(x)`` (003's norm-is-concentration convention).
-* Training: phasewise (003, appendix B.6 -- it helped MCInfoNCE): first ``mu^`` with
+  loss sees the embedding ``kappa^(x) mu^(x)`` (the norm-is-concentration convention of [Kirchhof]).
+* Training: phasewise ([Kirchhof, App. B.6] -- it helped MCInfoNCE): first ``mu^`` with
   :class:`shiftguard.losses.MCInfoNCELoss` while ``kappa^`` is held at its initial mid-range output (in-batch
   negatives only), then ``mu^`` frozen and ``kappa^`` trained with the same loss (K MC samples, M uniform
-  negatives + in-batch ones).  Fresh contrastive pairs are drawn every step, as in 003.
+  negatives + in-batch ones).  Fresh contrastive pairs are drawn every step, as in [Kirchhof].
 * ``--oracle-mu``: the encoder's directions are the true ``mu(x)`` and only ``kappa^`` is learned -- this
   isolates what MCInfoNCE's kappa gradient recovers from the limited training a CPU allows.
-* Metrics (003, Sec. 5.1): Spearman rank correlation between ``mu^(x1)^T mu^(x2)`` and ``mu(x1)^T mu(x2)``
+* Metrics [Kirchhof, Sec. 5.1]: Spearman rank correlation between ``mu^(x1)^T mu^(x2)`` and ``mu(x1)^T mu(x2)``
   over all pairs of ``n_eval`` fresh inputs, and between ``kappa^(x)`` and ``kappa(x)``.
 
-Thesis (003, Table 1, ambiguous kappa in [16, 32], D = 10, 100k batches of 512, K = 512): rank corr.
+Thesis ([Kirchhof, Table 1], ambiguous kappa in [16, 32], D = 10, 100k batches of 512, K = 512): rank corr.
 0.99 (location) and 0.82 (certainty).  Our CPU scale: D = 10, 1500 + 800 steps, 64 / 32 pairs per batch,
 K = 128.  Run:
 
@@ -58,7 +58,7 @@ def _mlp(sizes, final_act=False):
 
 
 class GenerativeProcess(nn.Module):
-    """Fixed random posteriors ``mu(x)``, ``kappa(x)`` of 003, appendix B.1."""
+    """Fixed random posteriors ``mu(x)``, ``kappa(x)`` of [Kirchhof, App. B.1]."""
 
     def __init__(self, dim=10, kappa_min=16.0, kappa_max=32.0, seed=0):
         super().__init__()
@@ -90,7 +90,7 @@ class GenerativeProcess(nn.Module):
 
 @torch.no_grad()
 def sample_positive_pairs(gp, n_pairs, kappa_pos=20.0, generator=None, chunk=20000):
-    """Rejection sampling of (x, x+) pairs (003, appendix B.2, eq. (53))."""
+    """Rejection sampling of (x, x+) pairs [Kirchhof, App. B.2, eq. (53)]."""
     dim = gp.mu_net[0].in_features
     log_c_pos = float(log_vmf_normalizer(torch.tensor(kappa_pos, dtype=torch.float64), dim))
     log_c_0 = float(log_vmf_normalizer(torch.tensor(0.0, dtype=torch.float64), dim))
@@ -116,7 +116,7 @@ class Encoder(nn.Module):
         super().__init__()
         self.mu_net = _mlp([dim, width, 2 * width, width, dim])
         self.kappa_net = _mlp([dim, width, 2 * width, width, 1])
-        with torch.no_grad():  # start kappa^ in the middle of the true range (003, appendix B.1)
+        with torch.no_grad():  # start kappa^ in the middle of the true range [Kirchhof, App. B.1]
             self.kappa_net[-1].weight.mul_(0.1)
             self.kappa_net[-1].bias.fill_(math.log(kappa_init - 1))
 
@@ -129,7 +129,7 @@ class Encoder(nn.Module):
 
 def train(gp, enc, *, steps_mu, steps_kappa, batch_size, batch_size_kappa, n_neg, n_samples, kappa_pos, lr, seed,
           joint_steps=0):
-    """Phasewise training on *fresh* contrastive pairs every step (003 draws 100k fresh batches; reusing a
+    """Phasewise training on *fresh* contrastive pairs every step ([Kirchhof] draws 100k fresh batches; reusing a
     fixed pair set lets mu^ memorise the pairs and then kappa^ -> inf)."""
     g = torch.Generator().manual_seed(seed + 1)
     dim = gp.mu_net[0].in_features
@@ -137,7 +137,7 @@ def train(gp, enc, *, steps_mu, steps_kappa, batch_size, batch_size_kappa, n_neg
     lbl = lambda b: torch.cat([torch.arange(b), torch.arange(b), b + torch.arange(n_neg)])
     loss_fn = MCInfoNCELoss(kappa_pos=kappa_pos, n_samples=n_samples, generator=torch.Generator().manual_seed(seed + 2))
     # phase 1: mu^ with MCInfoNCE while kappa^ stays at its initial (mid-range) value; in-batch negatives (M = 0
-    # extra negatives, which 003 found beneficial for this phase, appendix B.6)
+    # extra negatives, which [Kirchhof, App. B.6] found beneficial for this phase)
     opt = torch.optim.Adam(enc.mu_net.parameters(), lr=lr)
     for _ in range(steps_mu):
         xb, xpb = fresh(batch_size)
@@ -195,7 +195,7 @@ def loss_vs_kappa_scale(dim=10, n_samples=(16, 128), scales=(0.5, 1.0, 1.5, 2.0,
                         batch=64, n_neg=32, kappa_pos=20.0, seed=0):
     """MCInfoNCE (eq. (7)) evaluated at the *true* posteriors with kappa scaled by c: where is it minimal?
 
-    Eq. (7) is a biased MC estimate of eq. (5) (003, Sec. 5.1); this measures how the bias moves the minimiser
+    Eq. (7) is a biased MC estimate of eq. (5) [Kirchhof, Sec. 5.1]; this measures how the bias moves the minimiser
     away from c = 1 for a given number of MC samples K.
     """
     gp = GenerativeProcess(dim, seed=seed)

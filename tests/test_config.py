@@ -25,7 +25,7 @@ def write(tmp_path, text, name="c.toml"):
 
 def test_minimal_file_gets_the_documented_defaults(tmp_path):
     cfg = load_config(write(tmp_path, MINIMAL))
-    assert cfg.train.lr == 1e-3 and cfg.data.val_fraction == 0.2 and cfg.data.split_seed == 42  # 000 App. B
+    assert cfg.train.lr == 1e-3 and cfg.data.val_fraction == 0.2 and cfg.data.split_seed == 42  # [QACT, App. B]
     assert cfg.train.lr_patience == 50 and cfg.train.lr_cooldown == 10 and cfg.train.min_lr == 1e-6
     assert cfg.models[0].name == "lenet-qact-watershed"
     assert cfg.data.severities == [1, 2, 3, 4, 5]

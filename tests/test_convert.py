@@ -1,6 +1,6 @@
 """``convert_activations`` and the whole-model context helpers, on models written the way users write them.
 
-QACT (000, Alg. 1-2) goes in as the BatchNorm -> QACT -> BatchNorm block (000, Remark after Alg. 2);
+QACT [QACT, Alg. 1-2] goes in as the BatchNorm -> QACT -> BatchNorm block [QACT, Remark after Alg. 2];
 each call site of an activation gets its own block, channel counts are inferred from the first input,
 and activations called as functions are named in one warning.
 """
@@ -378,7 +378,7 @@ def test_fit_context_stores_the_average_of_the_batch_quantiles_and_freezes():
     assert str(block.act.context) == "frozen" and int(block.act.num_batches_tracked) == 4
     assert all(torch.equal(a, b) for a, b in zip(bn_before, (block.bn_in.running_mean, block.bn_in.running_var,
                                                                block.bn_out.running_mean, block.bn_out.running_var)))
-    # What the docs promise: the mean over batches of each batch's quantiles (000, Alg. 1) at the
+    # What the docs promise: the mean over batches of each batch's quantiles [QACT, Alg. 1] at the
     # QACT input, which BatchNorm in eval mode (its unchanged running statistics) produces.
     with torch.no_grad():
         block.bn_in.eval()

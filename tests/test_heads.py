@@ -301,7 +301,7 @@ def test_quantile_classifier_head_adapts_the_quantile_classifier():
     assert p.shape == (400, 4)
     torch.testing.assert_close(p.sum(1), torch.ones(400))
     assert (p.argmax(1) == y).float().mean() > 0.8
-    ovr = head.predict_one_vs_rest(x)  # the classifier's own per-class probabilities (000 Sec. 3)
+    ovr = head.predict_one_vs_rest(x)  # the classifier's own per-class probabilities [QACT, Sec. 3]
     assert ovr.shape == (400, 4) and float(ovr.min()) >= 0 and float(ovr.max()) <= 1
     torch.testing.assert_close(p, ovr / ovr.sum(1, keepdim=True))
     with pytest.raises(ValueError, match="embeddings"):

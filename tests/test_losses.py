@@ -32,7 +32,7 @@ def _batch(n_cls=3, m=3, dim=4, seed=0):
     return emb, labels
 
 
-# ---------------------------------------------------------------- distance ratio (001, Paper II)
+# ---------------------------------------------------------------- distance ratio [Kim, Art. II]
 
 @pytest.mark.parametrize("d1,d2,sigma,delta,l_s,l_dr", [
     (1.0, 2.0, 0.95257, 0.80000, 0.048587, 0.22314),  # Table 1, case (a)
@@ -122,7 +122,7 @@ def test_gradcheck_dr_proxies():
     assert torch.autograd.gradcheck(lambda e, p: functional_call(loss, {"proxies": p}, (e, y)), (emb, prox))
 
 
-# ---------------------------------------------------------------- ProxyDR (001, Paper III)
+# ---------------------------------------------------------------- ProxyDR [Kim, Art. III]
 
 def test_proxydr_matches_reference_with_normalised_chord_distance():
     emb, y = _batch()
@@ -133,7 +133,7 @@ def test_proxydr_matches_reference_with_normalised_chord_distance():
     logits = -10.0 * d.log()
     ref = F.cross_entropy(logits, y)
     assert torch.allclose(loss(emb, y), ref, atol=1e-12)
-    assert float(loss.scale) == 10.0  # Paper III fixed scale factor
+    assert float(loss.scale) == 10.0  # fixed scale factor of [Kim, Art. III]
 
 
 def test_proxydr_is_invariant_to_embedding_and_proxy_norms():
@@ -183,7 +183,7 @@ def test_gradcheck_proxydr():
     assert torch.autograd.gradcheck(lambda e, p: functional_call(loss, {"proxies": p}, (e, y)), (emb, prox))
 
 
-# ---------------------------------------------------------------- watershed (000, appendix D)
+# ---------------------------------------------------------------- watershed [QACT, App. D]
 
 def _prim_watershed(dist, seeds, seed_labels):
     """Reference: grow the seeded minimum spanning forest one sample at a time (Prim)."""
@@ -266,7 +266,7 @@ def test_gradcheck_watershed_with_fixed_seeds():
         lambda e: WatershedLoss(generator=torch.Generator().manual_seed(0))(e, y), (emb,))
 
 
-# ---------------------------------------------------------------- RS@k and SiMix (002, ch. 5)
+# ---------------------------------------------------------------- RS@k and SiMix [Patel, Ch. 5]
 
 def _ref_rsk(sim, y, ks, tau1, tau2):
     """Loop reference of eq. (5.5)-(5.7) with the min(k, |P|) normalisation and clipping at k."""
@@ -321,7 +321,8 @@ def test_rsk_when_every_positive_is_ranked_first_equals_the_sigmoid_at_k_minus_1
     # rank~ = 1 exactly (negatives at similarity 0 vs 1, tau_2 = 0.01), so R~^k = sigmoid(k - 1) (eq. (5.5))
     y = torch.arange(4).repeat_interleave(2)
     emb = F.one_hot(y, 4).to(D64) * 5
-    expected = ((1 - torch.sigmoid(torch.tensor(0.0, dtype=D64))) + (1 - torch.sigmoid(torch.tensor(1.0, dtype=D64)))) / 2
+    s0, s1 = torch.sigmoid(torch.tensor([0.0, 1.0], dtype=D64))
+    expected = ((1 - s0) + (1 - s1)) / 2
     assert math.isclose(RecallAtKSurrogate(k=(1, 2))(emb, y).item(), expected.item(), rel_tol=1e-7)
     rand = RecallAtKSurrogate(k=(1, 2))(torch.randn(8, 4, dtype=D64), y).item()
     assert rand > expected.item()
@@ -395,8 +396,8 @@ def test_build_loss_requires_dims_for_proxy_losses():
 
 
 @pytest.mark.parametrize("name", ["watershed", "dr", "proxydr", "recall_at_k", "smooth_ap", "cross_entropy",
-                                  "triplet", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "normface", "supcon", "mcinfonce", "hib",
-                                  "elk", "nivmf_proxy", "Recall@k"])
+                                  "triplet", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "normface", "supcon",
+                                  "mcinfonce", "hib", "elk", "nivmf_proxy", "Recall@k"])
 def test_build_loss_every_name_gives_a_finite_differentiable_scalar(name):
     emb = torch.randn(12, 6, requires_grad=True)
     y = torch.arange(3).repeat(4)

@@ -1,4 +1,4 @@
-"""Probabilistic-embedding losses of 003: references on the same vMF samples, closed forms, gradchecks."""
+"""Probabilistic-embedding losses of [Kirchhof]: references on the same vMF samples, closed forms, gradchecks."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def test_hib_matches_loop_reference_of_eq54():
 
 
 def test_el_vmf_distance_matches_monte_carlo_expected_likelihood():
-    # d_EL = -log int zeta(a) rho(a) da = -log E_{a ~ zeta}[rho(a)]  (003, appendix A, eq. (5), (30)-(35))
+    # d_EL = -log int zeta(a) rho(a) da = -log E_{a ~ zeta}[rho(a)]  [Kirchhof, App. A, eq. (5), (30)-(35)]
     dim = 3
     mu1 = F.normalize(torch.tensor([[1.0, 0.2, -0.3]], dtype=D64), dim=1)
     mu2 = F.normalize(torch.tensor([[0.4, 1.0, 0.1]], dtype=D64), dim=1)
@@ -206,7 +206,7 @@ def _load_toy():
 
 
 def test_mcinfonce_recovers_the_ordering_of_true_concentrations_on_the_toy():
-    """003, ch. 3 / appendix B toy, tiny: given the true mean directions, kappa^ trained with MCInfoNCE ranks
+    """[Kirchhof, Ch. 3 / App. B] toy, tiny: given the true mean directions, kappa^ trained with MCInfoNCE ranks
     inputs by their true posterior concentration.  Tiny scale: D = 4, 150 steps, and a wider kappa range
     [4, 32] than the thesis' [16, 32] so the signal is clear in seconds (measured ~0.5 for seeds 0 and 1).  The
     full pipeline with learned directions is experiments/mcinfonce_toy.py (docs/losses.md has its numbers)."""

@@ -17,8 +17,8 @@ from shiftguard.losses import build_loss
 from shiftguard.train.samplers import ClassBalancedBatchSampler
 
 #: vMF losses read the embedding norm as the concentration kappa; the tiny CNN starts at norm ~0.25 (a nearly
-#: uniform vMF, whose *samples* carry almost no direction signal), so for the sampling-based losses -- as 003,
-#: appendix B.1 does for kappa^ -- the output is scaled at init into a useful range (closed-form ELK does not
+#: uniform vMF, whose *samples* carry almost no direction signal), so for the sampling-based losses -- as
+#: [Kirchhof, App. B.1] does for kappa^ -- the output is scaled at init into a useful range (closed-form ELK does not
 #: need it).
 PROBABILISTIC = {"mcinfonce", "nivmf_proxy", "hib"}
 INIT_SCALE = 30.0
@@ -120,7 +120,8 @@ def test_experiment_scale_retrieval_beats_untrained_map_at_r(fashion_mnist_dir, 
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "r.json"
-    assert mod.main(["--root", str(fashion_mnist_dir), "--only", "RS@k", "ProxyDR", "watershed", "--out", str(out)]) == 0
+    argv = ["--root", str(fashion_mnist_dir), "--only", "RS@k", "ProxyDR", "watershed", "--out", str(out)]
+    assert mod.main(argv) == 0
     res = json.loads(out.read_text())["results"]
     for name in ("RS@k", "ProxyDR", "watershed"):
         assert res[name]["map@r"] > res["untrained"]["map@r"] + 0.2

@@ -90,7 +90,7 @@ def test_marginal_ece_is_the_mean_of_classwise_binary_errors():
 
 
 def test_one_vs_rest_ece_uses_per_class_probabilities_without_renormalising():
-    """000 Sec. 3-4: the quantile classifier's one-vs-rest probabilities are calibrated as they are."""
+    """[QACT, Sec. 3-4]: the quantile classifier's one-vs-rest probabilities are calibrated as they are."""
     g = torch.Generator().manual_seed(7)
     p = torch.rand(300, 5, generator=g, dtype=torch.float64)  # rows do not sum to 1
     y = torch.randint(0, 5, (300,), generator=g)

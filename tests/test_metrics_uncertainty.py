@@ -1,4 +1,4 @@
-"""AUROC of errors (vs scikit-learn), R-AUROC (003 Alg. 1) and AURC (vs a loop reference)."""
+"""AUROC of errors (vs scikit-learn), R-AUROC [Kirchhof, Alg. 1] and AURC (vs a loop reference)."""
 
 import itertools
 
@@ -22,7 +22,10 @@ def test_auroc_error_equals_scikit_learn_on_random_and_heavily_tied_scores(seed,
     from sklearn.metrics import roc_auc_score
 
     g = torch.Generator().manual_seed(seed)
-    u = torch.rand(n, generator=g, dtype=torch.float64) if levels is None else torch.randint(0, levels, (n,), generator=g).float()
+    if levels is None:
+        u = torch.rand(n, generator=g, dtype=torch.float64)
+    else:
+        u = torch.randint(0, levels, (n,), generator=g).float()
     e = torch.rand(n, generator=g) < 0.4
     e[0], e[1] = True, False  # both outcomes
     assert auroc_error(u, e) == pytest.approx(roc_auc_score(e.numpy(), u.double().numpy()), abs=1e-12)

@@ -71,9 +71,9 @@ def test_activation_appears_in_model(act):
 @pytest.mark.parametrize(
     "arch, kw, lo, hi",
     [
-        ("resnet18", {}, 11.1e6, 11.3e6),  # 000 Sec. 4: "ResNet18 (11M parameters)"
-        ("vgg16", {}, 14.6e6, 14.8e6),  # 000 Sec. 4: "VGG (15M parameters)"
-        ("densenet121", {"growth_rate": 12}, 0.95e6, 1.05e6),  # 000 Sec. 4: "DenseNet (1M parameters)"
+        ("resnet18", {}, 11.1e6, 11.3e6),  # [QACT, Sec. 4]: "ResNet18 (11M parameters)"
+        ("vgg16", {}, 14.6e6, 14.8e6),  # [QACT, Sec. 4]: "VGG (15M parameters)"
+        ("densenet121", {"growth_rate": 12}, 0.95e6, 1.05e6),  # [QACT, Sec. 4]: "DenseNet (1M parameters)"
         ("densenet121", {}, 6.9e6, 7.0e6),
         ("lenet", {}, 55e3, 70e3),
     ],

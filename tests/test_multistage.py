@@ -1,4 +1,4 @@
-"""multistage_step (002, Sec. 5.3.2): chunked two-pass back-propagation equals the plain gradient."""
+"""multistage_step [Patel, Sec. 5.3.2]: chunked two-pass back-propagation equals the plain gradient."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
-"""Evidence for 004's claim on real data: NED confidence vs kNN vote and 1-NN, clean and corrupted.
+"""Evidence for the claim of [NED] on real data: NED confidence vs kNN vote and 1-NN, clean and corrupted.
 
-Protocol (004 Sec. 3.2 and 5): a small embedding network is trained with a normalised,
-temperature-weighted softmax (004 Sec. 3, following Zhai & Wu) on five Fashion-MNIST classes;
+Protocol [NED, Sec. 3.2 and 5]: a small embedding network is trained with a normalised,
+temperature-weighted softmax ([NED, Sec. 3], following Zhai & Wu) on five Fashion-MNIST classes;
 the support set and the queries come from the five *other* classes (disjoint categories, as in
-004's benchmarks). All heads share the support and k = 20; NED's T is fitted leave-one-out on the
+the benchmarks of [NED]). All heads share the support and k = 20; NED's T is fitted leave-one-out on the
 support (the default); the test queries are then corrupted at severities 3 and 5 (support and T
-unchanged, as in 004 Sec. 5). The numbers are recorded in docs/heads_metrics.md.
+unchanged, as in [NED, Sec. 5]). The numbers are recorded in docs/heads_metrics.md.
 
 What reproduces, and is asserted: NED is far better calibrated than 1-NN on clean and on every
 corrupted set, at equal or better accuracy, and as accurate as the kNN vote. What does NOT
-reproduce at this scale: 004 Tables 1-2 have NED's ECE well below the kNN vote's; here the vote
+reproduce at this scale: [NED, Tables 1-2] have NED's ECE well below the kNN vote's; here the vote
 share of k = 20 neighbours is about as well calibrated as NED on clean data (1-2% ECE, the order
 changes between training runs) and better calibrated under severity-5 corruption. Only "comparable
 on clean data" is asserted; the numbers are in docs/heads_metrics.md.
@@ -46,7 +46,7 @@ class TinyEmbeddingNet(nn.Module):
         return F.normalize(self.fc(x.flatten(1)), dim=1)
 
     def forward(self, images_uint8):
-        # normalised softmax with temperature 1/scale (004 Sec. 3)
+        # normalised softmax with temperature 1/scale [NED, Sec. 3]
         return self.scale * self.embed(images_uint8) @ F.normalize(self.proxies, dim=1).t()
 
 
@@ -128,7 +128,7 @@ def test_ned_is_better_calibrated_than_one_nn_at_equal_or_better_accuracy(result
 
 
 def test_ned_is_as_accurate_as_the_knn_vote_and_about_as_well_calibrated_on_clean_data(results):
-    # 004 Table 1 has NED's ECE far below kNN's; here both are 1-2% and which is lower depends on
+    # [NED, Table 1] has NED's ECE far below kNN's; here both are 1-2% and which is lower depends on
     # the training run (see docs/heads_metrics.md), so only "comparable" is asserted.
     ned_acc, ned_ece = results["NED", "clean"]
     vote_acc, vote_ece = results["KNNVote", "clean"]

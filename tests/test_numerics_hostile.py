@@ -151,7 +151,7 @@ def test_losses_that_must_compute_at_large_scale(scale):
 
 @pytest.mark.parametrize("scale", [1e-2, 1e10, 1e20, 1e30, 3.8e37])
 def test_dr_and_proxydr_losses_do_not_depend_on_the_scale(scale):
-    """001 Paper II eq. (6): the DR loss is scale-invariant (up to the 1e-10 guard); ProxyDR normalises."""
+    """[Kim, Art. II, eq. (6)]: the DR loss is scale-invariant (up to the 1e-10 guard); ProxyDR normalises."""
     x, y = _blobs(n=12)
     for name in ("dr", "proxydr"):
         ref, _ = _loss_and_grad(LOSSES[name], x, y)

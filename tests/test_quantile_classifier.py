@@ -1,4 +1,4 @@
-"""QuantileClassifier (000, Sec. 3): weighted one-vs-rest BCE, fitting on embeddings
+"""QuantileClassifier [QACT, Sec. 3]: weighted one-vs-rest BCE, fitting on embeddings
 (``heads.fit_quantile_classifier``), probabilities."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ClassBalancedBatchSampler: m samples from each of batch_size // m classes (002, Sec. 5.3.2)."""
+"""ClassBalancedBatchSampler: m samples from each of batch_size // m classes [Patel, Sec. 5.3.2]."""
 
 from __future__ import annotations
 

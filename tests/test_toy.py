@@ -1,4 +1,4 @@
-"""The two-Gaussians failure-mode toy (000, Sec. 1, eq. (1), Figure 1) and ``shiftguard toy``."""
+"""The two-Gaussians failure-mode toy [QACT, Sec. 1, eq. (1), Fig. 1] and ``shiftguard toy``."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def test_cli_rejects_bad_arguments():
 
 
 def test_qact_beats_relu_by_a_wide_margin():
-    # 000, Figure 1b: ReLU stays at chance, QACT infers the context. Averaged over three seeds:
+    # [QACT, Fig. 1b]: ReLU stays at chance, QACT infers the context. Averaged over three seeds:
     # single runs diverge with last-bit changes of the gradient (16 seeds: QACT 0.56-0.79, mean
     # 0.68; docs/qact.md). ~20 s on an idle 2-core box.
     relu = [toy.train_and_evaluate("relu", n_test=100, seed=s)["accuracy"] for s in range(3)]

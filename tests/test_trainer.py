@@ -1,4 +1,4 @@
-"""shiftguard.train: the 000 App. B training loop, determinism, checkpoints and resume."""
+"""shiftguard.train: the [QACT, App. B] training loop, determinism, checkpoints and resume."""
 
 from __future__ import annotations
 

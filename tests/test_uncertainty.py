@@ -1,4 +1,4 @@
-"""Uncertainty scores (sign: higher = more uncertain) and the loss-prediction head (003 Ch. 5)."""
+"""Uncertainty scores (sign: higher = more uncertain) and the loss-prediction head [Kirchhof, Ch. 5]."""
 
 import math
 

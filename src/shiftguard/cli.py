@@ -20,7 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("shiftguard.experiments.run", "train, shift, evaluate and write a report (the main job)"),
     "evaluate": ("shiftguard.experiments.evaluate", "evaluate your own model (module:factory + weights) under shift"),
     "report": ("shiftguard.experiments.report", "rebuild the report of one or more run directories"),
-    "toy": ("shiftguard.experiments.toy", "the two-Gaussians failure-mode toy (paper 000, Figure 1)"),
+    "toy": ("shiftguard.experiments.toy", "the two-Gaussians failure-mode toy of the QACT paper [QACT, Fig. 1]"),
     "corrupt": ("shiftguard.experiments.corrupt", "write a corrupted copy of a dataset (MNIST-C / CIFAR-10-C layout)"),
     "gallery": ("shiftguard.experiments.gallery", "save a PNG grid: corruptions x severities 0-5"),
 }

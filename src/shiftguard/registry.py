@@ -58,6 +58,17 @@ class Registry(Generic[T]):
             accept more than registered names (e.g. ``"or a factory 'package.module:function'"``).
 
     Iteration yields the canonical names in registration order; :meth:`names` lists them sorted.
+
+    Examples:
+        >>> losses = Registry("loss", argument="loss")
+        >>> losses.register("cross-entropy", len, aliases=("ce",)) is len
+        True
+        >>> losses.get("Cross_Entropy") is losses.get("CE") is len, list(losses)
+        (True, ['cross-entropy'])
+        >>> losses.get("hinge")
+        Traceback (most recent call last):
+        ...
+        ValueError: loss: unknown loss 'hinge'; expected one of cross-entropy
     """
 
     def __init__(self, kind: str, *, argument: str = "name", hint: str = ""):

@@ -5,7 +5,7 @@
 ['shot_noise', 'impulse_noise', 'glass_blur']
 >>> x_shifted = corruptions.corrupt(x, "fog", severity=3, seed=0)  # doctest: +SKIP
 
-Suites (seed documents 000 and 004 evaluate on "MNISTC" and "CIFAR10C"):
+Suites (the QACT and NED papers [QACT], [NED] evaluate on "MNISTC" and "CIFAR10C"):
 
 - ``"mnist-c"``: the 15 corruptions of Mu & Gilmer (2019), five severities each, severity 3 =
   the published MNIST-C setting (:mod:`.mnist_c`).

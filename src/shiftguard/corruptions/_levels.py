@@ -166,7 +166,8 @@ def _normal_bins(lo_z: np.ndarray, hi_z: np.ndarray) -> np.ndarray:
     hi = torch.from_numpy(np.ascontiguousarray(hi_z, dtype=np.float64))
     # P = Phi(hi) - Phi(lo), or Phi(-lo) - Phi(-hi) when both are in the upper tail
     upper = lo > 0
-    a = torch.where(upper, torch.special.ndtr(-lo) - torch.special.ndtr(-hi), torch.special.ndtr(hi) - torch.special.ndtr(lo))
+    a = torch.where(upper, torch.special.ndtr(-lo) - torch.special.ndtr(-hi),
+                    torch.special.ndtr(hi) - torch.special.ndtr(lo))
     return a.clamp_min(0).numpy()
 
 
@@ -232,7 +233,7 @@ _CACHE: dict = {}
 
 
 def cached_tables(law: Callable[[float], np.ndarray], c) -> AliasTables:
-    """Alias tables of ``law(c)``, built once per (law, constant) (about 40 ms)."""
+    """Alias tables of ``law(c)``, built once per (law, constant) and reused: building costs far more than a draw."""
     key = (law.__name__, c)
     t = _CACHE.get(key)
     if t is None:

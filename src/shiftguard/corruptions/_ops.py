@@ -223,7 +223,8 @@ def _cached_filter_matrix(n: int, kernel: Tensor, mode: str, like: Tensor) -> Te
 
 
 def _cached_dense_filter(H: int, W: int, kernel: Tensor, mode: str, like: Tensor) -> Tensor:
-    key = ("dense", H, W, tuple(kernel.detach().cpu().double().flatten().tolist()), kernel.shape, mode, like.dtype, str(like.device))
+    key = ("dense", H, W, tuple(kernel.detach().cpu().double().flatten().tolist()), kernel.shape, mode, like.dtype,
+           str(like.device))
     M = _MATRIX_CACHE.get(key)
     if M is None:
         kh, kw = kernel.shape
@@ -500,7 +501,7 @@ def sample_at(x: Tensor, src_x: Tensor, src_y: Tensor, padding: str) -> Tensor:
     """
     N, C, H, W = x.shape
     # the normalised grid is written straight into its (…, 2) buffer (stacking two maps afterwards
-    # was an interleaving copy as costly as the arithmetic)
+    # would add an interleaving copy as costly as the arithmetic)
     shape = torch.broadcast_shapes(src_x.shape, src_y.shape)
     grid = torch.empty(shape + (2,), dtype=torch.result_type(src_x, src_y), device=x.device)
     gx, gy = grid[..., 0], grid[..., 1]
@@ -606,7 +607,8 @@ def plasma_fractal_corner(
     for step in (4, 2):
         h = step // 2
         cg = win[:, 0::step, 0::step]
-        win[:, h::step, h::step] = _jitter(cg[:, :-1, :-1] + cg[:, 1:, :-1] + cg[:, :-1, 1:] + cg[:, 1:, 1:], wibble, gen)
+        corners = cg[:, :-1, :-1] + cg[:, 1:, :-1] + cg[:, :-1, 1:] + cg[:, 1:, 1:]
+        win[:, h::step, h::step] = _jitter(corners, wibble, gen)
         dr = win[:, h::step, h::step]
         ul = win[:, 0::step, 0::step]
         # rows on the corner grid, columns between: dr above/below, ul left/right

@@ -1,7 +1,7 @@
 """CIFAR-10-C: the 15 benchmark corruptions and 4 extra ones of Hendrycks & Dietterich (2019).
 
 Source of every constant: ``ImageNet-C/create_c/make_cifar_c.py`` in hendrycks/robustness (the
-script that generated CIFAR-10-C), cited in seed documents 000 and 004 ("CIFAR10C"). Each
+script that generated CIFAR-10-C), cited by [QACT] and [NED] ("CIFAR10C"). Each
 function below re-implements one corruption for a batch ``x`` (N, C, H, W) float in [0, 1]; the
 result is clipped and quantised by :func:`shiftguard.corruptions.corrupt`.
 
@@ -566,7 +566,8 @@ CIFAR_C: dict[str, CorruptionSpec] = {
     k: CorruptionSpec(k, "cifar-c", fn, params, REF_SIZE, _SOURCE, _U8.get(k)) for k, (fn, params) in _TABLE.items()
 }
 CIFAR_C_EXTRA: dict[str, CorruptionSpec] = {
-    k: CorruptionSpec(k, "cifar-c-extra", fn, params, REF_SIZE, _SOURCE, _U8.get(k)) for k, (fn, params) in _EXTRA.items()
+    k: CorruptionSpec(k, "cifar-c-extra", fn, params, REF_SIZE, _SOURCE, _U8.get(k))
+    for k, (fn, params) in _EXTRA.items()
 }
 
 

@@ -1,7 +1,7 @@
 """MNIST-C: the 15 corruptions of Mu & Gilmer (2019), each with five severities.
 
 Source of the constants: ``corruptions.py`` in google-research/mnist-c, the code that generated
-MNIST-C (seed documents 000 and 004 evaluate on "MNISTC"). MNIST-C publishes ONE setting per
+MNIST-C ([QACT] and [NED] evaluate on "MNISTC"). MNIST-C publishes ONE setting per
 corruption: the default ``severity`` argument of each function in that file (e.g. ``shear``
 defaults to its severity 2, shear 0.4). Here severity 3 is always that published setting, and
 severities 1, 2, 4, 5 step down and up around it, re-using the neighbouring entries of the
@@ -245,7 +245,8 @@ def zigzag(x, c, gen, s):
         pts, valid = zigzag_points(N, H, W, s, gen, x)
         for k in range(pts.shape[1] - 1):
             ok = (valid[:, k] & valid[:, k + 1]).to(x.dtype)[:, None, None]
-            line_layer(pts[:, k, 0], pts[:, k, 1], pts[:, k + 1, 0], pts[:, k + 1, 1], H, W, width, x, out=total, weight=ok)
+            line_layer(pts[:, k, 0], pts[:, k, 1], pts[:, k + 1, 0], pts[:, k + 1, 1], H, W, width, x,
+                       out=total, weight=ok)
     return x + amp * total[:, None]
 
 

@@ -19,7 +19,7 @@ from shiftguard.data.corrupted_sets import (
 )
 from shiftguard.data.embedded import load_default
 from shiftguard.data.registry import describe, load, names
-from shiftguard.data import toy  # noqa: E402  two-Gaussians failure-mode toy (000, Fig. 1)
+from shiftguard.data import toy  # noqa: E402  two-Gaussians failure-mode toy [QACT, Fig. 1]
 
 __all__ = [
     "ImageDataset",

@@ -1,12 +1,12 @@
-"""The two-Gaussians failure-mode toy of 000 (Sec. 1, eq. (1), Figure 1).
+"""The two-Gaussians failure-mode toy of [QACT, Sec. 1, eq. (1), Fig. 1].
 
-For each *context*: ``mu_1`` uniform on the circle of radius ``radius`` (000: "the centres themselves
+For each *context*: ``mu_1`` uniform on the circle of radius ``radius`` ([QACT]: "the centres themselves
 can lie anywhere on the unit circle", so radius 1), ``mu_2 = R(30 deg) mu_1`` (counter-clockwise
-rotation), class 0 ~ N(mu_1, 0.1^2 I) and class 1 ~ N(mu_2, 0.1^2 I) -- 000 writes ``N(mu, 0.1 I)``
+rotation), class 0 ~ N(mu_1, 0.1^2 I) and class 1 ~ N(mu_2, 0.1^2 I) -- [QACT] writes ``N(mu, 0.1 I)``
 but states "stdev 0.1", which is followed here (``std=0.1``). Every point is equally likely to be
 class 0 or class 1 over contexts, so no fixed function of a single point beats chance; inferring
 ``mu_1, mu_2`` from the batch (the context) solves it. Each batch holds ``B/2`` points per class
-from one context (000: "sample B/2 points each").
+from one context ([QACT]: "sample B/2 points each").
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ class ToyContexts(NamedTuple):
 def two_gaussians(n_contexts: int, batch_size: int, *, angle_deg: float = 30.0, std: float = 0.1,
                   radius: float = 1.0, generator: Optional[torch.Generator] = None,
                   dtype: torch.dtype = torch.float32) -> ToyContexts:
-    """Draw ``n_contexts`` independent contexts of ``batch_size`` points (000, eq. (1)).
+    """Draw ``n_contexts`` independent contexts of ``batch_size`` points [QACT, eq. (1)].
 
     Args:
         n_contexts: number of contexts. batch_size: points per context (even, >= 2), half per class.
-        angle_deg: rotation from ``mu_1`` to ``mu_2`` (000: 30). std: per-coordinate standard
-            deviation (000: 0.1). radius: circle radius (000: unit circle).
+        angle_deg: rotation from ``mu_1`` to ``mu_2`` ([QACT]: 30). std: per-coordinate standard
+            deviation ([QACT]: 0.1). radius: circle radius ([QACT]: unit circle).
         generator: torch.Generator for reproducibility.
 
     Returns:

@@ -1,7 +1,7 @@
 """From cells to the numbers robustness papers report.
 
 - :func:`aggregate`: mean and std over corruptions per (model, context, head, severity);
-- :func:`accuracy_drops`: ``Acc@Dist_i - Acc@Dist_j`` (000, App. C, Tables 1-2);
+- :func:`accuracy_drops`: ``Acc@Dist_i - Acc@Dist_j`` [QACT, App. C, Tables 1-2];
 - :func:`robustness_table`: mean corruption accuracy over the benchmark corruptions x severities
   (robustbench's convention), the corrupted accuracy / NLL / ECE means (uncertainty-baselines'
   convention), and CE / mCE / relative mCE against a baseline the user passes (Hendrycks &
@@ -71,7 +71,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def accuracy_drops(rows: list[dict], pairs: Optional[list[tuple[int, int]]] = None) -> list[dict]:
-    """``Acc@Dist_i - Acc@Dist_j`` (000, App. C, Tables 1-2), in accuracy points (x100).
+    """``Acc@Dist_i - Acc@Dist_j`` [QACT, App. C, Tables 1-2], in accuracy points (x100).
 
     ``drop_mean`` uses the mean accuracy over corruptions at each severity (the tables' measure);
     ``drop_std`` is the std across corruptions of the per-corruption drop, ``per_corruption``

@@ -97,8 +97,11 @@ class ModelOutputs:
         if self.output == "embedding":
             return _as_2d(self.model(x), "model output"), None
         if self._own_contract:
-            emb = self.model.embed(x)
-            return _as_2d(emb, "model.embed(x)"), _as_2d(self.model.classifier(emb), "model.classifier")
+            # embed and classifier were checked at construction (a callable and a module); nn.Module's
+            # __getattr__ is typed Tensor | Module, which the type checker cannot call.
+            emb = self.model.embed(x)  # type: ignore[operator]
+            logits = self.model.classifier(emb)  # type: ignore[operator]
+            return _as_2d(emb, "model.embed(x)"), _as_2d(logits, "model.classifier")
         if self._embed_fn is not None:
             return _as_2d(self._embed_fn(x), "embed(x)"), _as_2d(self.model(x), "model(x)")
         if not self.has_embeddings:
@@ -137,7 +140,7 @@ def compute_outputs(outputs: ModelOutputs, images: torch.Tensor, batch_size: int
     """``{"embeddings": (N, D) or None, "logits": (N, C) or None}`` of ``images`` in eval mode.
 
     Batches are drawn in a fixed random order (``order_seed``; ``None`` keeps the file order) and
-    the outputs put back in input order: for QACT the batch is the context (000, Sec. 3), and a
+    the outputs put back in input order: for QACT the batch is the context [QACT, Sec. 3], and a
     class-sorted test file must not give class-pure contexts. A last batch of fewer than
     ``batch_size / 2`` images is merged into the previous one, so every context holds at least
     half a batch. The global RNG (QACT's KDE draws) is fixed to seed 0 inside and restored after,
@@ -154,11 +157,15 @@ def compute_outputs(outputs: ModelOutputs, images: torch.Tensor, batch_size: int
         bounds = list(range(0, n, batch_size)) + [n]
         if len(bounds) > 2 and bounds[-1] - bounds[-2] < batch_size // 2:
             del bounds[-2]
-        embs, logits = [], []
+        # Each batch returns embeddings exactly when outputs.has_embeddings, logits when has_logits.
+        embs: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
         for a, b in zip(bounds[:-1], bounds[1:]):
             e, lg = outputs(images[order[a:b]], device)
-            embs.append(e)
-            logits.append(lg)
+            if e is not None:
+                embs.append(e)
+            if lg is not None:
+                logits.append(lg)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(n)
     return {"embeddings": torch.cat(embs)[inv] if outputs.has_embeddings else None,

@@ -4,9 +4,9 @@ Each figure function takes the ``results`` dict (the content of ``results.json``
 writes one PNG atomically and returns the path:
 
 - :func:`metric_vs_severity`: a metric against severity, mean over the benchmark corruptions with a
-  +/- std band, one panel per (model, context), one line per head (000, Fig. 4, 7, 10);
-- :func:`drop_heatmap`: accuracy drop clean -> highest severity per corruption (000, Tables 1-2);
-- :func:`reliability_diagrams`: clean vs highest severity, with the bin counts (004, Fig. 1);
+  +/- std band, one panel per (model, context), one line per head [QACT, Fig. 4, 7, 10];
+- :func:`drop_heatmap`: accuracy drop clean -> highest severity per corruption [QACT, Tables 1-2];
+- :func:`reliability_diagrams`: clean vs highest severity, with the bin counts [NED, Fig. 1];
 - :func:`corruption_gallery`: the corruptions x severities on one test image;
 - :func:`compare_runs`: several results dicts' curves overlaid on one axis.
 
@@ -80,10 +80,6 @@ def save_png(fig, path: Path) -> Path:
     return atomic_write_bytes(path, buf.getvalue())
 
 
-# Names kept for callers of the earlier private helpers.
-_plt = pyplot
-_save = save_png
-
 
 # --------------------------------------------------------------------------- reading the results dict
 def as_number(value) -> Optional[float]:
@@ -152,7 +148,7 @@ def severity_curve(results: dict, key: tuple, metric: str, index: Optional[dict]
     corruptions excluded) of the cells where the metric is defined (``n`` of them)."""
     cells = (index or cell_index(results)).get(tuple(key), {})
     bench, _ = benchmark_corruptions(results)
-    out = []
+    out: list[tuple[int, float, Optional[float], int]] = []
     clean = as_number(cells.get((CLEAN, 0), {}).get(metric))
     if clean is not None:
         out.append((0, clean, 0.0, 1))
@@ -176,7 +172,7 @@ def primary_keys(results: dict) -> list[tuple[str, str, str]]:
     and that has result rows.
 
     From ``results["models"]`` (``primary_head``, ``contexts``) when present; otherwise from
-    ``results["config"]["models"]`` or the rows, with the protocol head of 000, Sec. 4 Remark (the
+    ``results["config"]["models"]`` or the rows, with the protocol head of [QACT, Sec. 4, Remark] (the
     quantile classifier for QACT models, the logistic refit otherwise, else the model's first head)."""
     present = {(r["model"], r["context"], r["head"]) for r in results["rows"]}
     contexts: dict = {}
@@ -254,7 +250,7 @@ def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
 
 def per_corruption_drops(results: dict, key: tuple, index: Optional[dict] = None) -> dict[str, Optional[float]]:
     """``{corruption: 100 * (clean accuracy - accuracy at the highest severity)}`` for ``key`` (accuracy
-    points; 000, App. C, Tables 1-2), every corruption including the extra ones; ``None`` where a cell
+    points; [QACT, App. C, Tables 1-2]), every corruption including the extra ones; ``None`` where a cell
     is missing."""
     cells = (index or cell_index(results)).get(tuple(key), {})
     sevs = severities(results)
@@ -307,13 +303,13 @@ def _reliability_entry(results: dict, key: tuple, severity) -> Optional[dict]:
 
 def reliability_diagrams(results: dict, path: Path) -> Path:
     """Clean vs highest severity (pooled over corruptions) per primary head, plus NED / kNN heads
-    (004, Fig. 1): accuracy per confidence bin above, the number of images per bin below (log
+    [NED, Fig. 1]: accuracy per confidence bin above, the number of images per bin below (log
     scale). An empty bin has neither bar nor marker, so it cannot be read as zero accuracy."""
     plt = pyplot()
     rel = results.get("reliability") or []
     present = list(dict.fromkeys((r["model"], r["context"], r["head"]) for r in rel))
     keys = primary_keys(results)
-    # protocol heads first, then NED / kNN for the 004 comparison
+    # protocol heads first, then NED / kNN for the comparison of [NED]
     keys += [k for k in present if k not in keys and k[2] in ("ned", "knn")]
     keys = [k for k in keys if k in present]
     sevs = severities(results)

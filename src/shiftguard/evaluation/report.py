@@ -108,7 +108,7 @@ def summary_rows(results: dict) -> list[dict]:
 
     - ``acc_clean``, ``acc_s{top}``, ``acc_s{top}_std``: accuracy on the clean test set and at the
       highest severity (mean, std over the benchmark corruptions);
-    - ``drop``, ``drop_std``: ``Acc@0 - Acc@top`` of the mean accuracies (000, App. C, Tables 1-2),
+    - ``drop``, ``drop_std``: ``Acc@0 - Acc@top`` of the mean accuracies [QACT, App. C, Tables 1-2],
       and the std over corruptions of the per-corruption drop;
     - ``ece_clean``, ``ece_s{top}``, ``ece_drift`` (``s{top}`` minus clean), ``ece_range`` (max - min of
       the mean top-label ECE over severities 0..top), ``ece_marginal_*``, ``nll_*``, ``r_auroc_*``,
@@ -575,7 +575,7 @@ def _data_paragraph(results: dict) -> str:
     if extra:
         parts.append(f" Extra corruptions, reported apart and not in any mean: {_e(', '.join(map(str, extra)))}.")
     ctxs = {r["context"] for r in results["rows"]}
-    fitted = "Heads are fitted on clean training embeddings only (000, Sec. 4 Remark)."
+    fitted = "Heads are fitted on clean training embeddings only [QACT, Sec. 4, Remark]."
     parts.append(" " + fitted)
     if ctxs & {"batch", "frozen"}:
         cfg = results.get("config") or {}
@@ -633,7 +633,7 @@ def render_html(results: dict, plots: dict[str, Path], source: Optional[str] = N
     sevs = P.severities(results)
     top = sevs[-1] if sevs else None
     ece_note = f"ECE is top-label with {_e(_int(bins))} equal-width bins" if bins is not None else "ECE is top-label"
-    drop_note = (f" drop = Acc@0 − Acc@{_e(top)} of the mean accuracies (000, Tables 1–2), ± the std over "
+    drop_note = (f" drop = Acc@0 − Acc@{_e(top)} of the mean accuracies [QACT, Tables 1–2], ± the std over "
                  f"corruptions of the per-corruption drop; ECE range = max − min of the mean ECE over severities "
                  f"0–{_e(top)}."
                  if top is not None else "")

@@ -20,7 +20,7 @@ def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: Optional[torch.T
                one_vs_rest: Optional[torch.Tensor] = None) -> dict:
     """Classification, calibration and uncertainty metrics of one head on one test set.
 
-    The head's uncertainty is ``1 - max probability``. ``r_auroc`` (003, URL benchmark, Alg. 1) is
+    The head's uncertainty is ``1 - max probability``. ``r_auroc`` [Kirchhof, URL Alg. 1] is
     its AUROC for predicting a Recall@1 miss of the embedding (``miss`` from
     :func:`score_retrieval`, computed once per cell; ``None`` when the model has no embedding);
     ``auroc_error`` its AUROC for predicting the head's own errors; ``aurc`` the area under its
@@ -28,7 +28,7 @@ def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: Optional[torch.T
 
     ``probs`` rows are normalised to sum to 1 (heads whose rows sum to 1 only up to rounding).
     ``one_vs_rest``: the head's one-vs-rest probabilities (quantile classifier). When given, the
-    ECEs and the confidence are computed on them, as 000 Sec. 4 reports the quantile classifier
+    ECEs and the confidence are computed on them, as [QACT, Sec. 4] reports the quantile classifier
     (``metrics.ece(one_vs_rest=True)``); accuracy, NLL and Brier use the normalised ``probs``.
     """
     probs, calib = calibration_view(probs, one_vs_rest)
@@ -59,9 +59,9 @@ def calibration_view(probs: torch.Tensor, one_vs_rest: Optional[torch.Tensor] = 
 
 
 def score_retrieval(emb: torch.Tensor, labels: torch.Tensor, ks: Sequence[int]) -> tuple[dict, torch.Tensor]:
-    """MAP@K and Recall@K of the test embeddings, each querying all the others (000, Sec. 4 MAP@K),
-    and the Recall@1 misses -- the nearest other embedding has another class (003, R-AUROC's
-    target) -- read off the same neighbour lists (one search)."""
+    """MAP@K and Recall@K of the test embeddings, each querying all the others ([QACT, Sec. 4] MAP@K),
+    and the Recall@1 misses -- the nearest other embedding has another class (the target of
+    R-AUROC [Kirchhof]) -- read off the same neighbour lists (one search)."""
     r, nearest = M.retrieval_metrics(emb, labels, ks=tuple(ks), r_metrics=False, return_nearest=True)
     out = {}
     for k in ks:
@@ -71,7 +71,7 @@ def score_retrieval(emb: torch.Tensor, labels: torch.Tensor, ks: Sequence[int]) 
 
 
 def reliability_bins(confidence: torch.Tensor, correct: torch.Tensor, n_bins: int = 15) -> dict:
-    """Equal-width confidence bins (the reliability diagram of 004, Sec. 3 / Fig. 1):
+    """Equal-width confidence bins (the reliability diagram of [NED, Sec. 3 / Fig. 1]):
     per bin the mean confidence, the accuracy and the count; empty bins hold ``None``."""
     conf = confidence.double().clamp(0, 1)
     idx = torch.clamp((conf * n_bins).long(), max=n_bins - 1)

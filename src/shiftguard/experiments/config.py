@@ -6,7 +6,7 @@ A config file has four tables and an array of model tables::
     seed = 0                        # training seed (the 80:20 split uses data.split_seed)
 
     [data]                          # what to train on and which shifts to evaluate
-    [train]                         # optimiser, schedule, early stopping (000, App. B)
+    [train]                         # optimiser, schedule, early stopping [QACT, App. B]
     [eval]                          # heads, QACT context, metrics
     [[models]]                      # one entry per trained variant
     arch = "lenet"; activation = "qact"; loss = "watershed"; heads = ["quantile", "ned", "knn"]
@@ -61,7 +61,7 @@ class DataConfig:
     #: use only N training / test images (a fixed random subset, seeded by split_seed); 0 = all.
     train_subset: int = 0
     test_subset: int = 0
-    #: fraction of the training set held out for validation; 000 App. B uses 80:20 with seed 42.
+    #: fraction of the training set held out for validation; [QACT, App. B] uses 80:20 with seed 42.
     val_fraction: float = 0.2
     split_seed: int = 42
     #: seed of the corruption engine.
@@ -72,24 +72,24 @@ class DataConfig:
 class TrainConfig:
     epochs: int = 10
     batch_size: int = 128
-    #: 000 App. B: Adam, initial learning rate 1e-3.
+    #: [QACT, App. B]: Adam, initial learning rate 1e-3.
     lr: float = 1e-3
     weight_decay: float = 0.0
-    #: 000 App. B: ReduceLROnPlateau(factor=0.1, patience=50, cooldown=10, threshold=0.01,
+    #: [QACT, App. B]: ReduceLROnPlateau(factor=0.1, patience=50, cooldown=10, threshold=0.01,
     #: threshold_mode="abs", min_lr=1e-6) on validation accuracy.
     lr_factor: float = 0.1
     lr_patience: int = 50
     lr_cooldown: int = 10
     lr_threshold: float = 0.01
     min_lr: float = 1e-6
-    #: 000 App. B: stop when validation accuracy does not improve by 0.001 (for this many epochs).
+    #: [QACT, App. B]: stop when validation accuracy does not improve by 0.001 (for this many epochs).
     early_stopping_patience: int = 5
     early_stopping_min_delta: float = 0.001
     #: draw batches with an equal number of images per class (some embedding losses need it).
     class_balanced: bool = False
-    #: images per class in a class-balanced batch (002, Sec. 5.3.2 uses 4).
+    #: images per class in a class-balanced batch ([Patel, Sec. 5.3.2] uses 4).
     samples_per_class: int = 4
-    #: > 0: multistage back-propagation in chunks of this size (002, Sec. 5.3.2; embedding losses).
+    #: > 0: multistage back-propagation in chunks of this size ([Patel, Sec. 5.3.2]; embedding losses).
     chunk_size: int = 0
     #: evaluate validation every epoch on at most this many images (0 = the whole split).
     max_val: int = 0
@@ -97,7 +97,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    #: test batch size = the context QACT sees at inference (000, Sec. 3 "context").
+    #: test batch size = the context QACT sees at inference ([QACT, Sec. 3] "context").
     batch_size: int = 1000
     #: also evaluate QACT models with a frozen (training-set) context.
     frozen_context: bool = True
@@ -428,7 +428,7 @@ def _check_values(cfg: RunConfig, src: str) -> None:
                                      f"(it holds out round({n} * val_fraction) = {n_val})", d.val_fraction)
     ks_max = max(e.retrieval_ks)
     if d.test_subset and d.test_subset <= ks_max:
-        # MAP@K / Recall@K rank, for every test image, the other test images (000, Sec. 4 MAP@K),
+        # MAP@K / Recall@K rank, for every test image, the other test images ([QACT, Sec. 4] MAP@K),
         # so the largest cut-off needs that many others; QACT's context needs >= 2 images too
         bad("data.test_subset", f"be 0 (all images) or > max(eval.retrieval_ks) = {ks_max} (each test image "
                                 f"is ranked against the other test images)", d.test_subset)
@@ -503,7 +503,7 @@ def _check_train_together(cfg: RunConfig, i: int, bad) -> None:
         bad(origin("batch_size"), f"be a multiple of {origin('samples_per_class')} = {t.samples_per_class} "
                                   f"with class-balanced batches", t.batch_size)
     if t.chunk_size and m.loss in LOGIT_LOSSES:
-        bad(origin("chunk_size"), f"be 0 for model {m.name!r}: multistage chunks (002, Sec. 5.3.2) need an "
+        bad(origin("chunk_size"), f"be 0 for model {m.name!r}: multistage chunks [Patel, Sec. 5.3.2] need an "
                                   f"embedding loss, not {m.loss!r}", t.chunk_size)
 
 
@@ -564,10 +564,10 @@ def quick_config() -> RunConfig:
 
 
 # Trained to the plateau (measured, see docs/run.md, "Reproduction"): on the embedded subset the
-# plain LeNet-5 ReLU levels off at ~97.2% clean accuracy; the over-parametrised LeNet of 000
-# (Sec. 4), width 2, reaches ~97.7%, so both models use it. All 10,000 embedded training images
-# (8,000 train / 2,000 validation, 000 App. B's 80:20 split); 1,000 test images (100 per digit)
-# per corruption x severity. Schedule: 000 App. B (Adam 1e-3, ReduceLROnPlateau on validation
+# plain LeNet-5 ReLU levels off at ~97.2% clean accuracy; the over-parametrised LeNet of
+# [QACT, Sec. 4], width 2, reaches ~97.7%, so both models use it. All 10,000 embedded training images
+# (8,000 train / 2,000 validation, the 80:20 split of [QACT, App. B]); 1,000 test images (100 per digit)
+# per corruption x severity. Schedule: [QACT, App. B] (Adam 1e-3, ReduceLROnPlateau on validation
 # accuracy with factor 0.1, early stopping at +0.001) with patience 2 / cooldown 0 / threshold
 # 0.002 instead of 50 / 10 / 0.01, which never fire within 20 epochs: the rate drops once
 # validation accuracy stalls for two epochs, and training stops when four epochs (two of them
@@ -583,7 +583,7 @@ _DEFAULT: dict = {
         {"name": "lenet-relu-ce", "arch": "lenet", "activation": "relu", "loss": "cross_entropy",
          "heads": ["logistic", "softmax", "temperature", "ned", "knn"], "model_kwargs": {"width": 2},
          "train": {"batch_size": 64, "lr": 2e-3}},
-        # QACT's context is the training batch: 256 images per context, 000's Adam 1e-3.
+        # QACT's context is the training batch: 256 images per context, Adam 1e-3 [QACT, App. B].
         {"name": "lenet-qact-watershed", "arch": "lenet", "activation": "qact", "loss": "watershed",
          "heads": ["quantile", "logistic", "ned", "knn"], "model_kwargs": {"width": 2}},
     ],

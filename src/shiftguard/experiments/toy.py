@@ -1,9 +1,9 @@
-"""``shiftguard toy``: the two-Gaussians failure mode of 000 (Sec. 1, Figure 1).
+"""``shiftguard toy``: the two-Gaussians failure mode of [QACT, Sec. 1, Fig. 1].
 
 Trains the same small MLP (2 -> H -> H -> 1) twice on batches that each come from one context of
 :func:`shiftguard.data.toy.two_gaussians` -- once with ReLU, once with QACT -- and reports the mean
 accuracy over fresh contexts (each test batch is one context and, for QACT, its own context).
-000, Figure 1b: ReLU cannot beat a random guess; QACT infers the context.
+[QACT, Fig. 1b]: ReLU cannot beat a random guess; QACT infers the context.
 
 The QACT network has no BatchNorm in front of its first QACT: per-batch centring would map
 context ``theta`` onto context ``theta + 180 deg`` with the labels swapped, erasing exactly the
@@ -103,7 +103,7 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError(f"--threads: expected a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
     res = run_toy(args.steps, args.batch_size, args.hidden, args.contexts, args.seed, progress=not args.no_progress)
-    print(f"two-Gaussians toy (000, Fig. 1): {args.contexts} fresh contexts of {args.batch_size} points")
+    print(f"two-Gaussians toy [QACT, Fig. 1]: {args.contexts} fresh contexts of {args.batch_size} points")
     for a in ("relu", "qact"):
         r = res[a]
         print(f"  {a:<5} accuracy {r['accuracy']:.3f} +- {r['accuracy_std']:.3f}   ({r['seconds']:.1f} s)")

@@ -1,17 +1,18 @@
-"""Distance-ratio (DR) head (001 Paper II, eq. (5)): ``p(c|x) = d_c^-rho / sum_y d_y^-rho`` over
+"""Distance-ratio (DR) head [Kim, Art. II, eq. (5)]: ``p(c|x) = d_c^-rho / sum_y d_y^-rho`` over
 class representatives, with a learnable ``rho > 0``.
 
 - Representatives: class means of the support embeddings (prototypes, as in the prototypical
-  networks of Paper II Sec. 3) or user-given proxies ``(C, D)``.
-- Computed as ``log_softmax(-rho * log d)`` (Paper II Sec. 3, "replacing ... -d^2 by -rho ln d"),
-  with ``log d = 0.5 * log(max(d^2, eps))``; eps is tiny so the limit of Paper II eq. (5) holds:
+  networks of [Kim, Art. II, Sec. 3]) or user-given proxies ``(C, D)``.
+- Computed as ``log_softmax(-rho * log d)`` ([Kim, Art. II, Sec. 3]: "replacing ... -d^2 by -rho ln d"),
+  with ``log d = 0.5 * log(max(d^2, eps))``; eps is tiny so the limit of [Kim, Art. II, eq. (5)] holds:
   a query at distance 0 of exactly one representative gets probability 1 for that class (up to
   floating point), 0 for the others.
-- ``rho = exp(log_rho)`` with ``log_rho`` initialised at 2.0 (Paper II Sec. 3, "We set the initial
-  parameter for ln(rho) as 2.0") and fitted by NLL with L-BFGS (SciPy, autograd gradient; the NLL is convex in rho) on ``val_*`` when given, else on
+- ``rho = exp(log_rho)`` with ``log_rho`` initialised at 2.0 ([Kim, Art. II, Sec. 3]: "We set the initial
+  parameter for ln(rho) as 2.0") and fitted by NLL with L-BFGS (SciPy, autograd gradient; the NLL is convex in
+  rho) on ``val_*`` when given, else on
   the support itself (a single scalar, so in-sample fitting is benign).
 - Scale: the DR probabilities do not change when every embedding and representative is multiplied
-  by the same ``a > 0`` (Paper II eq. (6)). Where squared distances would overflow the dtype (or
+  by the same ``a > 0`` [Kim, Art. II, eq. (6)]. Where squared distances would overflow the dtype (or
   vanish below its normal range), embeddings and representatives are divided by a common power of
   two first (exact; ``distance_scale_exponent``), so any finite input gives finite probabilities;
   the floor then applies to the rescaled squared distances. Class means are formed the same way.
@@ -45,7 +46,7 @@ def _exact_sq_dists(x: torch.Tensor, reps: torch.Tensor, max_elems: int = 4_000_
 
 def distance_ratio_log_probs(embeddings: torch.Tensor, representatives: torch.Tensor,
                              rho: torch.Tensor | float) -> torch.Tensor:
-    """001 Paper II eq. (5) in log space: ``log p (N, C)`` for embeddings ``(N, D)``, reps ``(C, D)``.
+    """[Kim, Art. II, eq. (5)] in log space: ``log p (N, C)`` for embeddings ``(N, D)``, reps ``(C, D)``.
 
     Finite for every finite input: out-of-range magnitudes are rescaled by a common power of two
     first (module docstring; eq. (6) makes the result independent of that scale).
@@ -60,11 +61,11 @@ def distance_ratio_log_probs(embeddings: torch.Tensor, representatives: torch.Te
 
 
 class DistanceRatioHead(EmbeddingHead):
-    """DR probabilities over class prototypes or given proxies (001 Paper II).
+    """DR probabilities over class prototypes or given proxies [Kim, Art. II].
 
     Args:
         proxies: optional ``(C, D)`` class representatives; default: class means of the support.
-        init_log_rho: initial ``ln rho`` (default 2.0, Paper II Sec. 3).
+        init_log_rho: initial ``ln rho`` (default 2.0, [Kim, Art. II, Sec. 3]).
         max_iter: L-BFGS iterations for ``log_rho``.
         num_classes: number of classes; inferred when None.
 

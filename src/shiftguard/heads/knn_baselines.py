@@ -1,11 +1,11 @@
-"""kNN confidence baselines of 004 Sec. 2.1: 1-NN, vote share (eq. 4), distance-weighted kNN (eq. 5).
+"""kNN confidence baselines of [NED, Sec. 2.1]: 1-NN, vote share (eq. 4), distance-weighted kNN (eq. 5).
 
-- ``OneNN``: the label of the nearest support embedding with confidence 1 (004 Table 1 "1NN").
-- ``KNNVote``: ``p(c|z) = (1/k) sum_{i<=k} 1[y_i = c]`` (004 eq. (4)).
-- ``WeightedKNN``: ``p(c|z) = sum_i w_i 1[y_i = c] / sum_i w_i`` (004 eq. (5)) with the weights of
-  Dudani (1976, "The distance-weighted k-nearest-neighbor rule", IEEE SMC 6(4)), 004 ref. [9]:
+- ``OneNN``: the label of the nearest support embedding with confidence 1 ([NED, Table 1] "1NN").
+- ``KNNVote``: ``p(c|z) = (1/k) sum_{i<=k} 1[y_i = c]`` [NED, eq. (4)].
+- ``WeightedKNN``: ``p(c|z) = sum_i w_i 1[y_i = c] / sum_i w_i`` [NED, eq. (5)] with the weights of
+  Dudani (1976, "The distance-weighted k-nearest-neighbor rule", IEEE SMC 6(4)), ref. 9 of [NED]:
   ``w_i = (d_k - d_i) / (d_k - d_1)``, and of Gou et al. (2012, "A new distance-weighted k-nearest
-  neighbor classifier", J. Inf. Comput. Sci. 9(6)), 004 ref. [16]:
+  neighbor classifier", J. Inf. Comput. Sci. 9(6)), ref. 16 of [NED]:
   ``w_i = (d_k - d_i) / (d_k - d_1) * (d_k + d_1) / (d_k + d_i)``; both ``w_i = 1`` when
   ``d_k = d_1``. ``d`` is the (not squared) Euclidean distance, ``d_1 <= ... <= d_k``. With these
   weights the k-th neighbour gets weight 0 (as in both papers).
@@ -84,7 +84,7 @@ class KNNHeadBase(EmbeddingHead):
 
 
 class OneNN(KNNHeadBase):
-    """Nearest-neighbour label with confidence 1 (004 Table 1, "1NN")."""
+    """Nearest-neighbour label with confidence 1 ([NED, Table 1], "1NN")."""
 
     _param_names = ("backend", "num_classes")
 
@@ -96,14 +96,14 @@ class OneNN(KNNHeadBase):
 
 
 class KNNVote(KNNHeadBase):
-    """Vote share of the k nearest neighbours as confidence (004 eq. (4))."""
+    """Vote share of the k nearest neighbours as confidence [NED, eq. (4)]."""
 
     def _neighbour_weights(self, sq_dist):
         return torch.ones_like(sq_dist)
 
 
 class WeightedKNN(KNNHeadBase):
-    """Distance-weighted kNN (004 eq. (5)); ``kind="dudani"`` (004 ref. [9]) or ``"gou"`` ([16])."""
+    """Distance-weighted kNN [NED, eq. (5)]; ``kind="dudani"`` (ref. 9 of [NED]) or ``"gou"`` (ref. 16)."""
 
     _param_names = ("k", "kind", "backend", "num_classes")
 

@@ -1,10 +1,11 @@
-"""Last-layer refit by multinomial logistic regression on train embeddings (000 Sec. 4 "Remark":
+"""Last-layer refit by multinomial logistic regression on train embeddings ([QACT, Sec. 4] "Remark":
 "we retrain the last layer with logistic regression on the train embedding and evaluate it on
 test/corrupted embedding").
 
 The objective is scikit-learn's ``LogisticRegression(C=C)`` (multinomial, lbfgs, intercept not
 penalised): ``C * sum_i CE(W z_i + b, y_i) + 0.5 * ||W||_F^2``. We minimise it with SciPy's
-L-BFGS-B on a float64 torch objective (autograd gradient) instead of calling scikit-learn, because it runs on any device, keeps tensors
+L-BFGS-B on a float64 torch objective (autograd gradient) instead of calling scikit-learn, because it runs on
+any device, keeps tensors
 in torch, and is several times faster on 10k x 128 embeddings (the agreement with scikit-learn is
 tested). Features are standardised with the train mean/std first when ``standardize=True``
 (default; scikit-learn users do the same with a ``StandardScaler``), which makes the fit
@@ -51,7 +52,7 @@ class LogisticRegressionHead(EmbeddingHead):
         self.tol = tol
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
-        """Fit on ``train_*`` (``val_*`` are not used: the protocol of 000 fits on train only)."""
+        """Fit on ``train_*`` (``val_*`` are not used: the protocol of [QACT] fits on train only)."""
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         x = emb.double()
         if self.standardize:

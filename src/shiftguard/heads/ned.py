@@ -1,15 +1,15 @@
-"""NED confidence (004 Sec. 2, eq. (3), Algorithm 1): a softmax over the negative squared
+"""NED confidence [NED, Sec. 2, eq. (3), Alg. 1]: a softmax over the negative squared
 distances to the k nearest support embeddings, with one temperature fitted by NLL.
 
     p(c|z) = sum_{i in kNN(z), y_i = c} exp(-||z - z_i||^2 / T) / sum_{i in kNN(z)} exp(-||z - z_i||^2 / T)
 
-(004 eq. (3); the Gaussian-kernel derivation is 004 Appendix A, eqs. (8)-(19), with T = 2 alpha.)
+([NED, eq. (3)]; the Gaussian-kernel derivation is [NED, App. A, eqs. (8)-(19)], with T = 2 alpha.)
 Computed as ``softmax(-d / T)`` over the k neighbours (log-sum-exp stable) scattered into classes.
 
-Fitting T (004 Sec. 2, "We optimize T with respect to the negative log likelihood on the support
+Fitting T ([NED, Sec. 2], "We optimize T with respect to the negative log likelihood on the support
 set instead of optimizing on held-out validation dataset"; the abstract speaks of a held-out set):
 
-- ``fit_mode="loo"`` (default, what 004 Sec. 2 says): support embeddings are queries against the
+- ``fit_mode="loo"`` (default, what [NED, Sec. 2] says): support embeddings are queries against the
   rest of the support (their own row excluded; a random subset of ``max_fit_queries`` of them,
   default 5000, for large supports), so T is fitted on exactly the neighbourhood statistics
   the test queries will see, with no data held back from the support.
@@ -28,7 +28,7 @@ vanish below its normal range), the searches run on embeddings divided by a comm
 of the input, so any finite input gives finite probabilities; if that ``temperature_`` itself is
 not a finite float64, ``fit`` raises ``ValueError`` naming ``train_embeddings``.
 
-k: 004 gives no single value; its Fig. 2 shows NED's accuracy rising with k and flattening, while
+k: [NED] gives no single value; its Fig. 2 shows NED's accuracy rising with k and flattening, while
 kNN/WkNN degrade. We default to ``k=10``, large enough to sit on that plateau for class sizes of
 the order of hundreds, and small enough for fast search; pass ``k`` to change it.
 """
@@ -51,7 +51,7 @@ __all__ = ["NED", "ned_probabilities", "ned_nll"]
 
 def ned_probabilities(sq_dist: torch.Tensor, nbr_labels: torch.Tensor, temperature: float,
                       num_classes: int) -> torch.Tensor:
-    """004 eq. (3): class probabilities ``(N, C)`` from sorted squared distances ``(N, k)``."""
+    """[NED, eq. (3)]: class probabilities ``(N, C)`` from sorted squared distances ``(N, k)``."""
     finfo = torch.finfo(sq_dist.dtype)
     ordinary = finfo.tiny <= temperature <= finfo.max and bool(torch.isfinite(sq_dist).all()) and (
         sq_dist.numel() == 0 or float(sq_dist.max()) / temperature < finfo.max)
@@ -84,7 +84,7 @@ def ned_nll(sq_dist: torch.Tensor, same_class: torch.Tensor, log_temperature: fl
 
 
 class NED(KNNHeadBase):
-    """Normalised exponential of distances to the k nearest support embeddings (004 Alg. 1).
+    """Normalised exponential of distances to the k nearest support embeddings [NED, Alg. 1].
 
     Args:
         k: neighbours per query (default 10; see the module docstring).
@@ -209,7 +209,7 @@ class NED(KNNHeadBase):
         return dist, self.support_labels_[idx]
 
     def predict_proba(self, embeddings) -> torch.Tensor:
-        """004 eq. (3) with the fitted temperature, ``(N, C)`` in the dtype of ``embeddings``.
+        """[NED, eq. (3)] with the fitted temperature, ``(N, C)`` in the dtype of ``embeddings``.
 
         Finite for every finite input: where squared distances to the support would leave the
         dtype's range, the search runs on both divided by a common power of two and the weights

@@ -1,7 +1,7 @@
-"""The quantile classifier (000 Sec. 3, fitted "on the train embedding") as a head.
+"""The quantile classifier ([QACT, Sec. 3], fitted "on the train embedding") as a head.
 
 - :func:`fit_quantile_classifier` -- trains a ``shiftguard.nn.QuantileClassifier`` on frozen
-  embeddings (000 Sec. 4 Remark): Adam, shuffled mini-batches, each mini-batch its own QACT context,
+  embeddings [QACT, Sec. 4, Remark]: Adam, shuffled mini-batches, each mini-batch its own QACT context,
   then the frozen QACT statistics set from all training embeddings.
 - :class:`QuantileClassifierHead` -- the head interface over it (``fit`` / ``predict_proba``).
 """
@@ -22,9 +22,9 @@ __all__ = ["QuantileClassifierHead", "fit_quantile_classifier"]
 def fit_quantile_classifier(classifier: QuantileClassifier, train_embeddings, train_labels, epochs: int = 30,
                             batch_size: int = 256, lr: float = 1e-2, weight_decay: float = 0.0,
                             seed: int = 0) -> QuantileClassifier:
-    """Train ``classifier`` in place on frozen training embeddings (000 Sec. 4 Remark) and return it.
+    """Train ``classifier`` in place on frozen training embeddings [QACT, Sec. 4, Remark] and return it.
 
-    Adam on :meth:`QuantileClassifier.loss` (000 Sec. 3) over shuffled mini-batches; each mini-batch
+    Adam on :meth:`QuantileClassifier.loss` [QACT, Sec. 3] over shuffled mini-batches; each mini-batch
     is its own QACT context (a trailing batch of one row is skipped: QACT needs a context). Afterwards
     the frozen QACT statistics are set from all training embeddings, so ``context="frozen"`` scores
     against the training distribution; the classifier is left in eval mode with its context mode
@@ -86,7 +86,7 @@ def fit_quantile_classifier(classifier: QuantileClassifier, train_embeddings, tr
 
 
 class QuantileClassifierHead(EmbeddingHead):
-    """Quantile classifier (000) on embeddings.
+    """Quantile classifier [QACT, Sec. 3] on embeddings.
 
     Args:
         num_classes: number of classes; inferred when None.
@@ -126,7 +126,7 @@ class QuantileClassifierHead(EmbeddingHead):
 
     def predict_one_vs_rest(self, embeddings) -> torch.Tensor:
         """``(N, C)`` one-vs-rest probabilities, one per class, as the quantile classifier outputs
-        them (000 Sec. 3; rows need not sum to 1). These are what 000 calibrates and reports:
+        them ([QACT, Sec. 3]; rows need not sum to 1). These are what [QACT] calibrates and reports:
         measure them with ``metrics.ece(..., one_vs_rest=True)``."""
         self._check_is_fitted()
         emb = self._check_query(embeddings, self.in_features_)

@@ -56,7 +56,7 @@ def build_head(name: str, num_classes: int, k: int = 10) -> EmbeddingHead:
 
     ``temperature``: T fitted on the validation logits (Guo et al. 2017). ``ned``: T fitted on the
     validation embeddings against the support when a validation set is given, on a held-out 20%
-    of the support otherwise (004, Sec. 2).
+    of the support otherwise [NED, Sec. 2].
 
     Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head: the message lists
     :data:`HEAD_NAMES` sorted and suggests the closest), naming ``heads``.

@@ -1,7 +1,7 @@
 """The model's own classifier as a head: ``p = softmax(logits)``, nothing fitted.
 
 The inputs of this head are the model's logits ``(N, C)``, not embeddings: it is the baseline
-every calibration method is compared with (004, Sec. 3: "softmax" rows; 000, Sec. 4).
+every calibration method is compared with ([NED, Sec. 3]: "softmax" rows; [QACT, Sec. 4]).
 """
 
 from __future__ import annotations

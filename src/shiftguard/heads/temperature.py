@@ -1,6 +1,6 @@
-"""Temperature scaling (Guo et al. 2017, "On calibration of modern neural networks"; 002 Ch. 6
+"""Temperature scaling (Guo et al. 2017, "On calibration of modern neural networks"; [Patel, Ch. 6]
 Sec. 6.5.8 and Fig. 6.2, "we estimated the temperature on a holdout set (20% of the test set)";
-004 Sec. 1.2): ``p = softmax(logits / T)`` with one ``T > 0`` fitted by NLL on held-out logits.
+[NED, Sec. 1.2]): ``p = softmax(logits / T)`` with one ``T > 0`` fitted by NLL on held-out logits.
 ``T = exp(log_T)`` is fitted with L-BFGS (SciPy, torch autograd gradient); the NLL is convex in 1/T.
 """
 

@@ -3,14 +3,14 @@
 ==================  ==========================================================  =========================
 name (build_loss)   class                                                       source
 ==================  ==========================================================  =========================
-watershed           :class:`WatershedLoss`                                      000, appendix D, eq. (11)
-dr                  :class:`DRLoss` (prototypes; ``mode="proxies"`` too)        001, Paper II, eq. (5)
-proxydr             :class:`ProxyDRLoss` (``dynamic=True`` for adaptive scale)   001, Paper III, eq. (8)
-recall_at_k         :class:`RecallAtKSurrogate` (``simix=True`` for SiMix)      002, ch. 5, eq. (5.5)-(5.10)
-smooth_ap           :class:`SmoothAPLoss`                                       Brown et al. 2020 (002 baseline)
-mcinfonce           :class:`MCInfoNCELoss`                                      003, appendix B, eq. (7)
-nivmf_proxy         :class:`NivMFProxyLoss` (EL-nivMF)                          003, appendix A, eq. (4)-(6)
-hib / elk           :class:`HIBLoss` / :class:`ELKLoss`                         003, appendix B, eq. (54)/(55)
+watershed           :class:`WatershedLoss`                                      [QACT, App. D, eq. (11)]
+dr                  :class:`DRLoss` (prototypes; ``mode="proxies"`` too)        [Kim, Art. II, eq. (5)]
+proxydr             :class:`ProxyDRLoss` (``dynamic=True`` for adaptive scale)   [Kim, Art. III, eq. (8)]
+recall_at_k         :class:`RecallAtKSurrogate` (``simix=True`` for SiMix)      [Patel, Ch. 5, eq. (5.5)-(5.10)]
+smooth_ap           :class:`SmoothAPLoss`                                       Brown et al. 2020 ([Patel] baseline)
+mcinfonce           :class:`MCInfoNCELoss`                                      [Kirchhof, App. B, eq. (7)]
+nivmf_proxy         :class:`NivMFProxyLoss` (EL-nivMF)                          [Kirchhof, App. A, eq. (4)-(6)]
+hib / elk           :class:`HIBLoss` / :class:`ELKLoss`                         [Kirchhof, App. B, eq. (54)/(55)]
 cross_entropy, triplet, proxy_nca, proxy_nca_pp, proxy_anchor, normface, supcon   pytorch-metric-learning wrappers
 ==================  ==========================================================  =========================
 

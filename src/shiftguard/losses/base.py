@@ -14,7 +14,7 @@ Bad-input policy (the same for every loss, tested in ``tests/test_losses_bad_inp
 * Anchors without a positive (a class with one sample in the batch) are skipped by pair-based losses and
   averaged over the remaining anchors.
 * Zero-norm embeddings: every distance below is computed as ``sqrt(d^2 + eps)`` (the ``1e-10`` of
-  001, Paper II, Sec. 3.1) and every normalisation divides by ``max(||x||, eps)``, so gradients stay
+  [Kim, Art. II, Sec. 3.1]) and every normalisation divides by ``max(||x||, eps)``, so gradients stay
   finite; the behaviour of each loss at zero norm is stated in its docstring.
 """
 
@@ -33,7 +33,7 @@ __all__ = [
     "pair_masks",
 ]
 
-#: Added to squared Euclidean distances before the square root (001, Paper II, Sec. 3.1: "we add a small
+#: Added to squared Euclidean distances before the square root ([Kim, Art. II, Sec. 3.1]: "we add a small
 #: positive value 1e-10 before taking square root").
 DIST_EPS = 1e-10
 

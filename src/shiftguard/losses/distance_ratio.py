@@ -1,15 +1,15 @@
-"""Distance-ratio (DR) softmax losses: prototypical DR loss (001, Paper II) and ProxyDR (001, Paper III).
+"""Distance-ratio (DR) softmax losses: prototypical DR loss [Kim, Art. II] and ProxyDR [Kim, Art. III].
 
-Formulas (001 = "On the Significance of Distance in Machine Learning"):
+Formulas (Kim, "On the Significance of Distance in Machine Learning" [Kim]; "Art." = the article of the thesis):
 
-* SD softmax (Paper II, eq. (4)):  p(c|x) = exp(-d_c^2) / sum_y exp(-d_y^2).
-* DR formulation (Paper II, eq. (5); Paper III, eq. (8)):  p(c|x) = d_c^{-rho} / sum_y d_y^{-rho},
+* SD softmax [Kim, Art. II, eq. (4)]:  p(c|x) = exp(-d_c^2) / sum_y exp(-d_y^2).
+* DR formulation [Kim, Art. II, eq. (5); Art. III, eq. (8)]:  p(c|x) = d_c^{-rho} / sum_y d_y^{-rho},
   i.e. a softmax over the logits ``-rho * ln(d_c)``.  rho > 0 is learnable and parametrised as
-  ``rho = exp(log_rho)`` with initial ``log_rho = 2.0`` (Paper II, Sec. 3.1).
-* The loss is the mean cross-entropy of the query points (Paper II, eq. (3)).
+  ``rho = exp(log_rho)`` with initial ``log_rho = 2.0`` [Kim, Art. II, Sec. 3.1].
+* The loss is the mean cross-entropy of the query points [Kim, Art. II, eq. (3)].
 
-Numerics at d = 0: the thesis defines p(c|x) = 1 when d_c = 0 and every other d > 0 (Paper II, after eq.
-(5)) and implements it by adding 1e-10 before the square root of the Euclidean distance (Sec. 3.1). We do
+Numerics at d = 0: the thesis defines p(c|x) = 1 when d_c = 0 and every other d > 0 [Kim, Art. II, after eq.
+(5)] and implements it by adding 1e-10 before the square root of the Euclidean distance (Sec. 3.1). We do
 the same (``sqrt(d^2 + 1e-10)``), so a query on its prototype gets p = 1 - O(1e-5^rho) and finite gradients.
 
 Range: squared distances of float32 embeddings beyond ~1e17 (``distance_scale_exponent``) overflow
@@ -43,7 +43,7 @@ __all__ = [
 
 
 def dr_log_probs(distances: torch.Tensor, rho) -> torch.Tensor:
-    """Log of the DR probabilities (001, Paper II, eq. (5)) from distances ``(N, C)`` (all > 0).
+    """Log of the DR probabilities [Kim, Art. II, eq. (5)] from distances ``(N, C)`` (all > 0).
 
     ``log p(c|x) = log_softmax_c(-rho * ln d_c)``.  Masked classes may be passed as ``+inf``
     distances (their probability is exactly 0).
@@ -52,7 +52,7 @@ def dr_log_probs(distances: torch.Tensor, rho) -> torch.Tensor:
 
 
 def sd_softmax_log_probs(distances: torch.Tensor) -> torch.Tensor:
-    """Log of the squared-distance softmax (001, Paper II, eq. (4)) from distances ``(N, C)``.
+    """Log of the squared-distance softmax [Kim, Art. II, eq. (4)] from distances ``(N, C)``.
 
     Raises ``ValueError`` naming ``distances`` when a finite distance squares beyond the dtype's range
     (the log-probabilities are then not representable in it); ``+inf`` distances mask classes.
@@ -61,7 +61,7 @@ def sd_softmax_log_probs(distances: torch.Tensor) -> torch.Tensor:
     if bool((torch.isinf(sq) & torch.isfinite(distances)).any()):
         big = float(distances[torch.isfinite(distances)].abs().max())
         raise ValueError(f"distances: values reach {big:.3g}; their squares overflow {distances.dtype} "
-                         "in the squared-distance softmax (001 Paper II eq. (4))")
+                         "in the squared-distance softmax [Kim, Art. II, eq. (4)]")
     return torch.log_softmax(-sq, dim=-1)
 
 
@@ -90,7 +90,7 @@ def _check_finite_loss(loss: torch.Tensor, embeddings: torch.Tensor, dtype: torc
 
 
 def leave_one_out_prototype_distances(embeddings: torch.Tensor, labels: torch.Tensor, eps: float = DIST_EPS):
-    """Distances of every sample to every in-batch class prototype (001, Paper II, eq. (1)-(2)).
+    """Distances of every sample to every in-batch class prototype [Kim, Art. II, eq. (1)-(2)].
 
     The batch plays the role of an episode: prototypes are the class means of the batch, except that the
     prototype of a query's *own* class is the mean of the *other* members of that class (leave-one-out),
@@ -129,7 +129,7 @@ def _loo_prototype_distances(embeddings: torch.Tensor, labels: torch.Tensor, eps
 
 
 class DRLoss(EmbeddingLoss):
-    """Distance-ratio softmax cross-entropy for prototypes or proxies (001, Paper II, eq. (3) + (5)).
+    """Distance-ratio softmax cross-entropy for prototypes or proxies [Kim, Art. II, eq. (3) + (5)].
 
     Args:
         mode: ``"prototypes"`` -- each batch is an episode, class representatives are the leave-one-out
@@ -137,14 +137,14 @@ class DRLoss(EmbeddingLoss):
             learnable proxy per class in the (unnormalised) Euclidean embedding space (needs
             ``num_classes`` and ``embedding_dim``).
         formulation: ``"dr"`` (eq. (5)) or ``"sd"`` (the squared-distance softmax of eq. (4), the ProtoNet_S
-            baseline of Paper II).
-        init_log_rho: initial ``ln(rho)``; 2.0 in Paper II, Sec. 3.1.
-        learn_rho: train ``log_rho`` with the network (Paper II does).
+            baseline of [Kim, Art. II]).
+        init_log_rho: initial ``ln(rho)``; 2.0 in [Kim, Art. II, Sec. 3.1].
+        learn_rho: train ``log_rho`` with the network ([Kim, Art. II] does).
 
     Behaviour on bad batches: queries whose class has no other member in the batch are skipped (prototype
     mode); a batch with one class gives p = 1 and an exact zero loss.  Zero-norm embeddings are fine
     (distances are ``sqrt(d^2 + 1e-10)``).  Scaling every embedding by ``a > 0`` leaves the DR loss
-    unchanged (Paper II, eq. (6)), up to the ``1e-10`` guard.
+    unchanged [Kim, Art. II, eq. (6)], up to the ``1e-10`` guard.
     """
 
     def __init__(
@@ -216,12 +216,12 @@ class DRLoss(EmbeddingLoss):
 
 
 def _psi_proxydr(s: float, b: float, theta: float) -> float:
-    """psi_ProxyDR(s, theta) = B (s + 1) theta^s - s + 1 (001, Paper III, S1 Appendix)."""
+    """psi_ProxyDR(s, theta) = B (s + 1) theta^s - s + 1 [Kim, Art. III, S1 App.]."""
     return b * (s + 1.0) * theta**s - s + 1.0
 
 
 def proxydr_initial_scale(num_classes: int) -> float:
-    """Initial dynamic scale: the root of psi_ProxyDR with B = (C-1)(pi/2)^{-s}, theta = pi/4 (001, Paper III, S1).
+    """Initial dynamic scale: the root of psi_ProxyDR with B = (C-1)(pi/2)^{-s}, theta = pi/4 [Kim, Art. III, S1].
 
     Solved by bisection on ``s in (1, 1000]`` (psi > 0 near s = 1 and < 0 for large s).
     """
@@ -241,15 +241,15 @@ def proxydr_initial_scale(num_classes: int) -> float:
 
 
 class ProxyDRLoss(EmbeddingLoss):
-    """ProxyDR (001, Paper III, "Methods" + eq. (8)): DR softmax on the unit hypersphere with learnable proxies.
+    """ProxyDR [Kim, Art. III, "Methods" + eq. (8)]: DR softmax on the unit hypersphere with learnable proxies.
 
     ``f~ = f / ||f||``, ``W~_y = W_y / ||W_y||``, ``d_{x,y} = ||f~(x) - W~_y||`` and
-    ``p(c|x) = d_c^{-s} / sum_y d_y^{-s}``, trained with cross-entropy (Paper III, eq. (3)).
+    ``p(c|x) = d_c^{-s} / sum_y d_y^{-s}``, trained with cross-entropy [Kim, Art. III, eq. (3)].
 
     Args:
         num_classes, embedding_dim: proxy table shape.
-        scale: the fixed scale factor ``s``; 10.0 in Paper III ("Training settings").
-        dynamic: use the dynamic scale of Paper III, S1 Appendix: ``s`` is initialised at the root of
+        scale: the fixed scale factor ``s``; 10.0 in [Kim, Art. III, "Training settings"].
+        dynamic: use the dynamic scale of [Kim, Art. III, S1 App.]: ``s`` is initialised at the root of
             ``psi_ProxyDR`` with ``B = (C-1)(pi/2)^{-s}`` and ``theta = pi/4``, and during training (module in
             ``train()`` mode) each forward pass takes one Adam step on ``psi_ProxyDR(s, theta_med)^2`` with
             ``B = B_avg`` (batch mean of ``B_x = sum_{y != c} d_{x,y}^{-s}``, treated as a constant for the

@@ -1,6 +1,6 @@
-"""Probabilistic-embedding losses on the hypersphere (003 = "Uncertainties of Latent Representations").
+"""Probabilistic-embedding losses on the hypersphere [Kirchhof].
 
-Convention (003, appendix A, Sec. 3.2): an embedding ``e in R^D`` *is* a von Mises-Fisher distribution with
+Convention [Kirchhof, App. A, Sec. 3.2]: an embedding ``e in R^D`` *is* a von Mises-Fisher distribution with
 mean direction ``mu = e / ||e||`` and concentration ``kappa = ||e||`` (the natural parameter of the vMF).
 A zero embedding is the uniform distribution (kappa = 0): its direction is irrelevant and is replaced by
 the first basis vector, and kappa is computed as ``sqrt(||e||^2 + 1e-12)`` so its gradient is finite.
@@ -10,17 +10,17 @@ vMF sampling and the log-normaliser come from :mod:`shiftguard.functional.vmf`
 
 Losses (supervised batches: positives share a label, negatives have a different label):
 
-* :class:`MCInfoNCELoss` -- 003, appendix B, eq. (7): Monte-Carlo InfoNCE over K vMF samples per embedding,
+* :class:`MCInfoNCELoss` -- [Kirchhof, App. B, eq. (7)]: Monte-Carlo InfoNCE over K vMF samples per embedding,
   ``-log 1/K sum_k exp(kp z_k^T z+_k) / (1/M exp(kp z_k^T z+_k) + 1/M sum_m exp(kp z_k^T z-_{m,k}))``,
   for every (anchor, positive) pair, with the anchor's M in-batch negatives.  ``kappa_pos = 20``
   (appendix B.3, following Zimmermann et al. 2021); K = 16 MC samples by default (Sec. 5.1 / Fig. 3: the
   bias "is largely mitigated with 16 samples"; the controlled experiment used 512).
-* :class:`HIBLoss` -- 003, appendix B.4, eq. (54): Hedged Instance Embeddings with vMFs and cosine
+* :class:`HIBLoss` -- [Kirchhof, App. B.4, eq. (54)]: Hedged Instance Embeddings with vMFs and cosine
   similarity, ``-log E[s(a z^T z+ + b)] - 1/M sum_m log E[1 - s(a z^T z-_m + b)]`` (no KL regulariser).
-* :class:`ELKLoss` -- 003, appendix B.5, eq. (55): InfoNCE with the expected-likelihood similarity
+* :class:`ELKLoss` -- [Kirchhof, App. B.5, eq. (55)]: InfoNCE with the expected-likelihood similarity
   ``-kappa_pos * d_EL-vMF``, ``d_EL-vMF = log C(||nu_1 + nu_2||) - log C(kappa_1) - log C(kappa_2)``
   (appendix A, Supp. D, eq. (35)).  Deterministic (closed form).
-* :class:`NivMFProxyLoss` -- EL-nivMF, 003, appendix A, eq. (4)-(6) and Algorithm 1: learnable
+* :class:`NivMFProxyLoss` -- EL-nivMF, [Kirchhof, App. A, eq. (4)-(6) and Alg. 1]: learnable
   non-isotropic vMF proxies ``(mu_p, K_p = diag(kappa_p))``, expected likelihood of N vMF samples of the
   embedding under each proxy density, softmax with a learnable temperature ``t``.
 
@@ -89,7 +89,7 @@ def _split_vmf_large(embeddings: torch.Tensor, large: torch.Tensor, eps: float):
     if not bool(torch.isfinite(big_kappa).all()):
         raise ValueError(f"embeddings: row norms exceed the {embeddings.dtype} range (values reach "
                          f"{float(big.detach().abs().max()):.3g}); the vMF concentration kappa = ||e|| "
-                         "(003 appendix A, Sec. 3.2) is not representable")
+                         "[Kirchhof, App. A, Sec. 3.2] is not representable")
     mu = torch.empty_like(embeddings)
     kappa = embeddings.new_empty(embeddings.shape[0])
     mu = mu.index_put((large,), scaled / norm_scaled.unsqueeze(1))
@@ -117,7 +117,8 @@ def draw_vmf_samples(mu: torch.Tensor, kappa: torch.Tensor, n_samples: int,
         return z
     if z.shape == (n, n_samples, d):
         return z.transpose(0, 1)
-    raise RuntimeError(f"sample_vmf returned shape {tuple(z.shape)}; expected ({n_samples}, {n}, {d}) or ({n}, {n_samples}, {d})")
+    raise RuntimeError(f"sample_vmf returned shape {tuple(z.shape)}; expected ({n_samples}, {n}, {d}) or "
+                       f"({n}, {n_samples}, {d})")
 
 
 def _pairs_and_negatives(labels: torch.Tensor):
@@ -144,7 +145,7 @@ class _VMFSampleLoss(EmbeddingLoss):
 
 
 class MCInfoNCELoss(_VMFSampleLoss):
-    """MCInfoNCE (003, appendix B, eq. (7)) on a labelled batch.
+    """MCInfoNCE [Kirchhof, App. B, eq. (7)] on a labelled batch.
 
     Args:
         kappa_pos: the positive-pair concentration (20, appendix B.3).
@@ -179,16 +180,17 @@ class MCInfoNCELoss(_VMFSampleLoss):
 
 
 class HIBLoss(_VMFSampleLoss):
-    """Contrastive Hedged Instance Embeddings with vMFs (003, appendix B.4, eq. (54)).
+    """Contrastive Hedged Instance Embeddings with vMFs [Kirchhof, App. B.4, eq. (54)].
 
     Args:
         a, b: scale and offset inside the sigmoid ``s(a * z^T z' + b)``.  The thesis tuned them on the grid
             a in {0.5, 1, 2, 4}, b in {-8, ..., 8} (Table 7) but the chosen values are not legible in our copy;
             defaults a = 4, b = -2 (an untuned choice that puts the sigmoid's midpoint at cosine 0.5).
-        n_samples: MC samples per embedding (8, within the 5-10 range 003 cites for HIB).
+        n_samples: MC samples per embedding (8, within the 5-10 range [Kirchhof] cites for HIB).
     """
 
-    def __init__(self, a: float = 4.0, b: float = -2.0, n_samples: int = 8, generator: Optional[torch.Generator] = None):
+    def __init__(self, a: float = 4.0, b: float = -2.0, n_samples: int = 8,
+                 generator: Optional[torch.Generator] = None):
         super().__init__(n_samples, generator)
         check_positive(a, "a")
         if not math.isfinite(b):
@@ -212,7 +214,7 @@ class HIBLoss(_VMFSampleLoss):
 
 
 def el_vmf_distance(mu1, kappa1, mu2, kappa2) -> torch.Tensor:
-    """Pairwise expected-likelihood distance between vMFs (003, appendix A, Supp. D, eq. (35)), ``(N, M)``.
+    """Pairwise expected-likelihood distance between vMFs [Kirchhof, App. A, Supp. D, eq. (35)], ``(N, M)``.
 
     ``d = log C_D(||kappa1 mu1 + kappa2 mu2||) - log C_D(kappa1) - log C_D(kappa2)``.
 
@@ -236,7 +238,7 @@ def el_vmf_distance(mu1, kappa1, mu2, kappa2) -> torch.Tensor:
 
 
 class ELKLoss(EmbeddingLoss):
-    """Contrastive expected-likelihood-kernel loss (003, appendix B.5, eq. (55)); ``kappa_pos = 20``.
+    """Contrastive expected-likelihood-kernel loss [Kirchhof, App. B.5, eq. (55)]; ``kappa_pos = 20``.
 
     InfoNCE of eq. (55) with logits ``-kappa_pos * d_EL-vMF`` for every (anchor, positive) pair against the
     anchor's in-batch negatives.  Closed form, no sampling.
@@ -259,7 +261,7 @@ class ELKLoss(EmbeddingLoss):
         mu, kappa = split_vmf(embeddings)
         if not bool(torch.isfinite(2.0 * kappa.detach()).all()):
             raise ValueError(f"embeddings: row norms reach {float(kappa.detach().max()):.3g}; the sum of two "
-                             f"concentrations in d_EL-vMF (003 eq. (35)) exceeds the {kappa.dtype} range")
+                             f"concentrations in d_EL-vMF [Kirchhof, eq. (35)] exceeds the {kappa.dtype} range")
         logits = -self.kappa_pos * el_vmf_distance(mu, kappa, mu, kappa)  # (N, N)
         lse_neg = torch.logsumexp(logits.masked_fill(~neg, float("-inf")), dim=1)
         pos = logits[a_idx, p_idx]
@@ -268,7 +270,7 @@ class ELKLoss(EmbeddingLoss):
 
 
 def nivmf_log_density(z: torch.Tensor, mu_p: torch.Tensor, kappa_p: torch.Tensor) -> torch.Tensor:
-    """Log density of non-isotropic vMF proxies at points ``z`` (003, appendix A, eq. (4), Supp. B eq. (19)-(22)).
+    """Log density of non-isotropic vMF proxies at points ``z`` [Kirchhof, App. A, eq. (4), Supp. B, eq. (19)-(22)].
 
     ``log rho_c(z) = log C_D(||K mu||) + log D(K) + ||K mu|| s(K z, K mu)`` with ``K = diag(kappa_p[c])``,
     ``log D(K) = sum_m log kappa_m - log ||K mu||``.  ``z``: ``(..., D)``; ``mu_p`` unit ``(C, D)``;
@@ -284,12 +286,12 @@ def nivmf_log_density(z: torch.Tensor, mu_p: torch.Tensor, kappa_p: torch.Tensor
 
 
 class NivMFProxyLoss(_VMFSampleLoss):
-    """EL-nivMF proxy loss (003, appendix A, eq. (5)-(6), Algorithm 1).
+    """EL-nivMF proxy loss [Kirchhof, App. A, eq. (5)-(6), Alg. 1].
 
     ``logit_c = log(1/N sum_n rho_c(z_n)) / t`` with ``z_n ~ vMF(e/||e||, ||e||)``, cross-entropy over the
     classes.  Learnable: proxy directions ``mu_p`` (normalised in use), per-dimension concentrations
     ``kappa_p = exp(log_kappa_p)`` and the temperature ``t = exp(log_t)`` (Algorithm 1 makes all three
-    learnable).  Initial values are not given in 003: ``kappa_p = init_kappa`` (16, so the isotropic
+    learnable).  Initial values are not given in [Kirchhof]: ``kappa_p = init_kappa`` (16, so the isotropic
     proxy concentration ``||K mu|| = 16``) and ``t = 1``.  ``n_samples = 10`` (appendix A, Supp. H:
     "N ~ 10").
     """

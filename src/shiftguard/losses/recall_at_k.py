@@ -1,6 +1,6 @@
-"""Recall@k surrogate (RS@k) with similarity mixup (SiMix) -- 002, chapter 5, Sec. 5.2.
+"""Recall@k surrogate (RS@k) with similarity mixup (SiMix) -- [Patel, Ch. 5, Sec. 5.2].
 
-For a query ``q`` with positives ``P_q`` in the database ``Omega = B \\ q`` (002, eq. (5.1)-(5.7)):
+For a query ``q`` with positives ``P_q`` in the database ``Omega = B \\ q`` [Patel, eq. (5.1)-(5.7)]:
 
     rank~(q, x) = 1 + sum_{z in Omega, z != x} sigmoid((s_qz - s_qx) / tau_2)            (5.2, smoothed)
     R~^k(q)     = min(k, sum_{x in P_q} sigmoid((k - rank~(q, x)) / tau_1)) / min(k, |P_q|)  (5.5 + the
@@ -38,7 +38,7 @@ DEFAULT_K_SIMIX = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32)
 
 
 def simix_expand(sim: torch.Tensor, labels: torch.Tensor, generator: Optional[torch.Generator] = None):
-    """Expand a similarity matrix ``(N, N)`` with SiMix virtual examples (002, eq. (5.8)-(5.10)).
+    """Expand a similarity matrix ``(N, N)`` with SiMix virtual examples [Patel, eq. (5.8)-(5.10)].
 
     Returns ``(sim_full (T, T), labels_full (T,))`` with ``T = N + #positive pairs``.
     """
@@ -58,7 +58,7 @@ def simix_expand(sim: torch.Tensor, labels: torch.Tensor, generator: Optional[to
 
 
 def _positive_pair_ranks(sim: torch.Tensor, labels: torch.Tensor, tau: float):
-    """Smoothed ranks of every (query, positive) pair (002, eq. (5.2) with sigmoids).
+    """Smoothed ranks of every (query, positive) pair ([Patel, eq. (5.2)] with sigmoids).
 
     Returns ``(q_idx, x_idx, sig)`` where ``sig[p, z] = sigmoid((s_qz - s_qx) / tau)`` masked to zero for
     ``z in {q, x}``; the smoothed rank of pair ``p`` is ``1 + sig[p].sum()``.
@@ -76,7 +76,7 @@ def _positive_pair_ranks(sim: torch.Tensor, labels: torch.Tensor, tau: float):
 
 
 class RecallAtKSurrogate(EmbeddingLoss):
-    """RS@k loss (002, chapter 5), optionally with SiMix (``simix=True``).
+    """RS@k loss [Patel, Ch. 5], optionally with SiMix (``simix=True``).
 
     Args:
         k: the set K (default per SiMix, see module docstring).

@@ -1,4 +1,4 @@
-"""Smooth-AP (Brown et al., ECCV 2020), the baseline of 002, chapter 5.
+"""Smooth-AP (Brown et al., ECCV 2020), the baseline of [Patel, Ch. 5].
 
 For a query ``q`` with positives ``P`` and database ``Omega = B \\ q`` (Brown et al., eq. (12) with the
 sigmoid ``G(.; tau)`` of eq. (11)):
@@ -32,7 +32,7 @@ __all__ = ["SmoothAPLoss"]
 
 
 class SmoothAPLoss(EmbeddingLoss):
-    """Smooth-AP loss (Brown et al., 2020, eq. (12)); ``temperature`` = 0.01 as in the paper and 002.
+    """Smooth-AP loss (Brown et al., 2020, eq. (12)); ``temperature`` = 0.01 as in the paper and [Patel].
 
     Queries without a positive are skipped; no positive pair at all -> exact 0.
     """

@@ -1,6 +1,6 @@
-"""Watershed loss (000, appendix D, eq. (10)-(11); Challa et al., 2024).
+"""Watershed loss ([QACT, App. D, eq. (10)-(11)]; Challa et al., 2024).
 
-Recipe of 000, appendix D:
+Recipe of [QACT, App. D]:
 
 1. embed the batch, ``f(x_i)``;
 2. starting from randomly selected seeds, propagate labels to all samples, giving estimated labels
@@ -88,7 +88,7 @@ def watershed_propagate(dist: torch.Tensor, seeds: torch.Tensor, seed_labels: to
 
 
 class WatershedLoss(EmbeddingLoss):
-    """Watershed loss of 000, appendix D, eq. (11) (see the module docstring for seeds and propagation).
+    """Watershed loss of [QACT, App. D, eq. (11)] (see the module docstring for seeds and propagation).
 
     Args:
         n_seeds_per_class: random seeds per class and batch (the appendix: "randomly selected seeds").
@@ -117,7 +117,8 @@ class WatershedLoss(EmbeddingLoss):
         correct = y_hat == labels
         classes, target = torch.unique(labels, return_inverse=True)
         n_cls = classes.shape[0]
-        in_set = correct.unsqueeze(0) & ~torch.eye(n, dtype=torch.bool, device=embeddings.device)  # j in S_{y_j}, j != i
+        # j in S_{y_j}, j != i
+        in_set = correct.unsqueeze(0) & ~torch.eye(n, dtype=torch.bool, device=embeddings.device)
         big = torch.finfo(dist.dtype).max
         # nn_dist[i, l] = min_{j in S_l, j != i} ||f_i - f_j||: an (N, N) -> (N, C) scatter-min, never (N, N, C).
         masked = torch.where(in_set, dist, torch.full_like(dist, big))

@@ -21,7 +21,8 @@ is PyTorch's CPU ``randint``, so identical numbers are promised for one PyTorch 
 
 ECE caveat: the binned plug-in ECE is biased upward (Kumar et al. 2019), and a resample, which repeats
 some images and drops others, adds noise inside the absolute values that on average increases it, so
-the bootstrap replicates of a well-calibrated model sit mostly above the estimate. The percentile interval then describes the
+the bootstrap replicates of a well-calibrated model sit mostly above the estimate. The percentile interval
+then describes the
 spread of the ECE estimator on n images; it is not bias-corrected and can lie wholly above the estimate.
 
 The fast paths turn each resample into counts ``k_i`` (how often image ``i`` was drawn; a
@@ -170,7 +171,7 @@ def bootstrap_ece_ci(confidence, correct, *, n_bins: int = 15, n_boot: int = 100
     """Percentile bootstrap interval of the top-label ECE with equal-width bins, images resampled.
 
     The ECE is that of :func:`shiftguard.metrics.ece` with ``kind="top-label"``, ``binning="width"``
-    (Guo et al. 2017; 004 Sec. 3.1 eqs. (6)-(7)) on these confidences: bins ``[e_k, e_{k+1})`` of [0, 1],
+    (Guo et al. 2017; [NED, Sec. 3.1, eqs. (6)-(7)]) on these confidences: bins ``[e_k, e_{k+1})`` of [0, 1],
     the last closed at 1, ``ECE = sum_k |B_k| / N |acc(B_k) - conf(B_k)| = sum_k |sum_{B_k} (hit - conf)| / N``.
     For a resample with counts ``k_i``, each pair of image ``i`` enters ``k_i`` times, so the per-bin
     sums are count-weighted bincounts and one ``(rows, n) @ (n, n_bins)`` product gives a block of ECEs.

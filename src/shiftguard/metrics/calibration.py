@@ -1,9 +1,9 @@
 """Expected calibration error, top-label and marginal (classwise), with equal-width or equal-mass bins.
 
 Definitions:
-- top-label ECE (Guo et al. 2017; 004 Sec. 3.1 eqs. (6)-(7)): bin the confidence ``max_c p_ic``,
+- top-label ECE (Guo et al. 2017; [NED, Sec. 3.1, eqs. (6)-(7)]): bin the confidence ``max_c p_ic``,
   ``ECE = sum_m |B_m|/N * |acc(B_m) - conf(B_m)|`` with acc the share of correct arg-max predictions.
-- marginal ECE (Kumar et al. 2019, "Verified uncertainty calibration", the definition 000 Sec. 4
+- marginal ECE (Kumar et al. 2019, "Verified uncertainty calibration", the definition [QACT, Sec. 4]
   refers to): for every class c, the binary calibration error of ``p_ic`` against ``1[y_i = c]``;
   ``ECE_marginal = (mean_c CE_c^p)^(1/p)`` (their ``get_calibration_error(mode="marginal")``).
 - general ``p``: ``CE = (sum_m |B_m|/N |acc - conf|^p)^(1/p)``; ``p = 1`` is the usual ECE.
@@ -20,10 +20,10 @@ Binning (``binning=``):
   ``>= s`` (``searchsorted``, left); duplicate boundaries are merged.
 
 One-vs-rest probabilities (``one_vs_rest=True``): a classifier trained with one binary
-cross-entropy per class (the quantile classifier of 000 Sec. 3) outputs one probability per class
+cross-entropy per class (the quantile classifier of [QACT, Sec. 3]) outputs one probability per class
 whose row need not sum to 1. Kumar et al.'s definitions apply to them unchanged -- top-label uses
 ``max_c p_ic`` as the confidence of the arg-max prediction, marginal calibrates each ``p_ic``
-against ``1[y_i = c]`` -- and this is how 000 reports the quantile classifier ("We do not perform
+against ``1[y_i = c]`` -- and this is how [QACT] reports the quantile classifier ("We do not perform
 any additional calibration and use the probabilities", Sec. 4). Renormalising such rows to sum 1
 first would measure a different, mis-scaled quantity.
 
@@ -94,7 +94,7 @@ def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str =
 
     Args:
         n_bins: number of bins (default 15 as in Guo et al. 2017).
-        kind: ``"top-label"`` (004 eq. (6)) or ``"marginal"`` (Kumar et al. 2019, 000 Sec. 4).
+        kind: ``"top-label"`` [NED, eq. (6)] or ``"marginal"`` (Kumar et al. 2019, [QACT, Sec. 4]).
         binning: ``"width"`` (equal-width) or ``"mass"`` (equal-mass, Kumar et al.).
         p: 1 (ECE) or 2 (L2 calibration error).
         debiased: Kumar et al.'s debiased L2 estimator (needs ``p=2``).

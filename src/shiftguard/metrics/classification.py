@@ -20,7 +20,7 @@ def check_probs_labels(probs, labels, probs_name: str = "probs", labels_name: st
 
 
 def accuracy(probs, labels) -> float:
-    """Share of rows whose arg-max class equals the label (000 Sec. 4 "ACC"; 004 Sec. 3.1)."""
+    """Share of rows whose arg-max class equals the label ([QACT, Sec. 4] "ACC"; [NED, Sec. 3.1])."""
     p, y = check_probs_labels(probs, labels)
     return float((p.argmax(1) == y).double().mean())
 

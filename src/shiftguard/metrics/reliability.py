@@ -1,4 +1,4 @@
-"""Reliability diagrams (004 Sec. 3.1, Fig. 1; Guo et al. 2017 Fig. 1): per-bin accuracy against
+"""Reliability diagrams ([NED, Sec. 3.1, Fig. 1]; Guo et al. 2017 Fig. 1): per-bin accuracy against
 mean confidence of the top-label prediction, with the gap to the diagonal and a count histogram.
 """
 

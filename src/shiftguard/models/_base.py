@@ -7,7 +7,7 @@ NED, kNN) and embedding losses (watershed, ...) attach to ``embed``; cross-entro
 ``forward``.
 
 Activations are built by name through :func:`shiftguard.nn.make_activation` so that swapping
-ReLU for QACT is one keyword (000, Sec. 4: "replace the usual ReLU activation with QACT").
+ReLU for QACT is one keyword ([QACT, Sec. 4]: "replace the usual ReLU activation with QACT").
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def check_activation(name: str) -> str:
 def activation(name: str, num_features: int) -> nn.Module:
     """The activation ``name`` for ``num_features`` channels/features.
 
-    ``qact`` gives the BN-QACT-BN block of 000 (Remark after Alg. 2: "we prepend and append the
+    ``qact`` gives the BN-QACT-BN block of [QACT, Remark after Alg. 2] ("we prepend and append the
     quantile activation with BatchNorm layers"), built by ``shiftguard.nn.make_activation``.
     """
     return make_activation(check_activation(name), num_features)

@@ -2,7 +2,7 @@
 (BN-act-conv1x1-BN-act-conv3x3), transitions with compression 0.5, blocks (6, 12, 24, 16).
 
 ``growth_rate`` is configurable: 32 is the ImageNet DenseNet-121 (~7M parameters); 12 gives
-the ~1M-parameter network 000 (Sec. 4) uses.
+the ~1M-parameter network [QACT, Sec. 4] uses.
 Shapes: ``(N, in_channels, H, W)`` -> embeddings ``(N, num_features)`` (or ``embedding_dim``).
 """
 

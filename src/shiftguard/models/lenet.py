@@ -1,6 +1,6 @@
 """LeNet-5 (LeCun et al., 1998) with a swappable activation, for 28x28 or 32x32 inputs.
 
-000 (Sec. 4) evaluates an "(overparametrized) LeNet" on MNIST-C; ``width`` multiplies the
+[QACT, Sec. 4] evaluates an "(overparametrized) LeNet" on MNIST-C; ``width`` multiplies the
 channel and hidden sizes to get that over-parametrised variant.
 Shapes: ``(N, in_channels, H, W)`` with H, W >= 16 -> embeddings ``(N, embedding_dim)``.
 """

@@ -1,5 +1,5 @@
 """ResNet-18, CIFAR variant (He et al., 2016): 3x3 stem, no initial max-pool, 4 stages of 2
-basic blocks, global average pooling. ~11.2M parameters for 10 classes, as 000 (Sec. 4) states.
+basic blocks, global average pooling. ~11.2M parameters for 10 classes, as [QACT, Sec. 4] states.
 
 Shapes: ``(N, in_channels, H, W)`` -> embeddings ``(N, 512)`` (or ``embedding_dim`` through a
 linear projection).

@@ -1,7 +1,7 @@
 """VGG-11 / VGG-16 with BatchNorm (Simonyan & Zisserman, 2015), CIFAR-style head.
 
 The five max-pools use ``ceil_mode`` so 28x28 inputs (MNIST) reach 1x1 like 32x32 ones.
-VGG-16-BN has ~14.7M parameters for 10 classes (000, Sec. 4 quotes "15M").
+VGG-16-BN has ~14.7M parameters for 10 classes ([QACT, Sec. 4] quotes "15M").
 Shapes: ``(N, in_channels, H, W)`` -> embeddings ``(N, 512)`` (or ``embedding_dim``).
 """
 

@@ -1,9 +1,9 @@
 """``nn.Module`` wrappers over :mod:`shiftguard.functional`.
 
-- :class:`QuantileActivation` -- QACT (000, Alg. 1-2), context modes ``"batch"`` / ``"frozen"``
-- :class:`QACTBlock` -- BatchNorm -> QACT -> BatchNorm (000, Remark after Alg. 2)
+- :class:`QuantileActivation` -- QACT [QACT, Alg. 1-2], context modes ``"batch"`` / ``"frozen"``
+- :class:`QACTBlock` -- BatchNorm -> QACT -> BatchNorm [QACT, Remark after Alg. 2]
 - :func:`make_activation` -- ``relu`` | ``prelu`` | ``selu`` | ``qact`` by name
-- :class:`QuantileClassifier` -- Linear -> QACT -> one-vs-rest probabilities (000, Sec. 3)
+- :class:`QuantileClassifier` -- Linear -> QACT -> one-vs-rest probabilities [QACT, Sec. 3]
 - :class:`SyncQuantileActivation`, :func:`convert_sync_qact` -- QACT whose context is the global
   batch of a torch.distributed job (docs/distributed.md)
 - :func:`convert_activations` -- put QACT (or relu/prelu/selu) into any model in place of its

@@ -2,9 +2,9 @@
 :func:`set_context`, :func:`qact_context`, :func:`fit_context`.
 
 :func:`convert_activations` mirrors ``nn.SyncBatchNorm.convert_sync_batchnorm``: it replaces every
-activation module of a model, in place, by QACT (000, Alg. 1-2) -- by default the
-BatchNorm -> QACT -> BatchNorm block of 000 (Remark after Alg. 2, :class:`~shiftguard.nn.QACTBlock`),
-which 000 Sec. 4 uses to "replace the usual ReLU activation with QACT".
+activation module of a model, in place, by QACT [QACT, Alg. 1-2] -- by default the
+BatchNorm -> QACT -> BatchNorm block ([QACT, Remark after Alg. 2], :class:`~shiftguard.nn.QACTBlock`),
+which [QACT, Sec. 4] uses to "replace the usual ReLU activation with QACT".
 
 Three things make this harder than a module swap, and are handled here:
 
@@ -26,7 +26,7 @@ Three things make this harder than a module swap, and are handled here:
   model's first call) with a ``TorchFunctionMode`` and named, with file and line, in one
   ``UserWarning``.
 
-QACT normalises over dim 1 (000, Sec. 3 "Extending to standard layers": a channel's context is all
+QACT normalises over dim 1 ([QACT, Sec. 3] "Extending to standard layers": a channel's context is all
 its values in the batch); activations applied to channels-last tensors (a transformer's
 ``(N, T, D)``) would be given the wrong channel axis.
 """
@@ -358,7 +358,7 @@ def _materialise(model: nn.Module, example_input, watched: frozenset) -> Optiona
 
 def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, *, types=None,
                         example_input=None, **kwargs) -> nn.Module:
-    """Replace every activation module of ``model`` by QACT (000, Alg. 1-2) or by another activation.
+    """Replace every activation module of ``model`` by QACT [QACT, Alg. 1-2] or by another activation.
 
     Like ``nn.SyncBatchNorm.convert_sync_batchnorm``, ``model`` is converted **in place** and returned
     (a model that is itself an activation module is replaced, so use the return value).
@@ -368,7 +368,7 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
         to: ``"qact"`` (default), or ``"relu"`` | ``"prelu"`` | ``"selu"`` (names of
             :func:`~shiftguard.nn.make_activation`; ``"prelu"`` gets one slope per channel).
         block: for ``"qact"``: True (default) for the BatchNorm -> QACT -> BatchNorm block
-            (:class:`~shiftguard.nn.QACTBlock`, 000 Remark after Alg. 2), False for a bare
+            (:class:`~shiftguard.nn.QACTBlock`, [QACT, Remark after Alg. 2]), False for a bare
             :class:`~shiftguard.nn.QuantileActivation`.
         types: the module classes to replace (an ``nn.Module`` subclass or a tuple; instances of
             subclasses count); default :data:`DEFAULT_ACTIVATION_TYPES` (ReLU, ReLU6, LeakyReLU, PReLU,
@@ -577,7 +577,7 @@ def fit_context(model: nn.Module, data, *, batch_size: Optional[int] = None, dev
 
     What is stored: each QACT layer's running statistics become the **equal-weight average over the
     batches of data** of its batch statistics -- the quantiles ``(C, n_tau)``, the sorted KDE samples
-    ``(C, S)`` and the bandwidth ``(C,)`` (000, Alg. 1-2) of that layer's input, i.e. the cumulative
+    ``(C, S)`` and the bandwidth ``(C,)`` [QACT, Alg. 1-2] of that layer's input, i.e. the cumulative
     average of ``momentum=None``; ``num_batches_tracked`` is left at the number of batches. With one
     batch they are that batch's statistics. While collecting, every other module is in eval mode
     (BatchNorm uses and keeps its running statistics, dropout is off) and each QACT layer uses the

@@ -1,7 +1,7 @@
-"""Quantile classifier (000, Sec. 3 "Quantile Classifier"): Linear -> QACT -> per-class probability.
+"""Quantile classifier ([QACT, Sec. 3] "Quantile Classifier"): Linear -> QACT -> per-class probability.
 
 QACT returns values in [0, 1] that are read as one-vs-rest class probabilities. Two changes from a
-softmax classifier (000, Sec. 3): (i) binary cross-entropy per class (one-vs-rest) instead of
+softmax classifier [QACT, Sec. 3]: (i) binary cross-entropy per class (one-vs-rest) instead of
 softmax + NLL; (ii) the class imbalance of one-vs-rest labels is compensated by weighting the
 positives with ``(K - 1) / K`` and the negatives with ``1 / K`` (0.9 / 0.1 for K = 10 classes).
 
@@ -32,7 +32,7 @@ __all__ = ["QuantileClassifier", "quantile_classifier_loss"]
 
 
 def quantile_classifier_loss(probs: torch.Tensor, labels: torch.Tensor, n_tau: int = 100) -> torch.Tensor:
-    """Class-weighted one-vs-rest BCE of 000 Sec. 3 (mean over all ``N * K`` entries).
+    """Class-weighted one-vs-rest BCE of [QACT, Sec. 3] (mean over all ``N * K`` entries).
 
     ``loss = mean_{i,k} w_ik * BCE(p~_ik, 1[y_i = k])`` with ``w = (K-1)/K`` for the positive entry
     and ``1/K`` for the negatives. The step outputs of QACT include exactly 0 and 1, where BCE is
@@ -57,7 +57,7 @@ def quantile_classifier_loss(probs: torch.Tensor, labels: torch.Tensor, n_tau: i
 
 
 class QuantileClassifier(nn.Module):
-    """Linear -> QACT over the batch -> ``(N, K)`` one-vs-rest probabilities (000, Sec. 3).
+    """Linear -> QACT over the batch -> ``(N, K)`` one-vs-rest probabilities [QACT, Sec. 3].
 
     Args:
         in_features: embedding dimension ``D``. num_classes: ``K >= 2``.

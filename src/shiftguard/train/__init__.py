@@ -1,5 +1,5 @@
-"""Training: the :class:`Trainer` loop (000, App. B protocol), crash-safe checkpoints,
-class-balanced batches and the multistage large-batch step (002, Sec. 5.3.2)."""
+"""Training: the :class:`Trainer` loop ([QACT, App. B] protocol), crash-safe checkpoints,
+class-balanced batches and the multistage large-batch step [Patel, Sec. 5.3.2]."""
 
 from . import samplers
 from .checkpoint import CheckpointError, load_checkpoint, load_latest_checkpoint, save_checkpoint

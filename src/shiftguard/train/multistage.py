@@ -1,4 +1,4 @@
-"""Multistage back-propagation for large batches (002, chapter 5, Sec. 5.3.2, "Large batch size";
+"""Multistage back-propagation for large batches ([Patel, Ch. 5, Sec. 5.3.2], "Large batch size";
 Revaud et al., 2019).
 
 Losses such as RS@k (:class:`shiftguard.losses.RecallAtKSurrogate`) need the whole batch at once, but the

@@ -1,4 +1,4 @@
-"""A plain PyTorch training loop following 000, App. B.
+"""A plain PyTorch training loop following [QACT, App. B].
 
 - Adam with initial learning rate 1e-3;
 - ReduceLROnPlateau(factor=0.1, patience=50, cooldown=10, threshold=0.01, threshold_mode="abs",
@@ -55,7 +55,7 @@ def to_model_input(images: torch.Tensor, device=None) -> torch.Tensor:
 
 
 def train_val_split(n: int, val_fraction: float = 0.2, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random ``(train_idx, val_idx)`` split of ``range(n)``; 000 App. B uses 80:20, seed 42."""
+    """Random ``(train_idx, val_idx)`` split of ``range(n)``; [QACT, App. B] uses 80:20, seed 42."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction: expected a value in (0, 1), got {val_fraction}")
     if n < 2:
@@ -111,7 +111,8 @@ class Trainer:
     ):
         if isinstance(loss, str):
             if loss != "cross_entropy":
-                raise ValueError(f"loss: a string loss must be 'cross_entropy'; build others with shiftguard.losses.build_loss, got {loss!r}")
+                raise ValueError("loss: a string loss must be 'cross_entropy'; build others with "
+                                 f"shiftguard.losses.build_loss, got {loss!r}")
             loss = nn.CrossEntropyLoss()
         if loss_on is None:
             loss_on = "logits" if isinstance(loss, nn.CrossEntropyLoss) else "embeddings"
@@ -131,7 +132,7 @@ class Trainer:
         self.early_stopping_min_delta = early_stopping_min_delta
         self.class_balanced, self.samples_per_class, self.max_val = class_balanced, samples_per_class, max_val
         if chunk_size and loss_on != "embeddings":
-            raise ValueError("chunk_size: multistage steps (002, Sec. 5.3.2) need an embedding loss")
+            raise ValueError("chunk_size: multistage steps [Patel, Sec. 5.3.2] need an embedding loss")
         self.chunk_size = int(chunk_size)
         self.seed = int(seed)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -202,7 +203,7 @@ class Trainer:
             x = to_model_input(images[idx], self.device)
             y = labels[idx].to(self.device)
             if self.chunk_size and y.numel() > self.chunk_size:
-                # Large batch: multistage back-propagation (002, Sec. 5.3.2) accumulates .grad itself.
+                # Large batch: multistage back-propagation [Patel, Sec. 5.3.2] accumulates .grad itself.
                 self.optimizer.zero_grad(set_to_none=True)
                 loss = self._multistage_step(x, y)
                 self.optimizer.step()

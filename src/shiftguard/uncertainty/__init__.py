@@ -1,4 +1,4 @@
-"""Per-sample uncertainty scores (higher = more uncertain) and the loss-prediction head (003 Ch. 5)."""
+"""Per-sample uncertainty scores (higher = more uncertain) and the loss-prediction head [Kirchhof, Ch. 5]."""
 
 from shiftguard.uncertainty.loss_prediction import LossPredictionHead, loss_ranking_loss
 from shiftguard.uncertainty.scores import (

@@ -1,7 +1,7 @@
-"""Loss-prediction uncertainty head on cached embeddings (003 Ch. 5, "pretrained uncertainties";
+"""Loss-prediction uncertainty head on cached embeddings ([Kirchhof, Ch. 5], "pretrained uncertainties";
 URL benchmark App. B.9 "Losspred").
 
-003 Ch. 5 Sec. 3.3: an MLP ``u(e(x))`` on stop-gradient embeddings (1. StopGrad; 3. "cache
+[Kirchhof, Ch. 5, Sec. 3.3]: an MLP ``u(e(x))`` on stop-gradient embeddings (1. StopGrad; 3. "cache
 everything": the backbone and classifier are frozen, so only ``e(x)`` and the detached task loss
 are needed) trained with the ranking objective of Yoo & Kweon (2019) (4. scale-free, eqs. (3)-(4)):
 for a pair (x1, x2) the sample with the larger task loss must get an uncertainty larger by a margin
@@ -9,7 +9,7 @@ for a pair (x1, x2) the sample with the larger task loss must get an uncertainty
 (Eq. (3) of the thesis is typeset as ``max(0, 1_L (u1 - u2 + m))``; its text and Yoo & Kweon fix the
 sign used here: the higher-loss sample must be the more uncertain one.) Pairs are formed as in Yoo &
 Kweon: each shuffled mini-batch is split into halves and paired element-wise. Architecture:
-2 hidden layers of width 512 with ReLU (003 Ch. 5 App. C "By default it has 2 hidden layers of
+2 hidden layers of width 512 with ReLU ([Kirchhof, Ch. 5, App. C] "By default it has 2 hidden layers of
 width 512"), AdamW (their default optimiser) with a cosine schedule.
 """
 
@@ -25,7 +25,7 @@ __all__ = ["LossPredictionHead", "loss_ranking_loss"]
 
 def loss_ranking_loss(u1: torch.Tensor, u2: torch.Tensor, loss1: torch.Tensor, loss2: torch.Tensor,
                       margin: float = 0.1) -> torch.Tensor:
-    """Mean pairwise ranking loss of 003 Ch. 5 eqs. (3)-(4) (Yoo & Kweon 2019), see module doc."""
+    """Mean pairwise ranking loss of [Kirchhof, Ch. 5, eqs. (3)-(4)] (Yoo & Kweon 2019), see module doc."""
     sign = torch.where(loss1 > loss2, 1.0, -1.0).to(u1.dtype)
     return torch.clamp(margin - sign * (u1 - u2), min=0).mean()
 
@@ -36,7 +36,7 @@ class LossPredictionHead(nn.Module):
     Args:
         in_features: embedding size.
         hidden: hidden widths (default ``(512, 512)``).
-        margin: ranking margin m (default 0.1, 003 Ch. 5).
+        margin: ranking margin m (default 0.1, [Kirchhof, Ch. 5]).
         epochs, batch_size, lr, weight_decay: AdamW training on cached embeddings.
         seed: seed for initialisation and batch order.
 

@@ -3,13 +3,13 @@ value means MORE uncertain, so all of them plug into ``metrics.auroc_error`` / `
 
 | score | formula | source |
 |---|---|---|
-| ``max_probability_uncertainty`` | ``1 - max_c p_c`` | Hendrycks & Gimpel 2017; 004 conf. p-hat |
+| ``max_probability_uncertainty`` | ``1 - max_c p_c`` | Hendrycks & Gimpel 2017; [NED], conf. p-hat |
 | ``entropy_uncertainty`` | ``-sum_c p_c log p_c`` | Shannon entropy of the prediction |
 | ``margin_uncertainty`` | ``1 - (p_(1) - p_(2))`` (top-2 gap) | margin sampling |
-| ``knn_distance_uncertainty`` | mean squared distance to the k nearest support embeddings | 004 Sec. 2 ("the magnitude of this distance can represent the confidence") |
-| ``ned_uncertainty`` | ``1 - max_c p_NED(c|z)`` | 004 eq. (3) |
-| ``embedding_norm_uncertainty`` | ``-||z||`` | 003: kappa = ||z|| (vMF concentration; Ch. 2 and URL Sec. 4 "embedding norm") |
-| ``kappa_uncertainty`` | ``-kappa`` | 003: predicted vMF concentration |
+| ``knn_distance_uncertainty`` | mean squared distance to the k nearest support embeddings | [NED, Sec. 2] ("the magnitude of this distance can represent the confidence") |
+| ``ned_uncertainty`` | ``1 - max_c p_NED(c|z)`` | [NED, eq. (3)] |
+| ``embedding_norm_uncertainty`` | ``-||z||`` | kappa = ||z|| (vMF concentration; [Kirchhof, Ch. 2 and URL Sec. 4] "embedding norm") |
+| ``kappa_uncertainty`` | ``-kappa`` | predicted vMF concentration [Kirchhof] |
 """
 
 from __future__ import annotations
@@ -53,25 +53,25 @@ def margin_uncertainty(probs) -> torch.Tensor:
 
 def knn_distance_uncertainty(embeddings, support, k: int = 1, backend: str = "torch",
                              exclude_self: bool = False) -> torch.Tensor:
-    """Mean squared Euclidean distance to the ``k`` nearest ``support`` embeddings (004 Sec. 2)."""
+    """Mean squared Euclidean distance to the ``k`` nearest ``support`` embeddings [NED, Sec. 2]."""
     check_positive(k, "k", integer=True)
     d, _ = knn_search(embeddings, support, k, backend=backend, exclude_self=exclude_self)
     return d.mean(dim=1)
 
 
 def ned_uncertainty(ned_head, embeddings) -> torch.Tensor:
-    """``1 - max_c p(c|z)`` under a fitted :class:`shiftguard.heads.NED` (004 eq. (3))."""
+    """``1 - max_c p(c|z)`` under a fitted :class:`shiftguard.heads.NED` [NED, eq. (3)]."""
     return 1.0 - ned_head.predict_proba(embeddings).max(dim=1).values
 
 
 def embedding_norm_uncertainty(embeddings) -> torch.Tensor:
-    """``-||z||_2``: in 003 the un-normalised embedding norm is the vMF concentration kappa, large
-    for confident inputs (003 Ch. 2; URL Sec. 4: OOD inputs get smaller norms)."""
+    """``-||z||_2``: in [Kirchhof] the un-normalised embedding norm is the vMF concentration kappa, large
+    for confident inputs ([Kirchhof, Ch. 2; URL Sec. 4]: OOD inputs get smaller norms)."""
     z = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True)
     return -z.norm(dim=1)
 
 
 def kappa_uncertainty(kappa) -> torch.Tensor:
-    """``-kappa`` for predicted vMF concentrations ``(N,)`` (003)."""
+    """``-kappa`` for predicted vMF concentrations ``(N,)`` [Kirchhof]."""
     k = check_tensor(kappa, "kappa", ndim=1, floating=True, finite=True)
     return -k
