@@ -7,11 +7,10 @@ the workers' saved results with a single-process reference computed here.
 
 from __future__ import annotations
 
-
+import _ddp_worker as W
 import pytest
 import torch
 
-import _ddp_worker as W
 from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, gaussian_kde, kde_grid_error_bound
 from shiftguard.functional.quantile import channel_values, qact_statistics
 from shiftguard.nn.qact import QACTBlock, QuantileActivation
@@ -91,7 +90,7 @@ def _check_exact(inputs, results, name):
     bound = kde_grid_error_bound(s.bandwidth, s.bandwidth / POINTS_PER_BANDWIDTH).max()
     grad = torch.cat([r["grad"] for r in res])
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=float(2 * bound * d["gout"].abs().max()) + 1e-12)
-    # ... and both follow the exact KDE of the shared samples (000 Alg. 2, eq. (7)).
+    # ... and both follow the exact KDE of the shared samples [QACT, Alg. 2, eq. (7)].
     exact = gaussian_kde(channel_values(d["x"]), s.samples, s.bandwidth)
     exact = exact.reshape(d["x"].shape[1], d["x"].shape[0], *d["x"].shape[2:]).transpose(0, 1)
     torch.testing.assert_close(grad, d["gout"] * exact, rtol=0, atol=float(bound * d["gout"].abs().max()) + 1e-12)
@@ -246,7 +245,8 @@ def test_free_port_and_launch_command_target_loopback():
 
     cmd = launch_command(["run", "--quick"], 2, master_port=29999)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nnodes=1"]
-    assert "--nproc_per_node=2" in cmd and "--master_addr=127.0.0.1" in cmd and cmd[-3:] == ["shiftguard", "run", "--quick"]
+    assert "--nproc_per_node=2" in cmd and "--master_addr=127.0.0.1" in cmd
+    assert cmd[-3:] == ["shiftguard", "run", "--quick"]
     with pytest.raises(ValueError, match="nproc"):
         launch_command(["run"], 0)
 
@@ -364,8 +364,10 @@ model_kwargs = { hidden = [32, 16] }
 """
 
 
-def test_cli_nproc_2_trains_with_two_processes_and_rank_zero_writes(tmp_path):
+def test_cli_nproc_2_trains_and_evaluates_with_two_processes_and_rank_zero_writes(tmp_path):
+    import json
     import os
+    import shutil
     import subprocess
     import sys
 
@@ -383,6 +385,18 @@ def test_cli_nproc_2_trains_with_two_processes_and_rank_zero_writes(tmp_path):
     assert proc.stdout.count("trained mlp-qact-watershed") == 1
     assert proc.stdout.count("wrote ") == 1
     assert "world_size" not in proc.stderr  # torchrun did not report a failed worker
+    # Both processes evaluated their share of the grid, on the weights rank 0 wrote: one process
+    # evaluating those weights from scratch (--resume loads model.pt; no cached outputs) agrees.
+    sharded = json.loads((run / "results.json").read_text())
+    assert sharded["timings"]["evaluate_detail"]["processes"] == 2
+    shutil.rmtree(run / "cache")
+    proc = subprocess.run([sys.executable, "-m", "shiftguard", "run", "--config", str(cfg), "--resume",
+                           "--out", str(tmp_path / "runs"), "--no-progress"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = json.loads((run / "results.json").read_text())
+    assert single["timings"]["evaluate_detail"]["processes"] == 1
+    assert single["rows"] and single["rows"] == sharded["rows"] and single["intervals"] == sharded["intervals"]
 
 
 def test_relaunch_argv_keeps_every_option_but_nproc():
@@ -396,3 +410,151 @@ def test_relaunch_argv_keeps_every_option_but_nproc():
     argv = run.relaunch_argv(args)
     assert "--nproc" not in argv and "--quick" in argv
     assert parser.parse_args(argv) == argparse.Namespace(**{**vars(args), "nproc": 0})
+
+
+# --------------------------------------------------------------------------- sharded evaluation
+# Two processes share the evaluation grid (``evaluate(distributed=True)`` / ``run_grid``); what
+# they return must be what one process computes, bit for bit. The workers are forked from the
+# test process and defined here, so that only this section depends on them.
+GRID_HEADS = ["softmax", "temperature", "logistic", "ned", "knn"]
+
+
+def _grid_inputs():
+    """Tiny data and two untrained models (one with QACT, so two contexts): 3 models x contexts,
+    clean + 2 corruptions x 2 severities = 5 cells, 15 units for 2 processes to split."""
+    from shiftguard.models import build_model
+
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(120) % 3
+    x = (torch.rand(120, 1, 12, 12, generator=g) * 200).to(torch.uint8)
+    x[y == 1, :, :6] += 50
+    torch.manual_seed(0)
+    models = {"relu": build_model("mlp", activation="relu", num_classes=3, input_size=12, hidden=(16, 8)),
+              "qact": build_model("mlp", activation="qact", num_classes=3, input_size=12, hidden=(16, 8))}
+    return models, dict(test=(x[:60], y[:60]), support=(x[60:100], y[60:100]), validation=(x[100:], y[100:]),
+                        corruptions=["fog", "shot_noise"], severities=[2, 5], heads=GRID_HEADS, n_boot=50,
+                        batch_size=20)
+
+
+def _comparable(results: dict) -> dict:
+    """Everything a results dict reports but its time stamp and timings."""
+    return {k: v for k, v in results.items() if k not in ("created", "timings")}
+
+
+def _sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    import os
+    import traceback
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import shiftguard
+    from shiftguard.evaluation.cache import OutputCache
+    from shiftguard.train.distributed import all_gather_results
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        written = []  # the cache files this process wrote (a miss is computed and written)
+        compute = OutputCache.get_or_compute
+
+        def recording(self, key, fn):
+            misses = self.misses
+            out = compute(self, key, fn)
+            if self.misses > misses:
+                written.append(str(self.path(key).relative_to(out_dir)))
+            return out
+
+        OutputCache.get_or_compute = recording  # this forked process only
+        models, kw = _grid_inputs()
+        res = shiftguard.evaluate(models, **kw, cache_dir=Path(out_dir) / "cache", distributed=True)
+        try:  # a failure on one process is raised on every process, not left as a hang
+            all_gather_results(lambda: 1 // (1 - rank), "the probe")
+            failure = None
+        except Exception as exc:
+            failure = f"{type(exc).__name__}: {exc}"
+        torch.save({"results": _comparable(res.results), "processes": res.results["timings"]["evaluate_detail"]
+                    ["processes"], "written": written, "failure": failure},
+                   Path(out_dir) / f"sharded_rank{rank}.pt")
+    except Exception:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_results(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    from shiftguard.train.distributed import find_free_port
+
+    out = tmp_path_factory.mktemp("sharded_eval")
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(_sharded_worker, args=(2, find_free_port(), str(out)), nprocs=2, join=True,
+                       start_method=method)
+    return out, [torch.load(out / f"sharded_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_sharded_evaluation_equals_one_process_on_every_process(sharded_results):
+    import shiftguard
+
+    _, results = sharded_results
+    models, kw = _grid_inputs()
+    single = _comparable(shiftguard.evaluate(models, **kw).results)
+    assert len(single["rows"]) == 5 * 3 * len(GRID_HEADS)
+    for r in results:
+        assert r["processes"] == 2
+        # rows (in the same order), reliability pools, bootstrap intervals, aggregates: all equal
+        for key in ("rows", "reliability", "intervals", "aggregates", "drops", "models", "skipped_heads"):
+            assert r["results"][key] == single[key], key
+        assert r["results"] == single
+
+
+def test_sharded_evaluation_writes_each_cached_output_once(sharded_results):
+    out, results = sharded_results
+    a, b = (set(r["written"]) for r in results)
+    on_disk = {str(p.relative_to(out)) for p in (out / "cache").rglob("*.pt")}
+    # support + validation + 5 cells for each of the 3 (model, context) pairs
+    assert len(on_disk) == 3 * 7
+    assert a and b and not a & b and a | b == on_disk
+    assert sum(len(r["written"]) for r in results) == len(on_disk)  # no file written twice by one process
+
+
+def test_a_failure_on_one_process_is_raised_on_every_process(sharded_results):
+    _, results = sharded_results
+    assert results[1]["failure"].startswith("ZeroDivisionError")
+    assert results[0]["failure"] == ("RuntimeError: the probe: process 1 of 2 failed: ZeroDivisionError: "
+                                     "integer division or modulo by zero")
+
+
+def test_grid_shards_give_every_job_and_unit_to_exactly_one_process():
+    from shiftguard.evaluation.grid import grid_shards
+
+    for n_jobs, n_cells, world in [(3, 5, 2), (1, 1, 3), (4, 76, 3), (2, 3, 1)]:
+        shards = [grid_shards(n_jobs, n_cells, r, world) for r in range(world)]
+        assert sorted(j for jobs, _ in shards for j in jobs) == list(range(n_jobs))
+        # contiguous runs in rank order whose sizes differ by at most one
+        assert [u for _, units in shards for u in units] == list(range(n_jobs * n_cells))
+        sizes = [len(units) for _, units in shards]
+        assert max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("kw, match", [({"n": -1}, "^n:"), ({"rank": 2}, "^rank:"), ({"world_size": 0}, "^world_size:"),
+                                       ({"rank": True}, "^rank:")])
+def test_shard_range_rejects_bad_arguments_naming_them(kw, match):
+    from shiftguard.train.distributed import shard_range
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        shard_range(**{"n": 4, "rank": 0, "world_size": 2, **kw})
+
+
+def test_gathering_outside_a_process_group_is_the_local_result():
+    from shiftguard.train.distributed import all_gather_results, broadcast_module
+
+    assert all_gather_results(lambda: {"a": 1}) == [{"a": 1}]
+    lin = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in lin.state_dict().items()}
+    broadcast_module(lin)
+    assert all(torch.equal(before[k], v) for k, v in lin.state_dict().items())

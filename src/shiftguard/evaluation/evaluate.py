@@ -14,7 +14,7 @@ import platform
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -30,12 +30,12 @@ from .result import EvaluationResult
 __all__ = ["evaluate", "DEFAULT_HEADS", "build_cells", "build_results", "primary_head"]
 
 #: Heads evaluated when ``heads`` is not given: the model's own softmax, temperature scaling, the
-#: logistic refit of 000 Sec. 4, NED and the kNN vote of 004.
+#: logistic refit of [QACT, Sec. 4], NED and the kNN vote of [NED].
 DEFAULT_HEADS = ("softmax", "temperature", "logistic", "ned", "knn")
 
 
 def primary_head(heads: Sequence[str]) -> str:
-    """The protocol head of a model (000, Sec. 4 Remark): the quantile classifier when present,
+    """The protocol head of a model [QACT, Sec. 4, Remark]: the quantile classifier when present,
     else the logistic refit, else the model's own softmax, else the first head."""
     for h in ("quantile", "logistic", "softmax"):
         if h in heads:
@@ -225,6 +225,7 @@ def evaluate(
     name: str = "evaluation",
     cache_dir: Optional[Union[str, Path]] = None,
     progress: bool = False,
+    distributed: bool = False,
 ) -> EvaluationResult:
     """Evaluate ``model`` on ``test`` and its corrupted copies; see ``docs/evaluate.md``.
 
@@ -250,7 +251,7 @@ def evaluate(
             ``embed(x)``, or ``False`` (none: logit heads only).
         preprocess: applied to the float [0, 1] pixels after corruption, before the model
             (e.g. mean/std normalisation).
-        batch_size: evaluation batch = the context of QACT models (000, Sec. 3); models with QACT
+        batch_size: evaluation batch = the context of QACT models [QACT, Sec. 3]; models with QACT
             are evaluated in each of ``contexts`` ("batch" and "frozen" by default).
         seed: seed of the corruption engine and of the bootstrap intervals.
         baseline: an ``EvaluationResult`` (or results dict / results.json path) whose
@@ -260,12 +261,19 @@ def evaluate(
         shifted: advanced: ``shifted(corruption, severity) -> images`` instead of the engine, e.g.
             the official pre-corrupted files, in the order and with the labels of ``test``.
         cache_dir: keep the model outputs of every cell there (resumable).
+        distributed: share the grid among the processes of an initialised ``torch.distributed``
+            process group (``torchrun``): every process calls ``evaluate`` with the same
+            arguments and gets the same result, identical to one process's; each computes a
+            contiguous share of the (corruption, severity, model, context) cells
+            (:func:`.grid.run_grid`, ``docs/distributed.md``). Without a group of several
+            processes it changes nothing. The caller decides which process saves the result.
 
     Returns:
         An :class:`EvaluationResult`.
 
     Raises:
         TypeError, ValueError: a bad argument, named in the message.
+        RuntimeError: with ``distributed``, on every process when another process failed.
 
     Examples:
         >>> import torch
@@ -306,6 +314,8 @@ def evaluate(
     _check_unique(contexts, "contexts")
     if layout not in ("nchw", "nhwc"):
         raise ValueError(f"layout: expected 'nchw' or 'nhwc', got {layout!r}")
+    if not isinstance(distributed, bool):
+        raise TypeError(f"distributed: expected a bool, got {type(distributed).__name__}")
     dev = torch.device(device)
 
     def tensors(d, nm):
@@ -332,7 +342,7 @@ def evaluate(
             group_suite = "cifar-c-extra" if suite == "cifar-c" and c in K.names("cifar-c-extra") else suite
             return K.corrupt(test_x, c, s, seed=seed, suite=group_suite)
 
-    entries = []
+    entries: list[dict[str, Any]] = []
     num_classes = None
     for nm, mod in named.items():
         outs = ModelOutputs(mod, embed=embed, output=output, preprocess=preprocess)
@@ -350,7 +360,8 @@ def evaluate(
 
     grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
                     support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
-                    contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress)
+                    contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
+                    distributed=distributed)
     data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
             "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
             "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}

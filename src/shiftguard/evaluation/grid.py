@@ -4,17 +4,19 @@ For each model:
 
 1. compute its outputs (logits, embedding) on the clean support (training) set, the validation
    set, the clean test set (severity 0) and every corruption x severity of the test set;
-2. fit every head on clean data only: embedding heads on the support embeddings (000, Sec. 4
-   Remark: the baselines' last layer is refitted "on the train embedding"; NED / kNN on the
-   unaltered support as in 004), temperature scaling on the validation logits;
+2. fit every head on clean data only: embedding heads on the support embeddings ([QACT, Sec. 4,
+   Remark]: the baselines' last layer is refitted "on the train embedding"; NED / kNN on the
+   unaltered support as in [NED]), temperature scaling on the validation logits;
 3. score each (head, corruption, severity) cell (:func:`.scoring.score_cell`) and the
    embedding's retrieval quality within the test set.
 
 QACT models see the test batch as their context (``batch_size``) and, unless told otherwise, are
-evaluated a second time with the context frozen to the training distribution (000, Sec. 3),
+evaluated a second time with the context frozen to the training distribution [QACT, Sec. 3],
 so the report shows what the context buys. Each corrupted set is generated once and passed to
 every model. Outputs are cached per (model, context, cell) when a cache folder is given, so an
-interrupted evaluation resumes without recomputing finished cells.
+interrupted evaluation resumes without recomputing finished cells. Under ``torch.distributed``
+(``distributed=True``) the processes share the head fits and the (cell, model, context) units
+and each returns the one-process result (:func:`grid_shards`, ``docs/distributed.md``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -34,7 +36,7 @@ from .cache import OutputCache
 from .outputs import ModelOutputs, compute_outputs
 from .scoring import calibration_view, reliability_bins, score_cell, score_retrieval
 
-__all__ = ["Cell", "applicable_heads", "model_contexts", "run_grid"]
+__all__ = ["Cell", "applicable_heads", "grid_shards", "model_contexts", "run_grid"]
 
 #: One cell of the grid: ``(corruption, severity, group)``; group is "benchmark" or "extra".
 Cell = tuple[str, int, str]
@@ -90,9 +92,10 @@ def run_grid(
     device: str | torch.device = "cpu",
     contexts: Sequence[str] = ("batch", "frozen"),
     k: int = 10,
-    retrieval_ks: Iterable[int] = (1, 5),
+    retrieval_ks: Sequence[int] = (1, 5),
     ece_bins: int = 15,
     progress: bool = False,
+    distributed: bool = False,
 ) -> dict:
     """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads", "timings"}``.
 
@@ -101,12 +104,29 @@ def run_grid(
     ``test``). Severity 0 (the clean test set) is scored once, as ``corruption="clean"``.
     ``per_image[(model, context, head)]`` keeps each test image's correctness and confidence on
     the clean set and on the benchmark corrupted cells, for bootstrap intervals.
+
+    ``distributed``: when a ``torch.distributed`` process group of several processes is up, every
+    process must call ``run_grid`` with the same arguments (the same models and data); the work is
+    then shared (:func:`grid_shards`): the heads of each (model, context) are fitted by one
+    process and sent to all, each process scores its contiguous share of the (cell, model,
+    context) units, and every process returns the complete grid, identical to one process's
+    (rows in the same order, the same per-image arrays and reliability pools). Each cached output
+    is written by the one process that computes it. ``timings`` then sums the processes'
+    seconds. Without a process group (or with one process) it changes nothing.
+
+    Raises:
+        RuntimeError: under ``distributed``, on every process when another process failed (the
+            failing process raises its own error).
     """
     from shiftguard._progress import progress as make_progress
+    from shiftguard.train.distributed import get_rank, get_world_size, is_distributed
 
     test_x, test_y = test
+    support_x, support_y = support if support is not None else (None, None)
+    validation_x, validation_y = validation if validation is not None else (None, None)
     all_cells: list[Cell] = [(CLEAN, 0, "benchmark")] + list(cells)
     top = max((s for _, s, _ in cells), default=0)
+    rank, world = (get_rank(), get_world_size()) if distributed and is_distributed() else (0, 1)
     timings = {"embed_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0}
     skipped_all: list[dict] = []
     jobs = []
@@ -115,7 +135,8 @@ def run_grid(
         skipped_all += [{"model": m["name"], **s} for s in skipped]
         for ctx in model_contexts(m["model"], contexts):
             jobs.append((m, ctx, heads))
-    bar = make_progress(total=len(jobs) * (2 + len(all_cells)), desc="evaluate", enabled=progress, unit="set")
+    fit_share, unit_share = grid_shards(len(jobs), len(all_cells), rank, world)
+    bar = make_progress(total=2 * len(fit_share) + len(unit_share), desc="evaluate", enabled=progress, unit="set")
 
     def outputs_of(m, ctx, key, make_images):
         root = Path(cache_root) / m["name"] / ctx if cache_root is not None else Path(".")
@@ -127,79 +148,99 @@ def run_grid(
         bar.update(1, info=f"{m['name']}/{ctx}/{key}")
         return out
 
-    # 1. fit the heads on clean data, per model and context
-    fitted = {}
-    for m, ctx, heads in jobs:
-        emb_heads = [h for h in heads if head_input(h) == "embeddings"]
-        sup = outputs_of(m, ctx, "support", lambda: support[0]) if support is not None and emb_heads else None
-        needs_val = validation is not None and (emb_heads or "temperature" in heads)
-        val = outputs_of(m, ctx, "validation", lambda: validation[0]) if needs_val else None
-        t0 = time.perf_counter()
-        for h in heads:
-            head = build_head(h, num_classes, k=k)
-            field = "logits" if head_input(h) == "logits" else "embeddings"
-            val_x = val[field] if val is not None else None
-            val_y = validation[1] if val is not None else None
-            with _seeded():
-                if field == "embeddings":
-                    head.fit(sup["embeddings"], support[1], val_x, val_y)
-                elif h == "temperature":
-                    head.fit(val_x, val_y, val_x, val_y)
-                elif val_x is not None or sup is not None:  # softmax: nothing to learn but the logit width
-                    head.fit(val_x if val_x is not None else sup["logits"])
-            fitted[m["name"], ctx, h] = head
-        timings["fit_heads_s"] += time.perf_counter() - t0
+    # 1. fit the heads on clean data, per model and context (this process's share of the jobs)
+    def fit_jobs() -> dict:
+        fitted = {}
+        for j in fit_share:
+            m, ctx, heads = jobs[j]
+            emb_heads = [h for h in heads if head_input(h) == "embeddings"]
+            sup = outputs_of(m, ctx, "support", lambda: support_x) if support is not None and emb_heads else None
+            needs_val = validation is not None and (emb_heads or "temperature" in heads)
+            val = outputs_of(m, ctx, "validation", lambda: validation_x) if needs_val else None
+            t0 = time.perf_counter()
+            for h in heads:
+                head = build_head(h, num_classes, k=k)
+                field = "logits" if head_input(h) == "logits" else "embeddings"
+                val_x = val[field] if val is not None else None
+                val_y = validation_y if val is not None else None
+                with _seeded():
+                    if field == "embeddings":
+                        # applicable_heads keeps the embedding heads only when a support set is given
+                        assert sup is not None
+                        head.fit(sup["embeddings"], support_y, val_x, val_y)
+                    elif h == "temperature":
+                        head.fit(val_x, val_y, val_x, val_y)
+                    # softmax: nothing to learn but the logit width, and no labels
+                    elif val_x is not None:
+                        head.fit(val_x, None)
+                    elif sup is not None:
+                        head.fit(sup["logits"], None)
+                fitted[m["name"], ctx, h] = head
+            timings["fit_heads_s"] += time.perf_counter() - t0
+        return fitted
 
-    # 2. every cell: corrupt once, run every model, score every head
+    fitted = {}
+    try:
+        for part in _exchange(fit_jobs, world, "fitting the heads"):
+            fitted.update(part)
+    except BaseException:
+        bar.close()
+        raise
+
+    # 2. this process's (cell, model, context) units: corrupt each cell once, run the model, score every head
+    def score_units() -> dict:
+        results: dict[int, dict] = {}
+        images: dict = {}
+        for u in unit_share:
+            c, j = divmod(u, len(jobs))
+            corruption, severity, group = all_cells[c]
+            m, ctx, heads = jobs[j]
+
+            def make_images():
+                if images.get("cell") != c:  # units are cell-major: one cell's images at a time
+                    t0 = time.perf_counter()
+                    images["x"] = test_x if corruption == CLEAN else shifted(corruption, severity)
+                    images["cell"] = c
+                    timings["corrupt_s"] += time.perf_counter() - t0
+                return images["x"]
+
+            out = outputs_of(m, ctx, f"{corruption}-s{severity}", make_images)
+            t0 = time.perf_counter()
+            results[u] = _score_unit(out, fitted, m["name"], ctx, heads, all_cells[c], test_y, retrieval_ks,
+                                     ece_bins, keep=severity == 0 or group == "benchmark")
+            timings["score_s"] += time.perf_counter() - t0
+        bar.close()
+        return {"units": results, "timings": timings}
+
+    try:
+        shares = _exchange(score_units, world, "scoring the grid")
+    finally:
+        bar.close()
+    units = {u: r for s in shares for u, r in s["units"].items()}
+    total = {key: sum(s["timings"][key] for s in shares) for key in timings}
+
+    # 3. put the units together in the single-process order: cells, then models and contexts, then heads
     rows: list[dict] = []
     pooled: dict[tuple, list] = {}
     per_image: dict[tuple, dict] = {}
-    for corruption, severity, group in all_cells:
-        key = f"{corruption}-s{severity}"
-        images: dict = {}
-
-        def make_images():
-            if "x" not in images:
-                t0 = time.perf_counter()
-                images["x"] = test_x if corruption == CLEAN else shifted(corruption, severity)
-                timings["corrupt_s"] += time.perf_counter() - t0
-            return images["x"]
-
-        for m, ctx, heads in jobs:
-            out = outputs_of(m, ctx, key, make_images)
-            t0 = time.perf_counter()
-            if out["embeddings"] is not None:
-                retrieval, miss = score_retrieval(out["embeddings"], test_y, retrieval_ks)
-            else:
-                retrieval, miss = {}, None
-            for h in heads:
-                head = fitted[m["name"], ctx, h]
-                x = out["logits"] if head_input(h) == "logits" else out["embeddings"]
-                ovr = None
-                with _seeded():
-                    probs = torch.as_tensor(head.predict_proba(x))
-                    if hasattr(head, "predict_one_vs_rest"):
-                        ovr = torch.as_tensor(head.predict_one_vs_rest(x))
-                norm, calib = calibration_view(probs, ovr)
-                conf, top_class = calib.max(1)
-                hit = top_class == test_y            # the top-label event the ECE is about
-                correct = norm.argmax(1) == test_y   # the prediction accuracy counts
-                hk = (m["name"], ctx, h)
-                if severity in (0, top) and group == "benchmark":
-                    pooled.setdefault((*hk, severity), []).append((conf, hit))
-                rec = per_image.setdefault(hk, {f"corrupted_{f}": [] for f in ("correct", "conf", "hit")})
-                if severity == 0:
-                    rec["clean_correct"], rec["clean_conf"], rec["clean_hit"] = correct, conf, hit
-                elif group == "benchmark":
-                    for f, v in (("correct", correct), ("conf", conf), ("hit", hit)):
-                        rec[f"corrupted_{f}"].append(v)
-                rows.append({
-                    "model": m["name"], "context": ctx, "head": h, "corruption": corruption,
-                    "severity": severity, "n": int(test_y.numel()), "group": group,
-                    **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr), **retrieval,
-                })
-            timings["score_s"] += time.perf_counter() - t0
-    bar.close()
+    for u in range(len(all_cells) * len(jobs)):
+        c, j = divmod(u, len(jobs))
+        _, severity, group = all_cells[c]
+        m, ctx, heads = jobs[j]
+        for h, row, kept in zip(heads, units[u]["rows"], units[u]["kept"]):
+            rows.append(row)
+            if kept is None:
+                continue
+            correct, conf, hit = kept
+            hk = (m["name"], ctx, h)
+            if severity in (0, top) and group == "benchmark":
+                pooled.setdefault((*hk, severity), []).append((conf, hit))
+            rec = per_image.setdefault(hk, {f"corrupted_{f}": [] for f in ("correct", "conf", "hit")})
+            if severity == 0:
+                rec["clean_correct"], rec["clean_conf"], rec["clean_hit"] = correct, conf, hit
+            elif group == "benchmark":
+                for f, v in (("correct", correct), ("conf", conf), ("hit", hit)):
+                    rec[f"corrupted_{f}"].append(v)
     for rec in per_image.values():
         for f in ("corrupted_correct", "corrupted_conf", "corrupted_hit"):
             rec[f] = torch.stack(rec[f]) if rec[f] else None
@@ -210,4 +251,60 @@ def run_grid(
         reliability.append({"model": name, "context": ctx, "head": h, "severity": sev,
                             **reliability_bins(conf, correct, ece_bins)})
     return {"rows": rows, "reliability": reliability, "per_image": per_image, "skipped_heads": skipped_all,
-            "timings": timings}
+            "timings": {**total, "processes": world}}
+
+
+def grid_shards(n_jobs: int, n_cells: int, rank: int = 0, world_size: int = 1) -> tuple[range, range]:
+    """``(jobs, units)``: the share of the grid's work that process ``rank`` of ``world_size`` does.
+
+    ``jobs`` indexes the (model, context) pairs whose heads it fits: every ``world_size``-th one,
+    from ``rank``. ``units`` indexes the ``n_cells * n_jobs`` (cell, model, context) units in
+    cell-major order (unit ``u`` is cell ``u // n_jobs`` of job ``u % n_jobs``): one contiguous
+    run of them (:func:`~shiftguard.train.distributed.shard_range`), so a process corrupts each
+    of its cells once and only the cells at the runs' ends are corrupted by two processes.
+    Every job and unit belongs to exactly one process.
+    """
+    from shiftguard.train.distributed import shard_range
+
+    return range(rank, n_jobs, world_size), shard_range(n_jobs * n_cells, rank, world_size)
+
+
+def _exchange(fn: Callable[[], object], world: int, what: str) -> list:
+    """``[fn()]`` in one process, else every process's ``fn()`` in rank order, on every process
+    (:func:`~shiftguard.train.distributed.all_gather_results`: a failure anywhere raises everywhere)."""
+    if world == 1:
+        return [fn()]
+    from shiftguard.train.distributed import all_gather_results
+
+    return all_gather_results(fn, what)
+
+
+def _score_unit(out: dict, fitted: dict, name: str, ctx: str, heads: Sequence[str], cell: Cell,
+                test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool) -> dict:
+    """Rows of every head of one (model, context) on one cell; with ``keep``, also each head's
+    per-image ``(correct, confidence, hit)``, for the intervals and reliability pools."""
+    corruption, severity, group = cell
+    if out["embeddings"] is not None:
+        retrieval, miss = score_retrieval(out["embeddings"], test_y, retrieval_ks)
+    else:
+        retrieval, miss = {}, None
+    rows, kept = [], []
+    for h in heads:
+        head = fitted[name, ctx, h]
+        x = out["logits"] if head_input(h) == "logits" else out["embeddings"]
+        ovr = None
+        with _seeded():
+            probs = torch.as_tensor(head.predict_proba(x))
+            if hasattr(head, "predict_one_vs_rest"):
+                ovr = torch.as_tensor(head.predict_one_vs_rest(x))
+        norm, calib = calibration_view(probs, ovr)
+        conf, top_class = calib.max(1)
+        hit = top_class == test_y            # the top-label event the ECE is about
+        correct = norm.argmax(1) == test_y   # the prediction accuracy counts
+        kept.append((correct, conf, hit) if keep else None)
+        rows.append({
+            "model": name, "context": ctx, "head": h, "corruption": corruption,
+            "severity": severity, "n": int(test_y.numel()), "group": group,
+            **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr), **retrieval,
+        })
+    return {"rows": rows, "kept": kept}

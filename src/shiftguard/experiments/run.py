@@ -1,7 +1,7 @@
 """``shiftguard run``: train, shift, evaluate, report.
 
 Without arguments: the embedded real-MNIST subset, LeNet ReLU + cross-entropy vs LeNet QACT +
-watershed (000, Sec. 4), all 15 MNIST-C corruptions x 5 severities, several heads; writes
+watershed [QACT, Sec. 4], all 15 MNIST-C corruptions x 5 severities, several heads; writes
 ``runs/<name>/`` with ``results.json``, ``results.csv``, PNG plots, a self-contained
 ``report.html`` and a ``COMPLETE`` marker (written last). ``--config FILE`` runs any grid
 described by a TOML file (see ``experiments/config.py`` and ``docs/run.md``).
@@ -21,17 +21,15 @@ Run directory layout::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import json
-import os
 import platform
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -44,7 +42,8 @@ from .rundir import COMPLETE_MARKER
 __all__ = ["add_arguments", "main", "execute", "COMPLETE_MARKER"]
 
 #: Official pre-corrupted set of each clean dataset (``shiftguard.data.load`` names).
-CORRUPTED_SETS = {"cifar10": "cifar10-c", "cifar100": "cifar100-c", "tinyimagenet": "tinyimagenet-c", "mnist": "mnist-c"}
+CORRUPTED_SETS = {"cifar10": "cifar10-c", "cifar100": "cifar100-c", "tinyimagenet": "tinyimagenet-c",
+                  "mnist": "mnist-c"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,7 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", action="store_true",
                    help="continue an interrupted run (--name NAME): training from its last good checkpoint, "
                         "evaluation from its cached embeddings")
-    p.add_argument("--quick", action="store_true", help="tiny smoke run (subsets, 1 epoch, 3 corruptions x 2 severities)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny smoke run (subsets, 1 epoch, 3 corruptions x 2 severities)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is faster "
                    "when other processes compete for the cores")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -180,7 +180,8 @@ def corruption_list(cfg: C.RunConfig) -> list[str]:
     return list(cfg.data.corruptions)
 
 
-def make_shift_source(cfg: C.RunConfig, data: dict, corruptions: list[str]) -> tuple[Callable[[str, int], torch.Tensor], str]:
+def make_shift_source(cfg: C.RunConfig, data: dict,
+                      corruptions: list[str]) -> tuple[Callable[[str, int], torch.Tensor], str]:
     """``(shifted(corruption, severity) -> uint8 images, source)``; source is "official" or "engine"."""
     from shiftguard import corruptions as K
     from shiftguard import data as D
@@ -204,7 +205,8 @@ def make_shift_source(cfg: C.RunConfig, data: dict, corruptions: list[str]) -> t
     if d.corrupted_source == "engine" or (official is None and d.corrupted_source == "auto"):
         return from_engine, "engine"
     if official is None:
-        raise ValueError(f"{cfg.source}: data.corrupted_source = 'official' but {d.dataset!r} has no official corrupted set")
+        raise ValueError(f"{cfg.source}: data.corrupted_source = 'official' but {d.dataset!r} has no official "
+                         "corrupted set")
     try:
         from_official(corruptions[0], max(d.severities))
     except FileNotFoundError:
@@ -316,9 +318,10 @@ def preflight(cfg: C.RunConfig) -> None:
 
     src = cfg.source
     if cfg.data.dataset not in ("mnist-default", "default"):
-        canon = lambda n: n.lower().replace("_", "-")  # noqa: E731
+        canon = lambda n: n.lower().replace("_", "-")
         if canon(cfg.data.dataset) not in {canon(n) for n in D.names()}:
-            raise ValueError(f"{src}: data.dataset: unknown dataset {cfg.data.dataset!r}; expected mnist-default or one of "
+            raise ValueError(f"{src}: data.dataset: unknown dataset {cfg.data.dataset!r}; "
+                             "expected mnist-default or one of "
                              f"{', '.join(D.names())}")
     corruption_list(cfg)
     for m in cfg.models:
@@ -418,7 +421,7 @@ def _run_outputs(run_dir: Path) -> list[Path]:
     """Files under ``run_dir`` that a run produced beyond its ``config.json`` (and that file's
     atomic-write temporaries) and its lock file: any checkpoint, metrics log, weights, cached
     embedding or result."""
-    own = lambda p: p.parent == run_dir and (p.name in ("config.json", LOCK_NAME) or  # noqa: E731
+    own = lambda p: p.parent == run_dir and (p.name in ("config.json", LOCK_NAME) or
                                              (p.name.startswith(".config.json.") and p.name.endswith(".tmp")))
     return [p for p in run_dir.rglob("*") if not p.is_dir() and not own(p)]
 
@@ -438,7 +441,8 @@ def versions() -> dict:
 
 
 # --------------------------------------------------------------------------- main
-def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str], cfg: C.RunConfig, source: str, shifted) -> Path:
+def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str], cfg: C.RunConfig, source: str,
+                  shifted) -> Path:
     """The corruption gallery: one test image under every corruption x severity."""
     from shiftguard.evaluation import plots as P
 
@@ -448,12 +452,14 @@ def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str],
     # official sets: show their images (first test image), not the engine's
 
     plt = P.pyplot()
-    fig, axes = plt.subplots(len(corruptions), len(sevs) + 1, figsize=(1.1 * (len(sevs) + 1), 1.1 * len(corruptions)), squeeze=False)
+    fig, axes = plt.subplots(len(corruptions), len(sevs) + 1, figsize=(1.1 * (len(sevs) + 1), 1.1 * len(corruptions)),
+                             squeeze=False)
     for i, c in enumerate(corruptions):
         for j, s in enumerate([0, *sevs]):
             img = (test_images if s == 0 else shifted(c, s))[0].permute(1, 2, 0).numpy()
             axes[i, j].imshow(img[..., 0] if img.shape[-1] == 1 else img, cmap="gray" if img.shape[-1] == 1 else None)
-            axes[i, j].set_xticks([]); axes[i, j].set_yticks([])
+            axes[i, j].set_xticks([])
+            axes[i, j].set_yticks([])
             if j == 0:
                 axes[i, j].set_ylabel(c, fontsize=6, rotation=0, ha="right")
     return P.save_png(fig, path)
@@ -466,18 +472,20 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     Training is this module's; the evaluation is :func:`shiftguard.evaluation.grid.run_grid`, the
     grid ``shiftguard.evaluate`` runs, with the models' own input scaling (pixels to [-1, 1]) as
     ``preprocess``. ``compile_s``: seconds spent compiling kernels before (recorded apart from the
-    training time). Under torch.distributed every process trains; rank 0 alone evaluates and writes,
-    the others return ``{}`` after waiting for it at a barrier (docs/distributed.md)."""
+    training time). Under torch.distributed every process trains, then every process evaluates its
+    share of the grid (``run_grid(distributed=True)``: the same results as one process) on rank
+    0's weights; rank 0 alone writes the results and the report, the others return ``{}`` after
+    waiting for it at a barrier (docs/distributed.md)."""
     from shiftguard.evaluation.evaluate import build_cells, build_results
     from shiftguard.evaluation.grid import run_grid
     from shiftguard.evaluation.outputs import ModelOutputs
     from shiftguard.evaluation.report import build_report, format_summary, summary_rows
     from shiftguard.train import to_model_input
-    from shiftguard.train.distributed import barrier, is_distributed, is_main_process
+    from shiftguard.train.distributed import barrier, broadcast_module, is_distributed, is_main_process
 
     distributed = is_distributed()
     if not is_main_process():
-        log = lambda s: None  # noqa: E731
+        log = lambda s: None
 
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
@@ -485,8 +493,9 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     cells = build_cells(cfg.data.suite, corruptions, cfg.data.severities)
     data = load_data(cfg)
     shifted, source = make_shift_source(cfg, data, corruptions)
-    log(f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / {len(data['val'][1])} val / "
-        f"{len(data['test'][1])} test; {len(corruptions)} corruptions x severities {cfg.data.severities}, {source}; device {device})")
+    log(f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / "
+        f"{len(data['val'][1])} val / {len(data['test'][1])} test; {len(corruptions)} corruptions x severities "
+        f"{cfg.data.severities}, {source}; device {device})")
 
     e = cfg.eval
     contexts = ("batch", "frozen") if e.frozen_context else ("batch",)
@@ -502,10 +511,12 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
         trained.append({"name": m.name, "model": model, "heads": list(m.heads), "contexts": contexts,
                         "outputs": ModelOutputs(model, preprocess=to_model_input)})
 
-    if not is_main_process():
-        barrier()  # rank 0 evaluates and writes the report
-        return {}
     t0 = time.perf_counter()
+    if distributed:
+        # Every process evaluates exactly the weights rank 0 wrote (per-process BatchNorm
+        # statistics on CPU would otherwise make the shares of the grid come from different models).
+        for entry in trained:
+            broadcast_module(entry["model"])
     support = data["train"]
     if e.max_support and support[1].numel() > e.max_support:
         support = (support[0][: e.max_support], support[1][: e.max_support])
@@ -513,8 +524,11 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
         models=trained, test=data["test"], cells=cells, shifted=shifted, num_classes=data["num_classes"],
         support=support, validation=data["val"], cache_root=run_dir / "cache", batch_size=e.batch_size,
         device=device, contexts=contexts, k=e.k, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
-        progress=progress,
+        progress=progress, distributed=distributed,
     )
+    if not is_main_process():
+        barrier()  # rank 0 aggregates and writes the report
+        return {}
     results = build_results(
         name=run_dir.name, grid=grid, models=trained, cells=cells, seed=cfg.seed, device=device,
         ece_bins=e.ece_bins, n_boot=e.n_boot, kind="run",
@@ -586,7 +600,7 @@ def main(args) -> int:
                 raise error
             raise ValueError(value)
         progress = not args.no_progress and info.is_main
-        log = lambda s: print(s, flush=True)  # noqa: E731
+        log = lambda s: print(s, flush=True)
         # Before execute: the compile time is its own step, outside every training time.
         compile_s = compile_kernels(cfg, info.device, announce=info.is_main)
         execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log, compile_s=compile_s)

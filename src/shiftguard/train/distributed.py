@@ -30,8 +30,8 @@ for CUDA. Outside torchrun everything here degrades to a single process (world s
 - **global-batch embedding losses**: :class:`GlobalBatchLoss` gathers the embeddings (with
   autograd) so batch-level losses see the whole batch, as in one process.
 
-:func:`distributed_multistage_step` is the DDP form of the multistage large-batch step (002,
-Sec. 5.3.2; :func:`~shiftguard.train.multistage.multistage_step`): the embeddings of all processes
+:func:`distributed_multistage_step` is the DDP form of the multistage large-batch step ([Patel,
+Sec. 5.3.2]; :func:`~shiftguard.train.multistage.multistage_step`): the embeddings of all processes
 are gathered so the loss sees the whole global batch, and each process back-propagates its slice
 chunk by chunk under ``no_sync()`` with one synchronising backward at the end.
 """
@@ -64,9 +64,11 @@ __all__ = [
     "DistributedTrainer",
     "GlobalBatchLoss",
     "MethodDispatch",
+    "all_gather_results",
     "all_reduce_sum",
     "barrier",
     "broadcast_buffers",
+    "broadcast_module",
     "broadcast_object",
     "cleanup_distributed",
     "distributed_multistage_step",
@@ -80,6 +82,7 @@ __all__ = [
     "launched_by_torchrun",
     "make_distributed_loader",
     "shard_batch",
+    "shard_range",
     "wrap_ddp",
 ]
 
@@ -136,8 +139,9 @@ def init_distributed(device: str | torch.device = "cpu", backend: Optional[str] 
         device: ``"cpu"`` or ``"cuda"`` (``cuda:i`` is replaced by ``cuda:LOCAL_RANK``: one GPU
             per process).
         backend: default ``"nccl"`` for CUDA, ``"gloo"`` otherwise.
-        timeout_s: collective timeout. Generous because ranks > 0 wait at a barrier while rank 0
-            alone evaluates and writes the report.
+        timeout_s: collective timeout. Generous because processes wait at a collective for the
+            slowest one's share of the evaluation grid, and ranks > 0 at a barrier while rank 0
+            alone aggregates and writes the report.
 
     Returns:
         :class:`DistributedInfo`. Calling it again when the group is already up returns the info.
@@ -187,6 +191,63 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     out = t.clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
+
+
+def all_gather_results(fn: Callable[[], object], what: str = "work") -> list:
+    """Run ``fn()`` on every process; return every process's result, in rank order, on every process.
+
+    Every process must call it (it is a collective). A failure on any process, an exception in
+    ``fn`` or a result that cannot be pickled, is raised on every process: the failing one
+    re-raises its own exception, the others a ``RuntimeError`` naming ``what``, the failing rank
+    and its error. No process is left waiting at a later collective for a peer that died.
+    Outside a process group (or with one process) it is ``[fn()]``.
+
+    Results travel pickled (``dist.all_gather_object``): meant for rows, fitted heads and
+    per-image arrays, not for bulk tensors (use ``dist.all_gather`` for those).
+    """
+    if not is_distributed():
+        return [fn()]
+    import pickle
+
+    error: Optional[BaseException] = None
+    try:
+        message = ("ok", pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as exc:  # any failure of fn: every process must still reach the gather below
+        error, message = exc, ("error", f"{type(exc).__name__}: {exc}")
+    box: list = [None] * dist.get_world_size()
+    dist.all_gather_object(box, message)
+    failed = [(r, m[1]) for r, m in enumerate(box) if m[0] == "error"]
+    if error is not None:
+        raise error
+    if failed:
+        rank, msg = failed[0]
+        raise RuntimeError(f"{what}: process {rank} of {len(box)} failed: {msg}")
+    return [pickle.loads(m[1]) for m in box]
+
+
+def shard_range(n: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> range:
+    """This process's contiguous part of ``range(n)``: ``world_size`` parts whose sizes differ by
+    at most one, the larger ones first, in rank order (their concatenation is ``range(n)``)."""
+    check_positive(n, "n", strict=False, integer=True)
+    rank = get_rank() if rank is None else rank
+    world_size = get_world_size() if world_size is None else world_size
+    check_positive(world_size, "world_size", integer=True)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected an integer in 0..{world_size - 1}, got {rank!r}")
+    size, extra = divmod(n, world_size)
+    start = rank * size + min(rank, extra)
+    return range(start, start + size + (rank < extra))
+
+
+@torch.no_grad()
+def broadcast_module(module: nn.Module, src: int = 0) -> None:
+    """Copy every parameter and buffer of ``module`` from rank ``src`` to all processes, so that
+    every process holds exactly rank ``src``'s model (no-op when not distributed)."""
+    if not is_distributed():
+        return
+    for t in [*module.parameters(), *module.buffers()]:
+        if t.numel():
+            dist.broadcast(t.data, src=src)
 
 
 @torch.no_grad()
@@ -398,7 +459,7 @@ def distributed_multistage_step(
     embed: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     process_group=None,
 ) -> torch.Tensor:
-    """Multistage step (002, Sec. 5.3.2) over the *global* batch of a DDP job; returns the loss.
+    """Multistage step [Patel, Sec. 5.3.2] over the *global* batch of a DDP job; returns the loss.
 
     Each process holds its part ``inputs`` ``(n_r, ...)`` of the global batch. Steps:
 
@@ -521,7 +582,8 @@ class DistributedTrainer(Trainer):
             return super()._multistage_step(x, y)
         loss = self.loss_fn.loss if isinstance(self.loss_fn, GlobalBatchLoss) else self.loss_fn
         return distributed_multistage_step(self.ddp, loss, x, y, self.chunk_size,
-                                           embed=lambda t: self.ddp(t, method="embed"), process_group=self.process_group)
+                                           embed=lambda t: self.ddp(t, method="embed"),
+                                           process_group=self.process_group)
 
     # Each global batch of the single-process trainer, split across processes.
     def batches(self, labels: torch.Tensor, epoch: int) -> Iterator[torch.Tensor]:
