@@ -20,7 +20,6 @@ compare the ratios, which are measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys

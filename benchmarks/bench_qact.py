@@ -13,7 +13,6 @@ Usage: python benchmarks/bench_qact.py [--repeats 5] [--shapes 256x64x12x12,...]
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics

@@ -64,7 +64,6 @@ def scanned_files() -> list[Path]:
         path = ROOT / entry
         candidates = [path] if path.is_file() else sorted(path.rglob("*")) if path.is_dir() else []
         for f in candidates:
-            rel = f.relative_to(ROOT).as_posix()
             if f == Path(__file__).resolve():
                 continue  # its examples of refused citations are refused on purpose
             if (f.is_file() and f.suffix in TEXT_SUFFIXES and not SKIPPED_DIRS.intersection(f.parts)

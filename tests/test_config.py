@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from shiftguard.experiments.config import (
-    HEAD_NAMES, config_from_dict, default_config, load_config, quick_config, shipped_configs,
+    HEAD_NAMES,
+    config_from_dict,
+    default_config,
+    load_config,
+    quick_config,
+    shipped_configs,
 )
 
 MINIMAL = """

@@ -13,7 +13,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from shiftguard.experiments.config import (
-    config_from_dict, default_config, load_config, quick_config, shipped_configs,
+    config_from_dict,
+    default_config,
+    load_config,
+    quick_config,
+    shipped_configs,
 )
 from shiftguard.train import train_val_split
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shiftguard.functional import channel_values, qact_apply, qact_statistics, QACTStatistics
+from shiftguard.functional import QACTStatistics, channel_values, qact_apply, qact_statistics
 from shiftguard.nn import (
     ConvertedActivation,
     QACTBlock,

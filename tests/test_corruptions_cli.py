@@ -16,7 +16,6 @@ from shiftguard.corruptions.figures import synthetic_scene
 from shiftguard.experiments.corrupt import sub_seed, write_corrupted
 from shiftguard.io import sha256_file
 
-
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py
 
 

@@ -15,11 +15,9 @@ import scipy.ndimage as ndi
 import torch
 from PIL import Image
 
-from shiftguard import corruptions as C
 from shiftguard.corruptions import _ops, cifar_c
 from shiftguard.corruptions._jpeg import jpeg_roundtrip
 from shiftguard.corruptions.figures import synthetic_scene
-
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py
 

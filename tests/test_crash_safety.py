@@ -32,7 +32,11 @@ import pytest
 import torch
 
 from shiftguard.train.checkpoint import (
-    CheckpointError, list_checkpoints, load_checkpoint, load_latest_checkpoint, save_checkpoint,
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
 )
 
 
@@ -421,7 +425,8 @@ def test_finished_evaluation_cells_are_not_recomputed(tmp_path):
     cache = tmp_path / "cache" / "m" / "none"
     mtimes = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
 
-    calls.clear(); model.embedded = 0
+    calls.clear()
+    model.embedded = 0
     torch.manual_seed(123)  # a resumed process starts from another global RNG state (no training ran)
     rows2, _ = evaluate_models(**kw)
     assert calls == [] and model.embedded == 0, "a finished grid was recomputed"
@@ -431,7 +436,8 @@ def test_finished_evaluation_cells_are_not_recomputed(tmp_path):
     (cache / "bright-s2.pt").unlink()
     (cache / "flip-s1.pt").unlink()
     (cache / "clean-s0.pt").write_bytes((cache / "clean-s0.pt").read_bytes()[:100])
-    calls.clear(); model.embedded = 0
+    calls.clear()
+    model.embedded = 0
     rows3, _ = evaluate_models(**kw)
     assert sorted(calls) == [("bright", 2), ("flip", 1)]
     assert model.embedded == 3 * 20  # the two missing cells and the damaged clean cell, nothing else

@@ -27,8 +27,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from shiftguard.data import load
 from shiftguard.data import download as dl
+from shiftguard.data import load
 from shiftguard.data.cifar import safe_unpickle
 from shiftguard.data.idx import encode_idx, parse_idx, read_idx
 

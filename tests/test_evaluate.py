@@ -122,7 +122,7 @@ def test_preprocess_runs_after_the_corruption_and_before_the_model(model):
 
     a = shiftguard.evaluate(Wrapped(model), (x, y), heads=["softmax"], **FAST)
     b = shiftguard.evaluate(model, (x, y), heads=["softmax"], preprocess=lambda t: (t - mean) / std, **FAST)
-    strip = lambda res: [{k: v for k, v in r.items() if k != "model"} for r in res.rows]  # noqa: E731
+    strip = lambda res: [{k: v for k, v in r.items() if k != "model"} for r in res.rows]
     assert strip(a) == strip(b)
     c = shiftguard.evaluate(model, (x, y), heads=["softmax"], **FAST)
     assert strip(c) != strip(b), "preprocess had no effect"

@@ -321,7 +321,7 @@ def test_damaged_file_fails_naming_it_or_loads_valid_data(tmp_path, fmt):
                 problems.append(f"case {case} ({kind} of {target.name}): {exc!r}"[:300])
             else:
                 outcomes["error naming the file"] += 1
-        except Exception as exc:  # noqa: BLE001 - any other exception type is a defect
+        except Exception as exc:  # any other exception type is a defect
             problems.append(f"case {case} ({kind} of {target.name}): {type(exc).__name__}: {exc}"[:300])
         else:
             try:

@@ -278,8 +278,8 @@ def test_heads_keep_the_device_and_num_classes_can_exceed_the_labels_only_with_p
 
 
 def test_ned_subsampled_leave_one_out_is_nearly_optimal_for_the_full_leave_one_out_nll():
-    from shiftguard.neighbors import knn_search
     from shiftguard.heads.ned import ned_nll
+    from shiftguard.neighbors import knn_search
 
     x, y = blobs(n=1500, spread=3.0)
     full = NED(k=10, max_fit_queries=None).fit(x, y)
@@ -287,7 +287,7 @@ def test_ned_subsampled_leave_one_out_is_nearly_optimal_for_the_full_leave_one_o
     d, idx = knn_search(x, x, 10, exclude_self=True)
     same = y[idx] == y[:, None]
     keep = same.any(1)
-    nll_at = lambda t: ned_nll(d[keep], same[keep], math.log(t))  # noqa: E731
+    nll_at = lambda t: ned_nll(d[keep], same[keep], math.log(t))
     assert nll_at(full.temperature_) <= nll_at(sub.temperature_) + 1e-9
     assert nll_at(sub.temperature_) < 1.02 * nll_at(full.temperature_)
 

@@ -189,8 +189,8 @@ def _prim_watershed(dist, seeds, seed_labels):
     """Reference: grow the seeded minimum spanning forest one sample at a time (Prim)."""
     n = dist.shape[0]
     lab = [-1] * n
-    for s, l in zip(seeds.tolist(), seed_labels.tolist()):
-        lab[s] = l
+    for s, label in zip(seeds.tolist(), seed_labels.tolist()):
+        lab[s] = label
     while min(lab) < 0:
         best = (math.inf, None, None)
         for i in range(n):

@@ -8,7 +8,6 @@ from torch import nn
 
 from shiftguard.models import DenseNet, EmbeddingClassifier, build_model, model_names
 
-
 ACTS = ["relu", "prelu", "selu", "qact"]
 # Small constructors keep the big architectures fast enough to run every activation.
 SMALL = {

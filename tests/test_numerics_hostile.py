@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from shiftguard.corruptions import corrupt
+from shiftguard.functional.scaling import normalize_rows
 from shiftguard.heads import NED, DistanceRatioHead
 from shiftguard.losses import DRLoss, ELKLoss, HIBLoss, MCInfoNCELoss, NivMFProxyLoss, ProxyDRLoss
-from shiftguard.functional.scaling import normalize_rows
 from shiftguard.losses.probabilistic import split_vmf
 from shiftguard.metrics.retrieval import retrieval_metrics
 from shiftguard.nn import QuantileActivation, QuantileClassifier

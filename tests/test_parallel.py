@@ -125,7 +125,7 @@ def test_calls_from_several_python_threads_at_once_do_not_mix(backend):
 
     def caller(k):
         try:
-            for rep in range(20):
+            for _ in range(20):
                 out = np.zeros(6)
 
                 def part(i, out=out):
@@ -135,7 +135,7 @@ def test_calls_from_several_python_threads_at_once_do_not_mix(backend):
                 P.parallel_parts(part, 6)
                 np.testing.assert_array_equal(out, k * 100 + np.arange(6))
             results[k] = True
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             errors.append(e)
 
     threads = [threading.Thread(target=caller, args=(k,)) for k in range(4)]

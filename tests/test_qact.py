@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+import shiftguard.functional.quantile as quantile_module
 from shiftguard.functional import (
     channel_values,
     gaussian_kde,
@@ -27,7 +28,6 @@ from shiftguard.functional import (
     quantile_activation,
     weighted_quantiles,
 )
-import shiftguard.functional.quantile as quantile_module
 from shiftguard.nn import QACTBlock, QuantileActivation, make_activation
 
 
@@ -116,7 +116,8 @@ def test_forward_matches_reference_float32(shape):
         ("all_positive", lambda: torch.rand(30, 3, dtype=torch.float64) + 0.1),
         ("all_negative", lambda: -torch.rand(30, 3, dtype=torch.float64) - 0.1),
         ("single_sample", lambda: torch.randn(1, 5, dtype=torch.float64)),
-        ("ties_and_zeros", lambda: torch.tensor([[0.0, 1.0], [0.0, 1.0], [-1.0, 1.0], [2.0, -3.0]], dtype=torch.float64)),
+        ("ties_and_zeros",
+         lambda: torch.tensor([[0.0, 1.0], [0.0, 1.0], [-1.0, 1.0], [2.0, -3.0]], dtype=torch.float64)),
         ("beyond_c", lambda: torch.tensor([[-150.0], [3.0], [250.0]], dtype=torch.float64)),
     ],
 )

@@ -16,7 +16,8 @@ from shiftguard.functional import _qact_cpu as K
 from shiftguard.functional import kde
 from shiftguard.nn import QuantileActivation
 
-pytestmark = pytest.mark.skipif(not K.AVAILABLE, reason="numba is not installed: QACT runs on the eager torch path only")
+pytestmark = pytest.mark.skipif(not K.AVAILABLE,
+                                reason="numba is not installed: QACT runs on the eager torch path only")
 
 # kernel taps of the default grid: 2 * ceil(truncate * points_per_bandwidth) + 1 (kde.py)
 _N_TAPS = 2 * math.ceil(kde.TRUNCATE * kde.POINTS_PER_BANDWIDTH) + 1
@@ -31,7 +32,8 @@ def _contexts():
     yield "negative", -g.random((30, 2, 1)) - 0.5
     yield "constant", np.full((20, 2, 2), 0.7)
     yield "one sample", g.standard_normal((1, 5, 1))
-    yield "beyond c", np.concatenate([g.standard_normal((10, 2, 1)), np.full((2, 2, 1), 250.0), np.full((1, 2, 1), -250.0)])
+    yield "beyond c", np.concatenate([g.standard_normal((10, 2, 1)), np.full((2, 2, 1), 250.0),
+                                      np.full((1, 2, 1), -250.0)])
     yield "zeros", np.concatenate([np.zeros((10, 3, 1)), -np.zeros((5, 3, 1)), g.standard_normal((10, 3, 1))])
 
 

@@ -11,7 +11,12 @@ from torch import nn
 
 from shiftguard.models import build_model
 from shiftguard.train import (
-    CheckpointError, Trainer, load_checkpoint, load_latest_checkpoint, save_checkpoint, train_val_split,
+    CheckpointError,
+    Trainer,
+    load_checkpoint,
+    load_latest_checkpoint,
+    save_checkpoint,
+    train_val_split,
 )
 from shiftguard.train.checkpoint import list_checkpoints
 

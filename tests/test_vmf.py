@@ -147,7 +147,7 @@ def test_sample_gradient_with_respect_to_kappa_is_close_to_the_true_derivative(m
     mu = torch.zeros(m, dtype=torch.float64)
     mu[0] = 1.0
     sample_vmf(mu, k, 100000, generator=torch.Generator().manual_seed(0))[:, 0].mean().backward()
-    a = lambda q: float(vmf_mean_resultant_length(torch.tensor(q, dtype=torch.float64), m))  # noqa: E731
+    a = lambda q: float(vmf_mean_resultant_length(torch.tensor(q, dtype=torch.float64), m))
     h = 1e-4 * kappa
     true = (a(kappa + h) - a(kappa - h)) / (2 * h)
     assert float(k.grad) == pytest.approx(true, rel=0.06)

@@ -83,7 +83,7 @@ class _OpenMP:
                 return
             try:
                 fn(i)
-            except BaseException as e:  # noqa: BLE001 - re-raised by the caller; a ctypes callback would swallow it
+            except BaseException as e:
                 errors.append((i, e))
 
     def run(self, fn: Callable[[int], None], n_parts: int, threads: int) -> None:
@@ -161,7 +161,7 @@ def parallel_parts(fn: Callable[[int], None], n_parts: int, threads: Optional[in
         for i in range(n_parts):
             try:
                 fn(i)
-            except BaseException as e:  # noqa: BLE001 - re-raised below, after the other parts
+            except BaseException as e:
                 errors.append(e)
         if errors:
             raise errors[0]

@@ -188,6 +188,13 @@ def corrupt(
         TypeError: ``images`` of another type or dtype; a non-int ``severity`` or ``seed``.
         ValueError: a wrong shape; float pixels outside [0, 1] (the message gives the min and
             max found) or not finite (how many); an unknown name or suite; severity outside 0..5.
+
+    Examples:
+        >>> import torch
+        >>> x = torch.randint(0, 256, (4, 1, 28, 28), dtype=torch.uint8)
+        >>> y = corrupt(x, "fog", severity=3, seed=0)
+        >>> y.shape, y.dtype, torch.equal(y, corrupt(x, "fog", severity=3, seed=0))
+        (torch.Size([4, 1, 28, 28]), torch.uint8, True)
     """
     if not isinstance(images, torch.Tensor):
         return _corrupt_labelled(images, name, severity, seed, suite=suite, params=params)

@@ -729,7 +729,7 @@ def canny(
         w = torch.minimum(ai, aj).div_(torch.maximum(ai, aj))
         oppf, jif = opp.to(x.dtype), ji.to(x.dtype)
         p = F.pad(mag, (1, 1, 1, 1))
-        m = lambda dy, dx: p[..., 1 + dy : 1 + dy + H, 1 + dx : 1 + dx + W]  # noqa: E731
+        m = lambda dy, dx: p[..., 1 + dy : 1 + dy + H, 1 + dx : 1 + dx + W]
         c1p = _select(m(0, 1), _select(m(1, 0), m(-1, 0), oppf), jif)
         c2p = _select(m(1, 1), m(-1, 1), oppf)
         c1m = _select(m(0, -1), _select(m(-1, 0), m(1, 0), oppf), jif)

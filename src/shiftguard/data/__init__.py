@@ -9,6 +9,7 @@ shuffle depends only on its seed. ``as_tensors(data)`` turns a user's Dataset, D
 format and error.
 """
 
+from shiftguard.data import toy  # two-Gaussians failure-mode toy [QACT, Fig. 1]
 from shiftguard.data.base import ImageDataset, make_loader
 from shiftguard.data.convert import as_tensors
 from shiftguard.data.corrupted_sets import (
@@ -19,7 +20,6 @@ from shiftguard.data.corrupted_sets import (
 )
 from shiftguard.data.embedded import load_default
 from shiftguard.data.registry import describe, load, names
-from shiftguard.data import toy  # noqa: E402  two-Gaussians failure-mode toy [QACT, Fig. 1]
 
 __all__ = [
     "ImageDataset",

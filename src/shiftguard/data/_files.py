@@ -11,7 +11,7 @@ import gzip
 import os
 import zlib
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator, Optional, Sequence
+from typing import BinaryIO, Iterable, Iterator, Optional, Sequence, cast
 
 import numpy as np
 
@@ -77,7 +77,8 @@ def open_stream(path: Path) -> Iterator[tuple[BinaryIO, int, bool]]:
             yield fh, size, False
             return
         with gzip.GzipFile(fileobj=fh, mode="rb") as gz:
-            yield gz, size, True
+            # GzipFile has the binary-file interface the readers use (read, seek, tell)
+            yield cast(BinaryIO, gz), size, True
 
 
 def gzip_error(path: os.PathLike | str, exc: BaseException) -> ValueError:

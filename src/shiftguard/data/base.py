@@ -73,7 +73,7 @@ class ImageDataset(Dataset):
     def __getitem__(self, index: int):
         image = self.images[index]
         if self.transform is not None:
-            image = self.transform(image)
+            return self.transform(image), int(self.labels[index])
         return image, int(self.labels[index])
 
     # -- conveniences --------------------------------------------------------------------------

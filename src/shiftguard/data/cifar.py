@@ -119,7 +119,8 @@ class _PendingDtype:
     ``(3, byte_order, None, None, None, -1, -1, 0)``.
     """
 
-    __hash__ = None  # never a dict key or set member: it must stay where the resolver finds it
+    # never a dict key or set member: it must stay where the resolver finds it
+    __hash__ = None  # type: ignore[assignment]  # the data model's way to make a class unhashable
 
     def __init__(self, code: str):
         self.code = code
@@ -134,7 +135,8 @@ class _PendingDtype:
         if order not in _BYTE_ORDERS:
             raise RefusedPickleArray(f"dtype {self.code!r} with a state numpy does not write for it: {state!r:.200}")
         dtype = np.dtype(self.code)
-        self.dtype = dtype if order == "|" or dtype.itemsize == 1 else dtype.newbyteorder(order)
+        # order is one of _BYTE_ORDERS (checked above), all of which newbyteorder accepts
+        self.dtype = dtype if order == "|" or dtype.itemsize == 1 else dtype.newbyteorder(order)  # type: ignore[arg-type]
 
     def resolve(self) -> np.dtype:
         if self.dtype is None:
@@ -180,7 +182,7 @@ class _PendingArray:
     and an array that never receives a state (no payload) is refused where it appears in the result.
     """
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as above
 
     def __init__(self):
         self.array: np.ndarray | None = None
@@ -211,9 +213,10 @@ def _reconstruct(subtype, shape, typecode) -> _PendingArray:
 
 def _frombuffer(buffer, dtype, shape, order) -> np.ndarray:
     # numpy's protocol-5 form: (buffer, dtype, shape, order) with the buffer in-band in the stream.
-    if not isinstance(dtype, _PendingDtype) or _text_arg(order) not in ("C", "F"):
+    order_text = _text_arg(order)
+    if not isinstance(dtype, _PendingDtype) or order_text not in ("C", "F"):
         raise RefusedPickleArray(f"_frombuffer(..., {dtype!r:.100}, {shape!r:.100}, {order!r:.20}) refused")
-    return _from_payload(buffer, _check_shape(shape), dtype.resolve(), _text_arg(order))
+    return _from_payload(buffer, _check_shape(shape), dtype.resolve(), order_text)
 
 
 def _codecs_encode(obj, encoding) -> bytes:
@@ -374,7 +377,7 @@ def _read_names(path: Path, key: str, n: int) -> list[str]:
     return names
 
 
-_LAYOUT = {
+_LAYOUT: dict[str, dict[str, Any]] = {
     "cifar10": {
         "train": [f"data_batch_{i}" for i in range(1, 6)],
         "test": ["test_batch"],

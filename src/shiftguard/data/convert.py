@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -112,6 +112,12 @@ def as_tensors(
             different lengths; items or batches of different shapes or dtypes (the index named);
             a wrong number of dimensions; an NHWC batch given with ``layout="nchw"`` (or the
             reverse), detected when only the last (first) non-batch axis has 1 or 3 entries.
+
+    Examples:
+        >>> import numpy as np
+        >>> images, labels = as_tensors((np.zeros((2, 28, 28, 1), dtype=np.uint8), np.array([3, 7])), layout="nhwc")
+        >>> images.shape, images.dtype, labels.tolist()
+        (torch.Size([2, 1, 28, 28]), torch.uint8, [3, 7])
     """
     if not isinstance(name, str):
         raise TypeError(f"name: expected a string, got {type(name).__name__}")
@@ -325,8 +331,9 @@ def _from_dataset(ds: Dataset, layout: str, name: str, max_items: Optional[int])
         if max_items is not None:
             n = min(n, max_items)
         items = (ds[i] for i in range(n))
-    buf = None
-    labels: list[int] | torch.Tensor = []
+    # Lists while the length is unknown, else a tensor or array (buf) and a tensor (labels) filled in place.
+    buf: Any = None
+    labels: Any = []
     pil = tensor_items = False
     count = 0
     for index, item in enumerate(items):

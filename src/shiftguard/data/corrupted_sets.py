@@ -195,10 +195,10 @@ def _load_stacked(name: str, folder: Path, corruption: str, severity: int, class
     block = severities.index(severity)
     rows = slice(block * n, (block + 1) * n)
     try:
-        block = np.array(arr[rows])  # reads just this severity from the memory map
+        chunk = np.array(arr[rows])  # reads just this severity from the memory map
     except (OSError, ValueError) as exc:
         raise file_error(img_path, f"unreadable data ({exc})") from None
-    images = _images_nhwc_checked(block, img_path)
+    images = _images_nhwc_checked(chunk, img_path)
     labels_all = load_npy(lab_path, mmap=False)
     if labels_all.ndim == 1 and labels_all.shape[0] == arr.shape[0]:
         labels_all = labels_all[rows]
@@ -288,6 +288,7 @@ def load_tinyimagenet_c(name: str = "tinyimagenet-c", split: str = "test", root=
     wnids = read_wnids(wnids_file) if wnids_file is not None else present
     unknown = sorted(set(present) - set(wnids))
     if unknown:
+        assert wnids_file is not None  # without a wnids.txt the classes are the folders present
         raise file_error(wnids_file, f"class folders {unknown[:5]} of {tree} are not listed")
     index = {w: k for k, w in enumerate(wnids)}
     files, labels = [], []

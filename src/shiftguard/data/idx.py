@@ -100,7 +100,8 @@ def _read_idx_stream(
         kind = "truncated" if size < expected else "has trailing bytes"
         raise file_error(path, f"{kind}: {what}, file holds {size} bytes")
     arr = np.empty(dims, dtype=dtype)
-    view = memoryview(arr.reshape(-1).view(np.uint8))
+    # an ndarray has the buffer protocol; numpy's stubs declare it for Python >= 3.12 only
+    view = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     got = 0
     while got < nbytes:
         n = fh.readinto(view[got: got + CHUNK_BYTES])
@@ -204,6 +205,7 @@ def load_mnist_like(
 
     folder = locate(name, root, complete, [f"{s}.gz (or uncompressed)" for s in stems], download)
     img_path, lab_path = (_find_file(folder, s) for s in stems)
+    assert img_path is not None and lab_path is not None  # locate returns a folder where complete holds
     images, labels = load_idx_pair(img_path, lab_path, 10)
     classes = classes or (FASHION_MNIST_CLASSES if name == "fashion-mnist" else MNIST_CLASSES)
     return ImageDataset(

@@ -34,6 +34,7 @@ _GRAY_MODES = {"1", "L", "I", "I;16", "F"}
 def _parse_size(image_size) -> Optional[tuple[int, int]]:
     if image_size is None:
         return None
+    size: tuple[int, ...]
     if isinstance(image_size, int) and not isinstance(image_size, bool):
         size = (image_size, image_size)
     else:
@@ -56,7 +57,8 @@ def _to_mode(img, mode: str, size: Optional[tuple[int, int]]):
         img = Image.fromarray(np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8))
     img = img.convert(mode)
     if size is not None and img.size != (size[1], size[0]):
-        img = img.resize((size[1], size[0]), Image.BILINEAR)
+        # Pillow exports its resampling constants at run time (Image.Resampling from 9.1 on only)
+        img = img.resize((size[1], size[0]), Image.BILINEAR)  # type: ignore[attr-defined]
     return img
 
 
@@ -205,7 +207,7 @@ def read_wnids(path: Path) -> list[str]:
 
 def read_words(path: Path) -> dict[str, str]:
     """``wnid -> first name`` from a ``words.txt`` (``wnid<TAB>name, synonym, ...``)."""
-    out = {}
+    out: dict[str, str] = {}
     if not path.is_file():
         return out
     for i, line in text_lines(path):

@@ -384,7 +384,7 @@ def _summary_tables(results: dict, rows: list[dict]) -> str:
     t = f"s{top}"
     _, extra = benchmark_corruptions(results)
     ivs = _interval_map(results)
-    has = lambda k: any(r.get(k) is not None for r in rows)  # noqa: E731
+    has = lambda k: any(r.get(k) is not None for r in rows)
     cols = [("acc clean", lambda r, c: _cell(r, "acc_clean", ci=c("accuracy_clean")))]
     cols.append(("acc corrupted", lambda r, c: _cell(r, "acc_corrupted", ci=c("accuracy_corrupted"))))
     if extra:
@@ -417,7 +417,7 @@ def _summary_tables(results: dict, rows: list[dict]) -> str:
         out = []
         for r in rows:
             key = (r["model"], r["context"], r["head"])
-            c = lambda m: ivs.get((*key, m))  # noqa: E731
+            c = lambda m: ivs.get((*key, m))
             out.append([str(r["model"]), str(r["context"]), str(r["head"]), *(f(r, c) for _, f in columns)])
         return out
 

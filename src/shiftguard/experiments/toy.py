@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from shiftguard._validation import check_tensor
+from shiftguard.functional.scaling import distance_scale_exponent, ldexp
 from shiftguard.heads._optim import minimize_lbfgs
 from shiftguard.heads.base import EmbeddingHead
-from shiftguard.functional.scaling import distance_scale_exponent, ldexp
 
 __all__ = ["DistanceRatioHead", "distance_ratio_log_probs"]
 

@@ -43,7 +43,7 @@ def gou_weights(dist: torch.Tensor) -> torch.Tensor:
 class KNNHeadBase(EmbeddingHead):
     """Stores the support set; subclasses turn ``(sq. distances, neighbour labels)`` into weights."""
 
-    _param_names = ("k", "backend", "num_classes")
+    _param_names: tuple[str, ...] = ("k", "backend", "num_classes")
 
     def __init__(self, k: int = 10, backend: str = "torch", num_classes: Optional[int] = None):
         super().__init__(num_classes)

@@ -91,7 +91,7 @@ class EmbeddingLoss(nn.Module):
     #: Minimal embedding dimension the loss supports.
     min_dim: int = 1
 
-    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         emb, lab = validate_batch(embeddings, labels, min_dim=self.min_dim)
         if emb.dtype in (torch.float16, torch.bfloat16):
             # Losses are computed in float32 (as autocast does): DIST_EPS underflows in half precision

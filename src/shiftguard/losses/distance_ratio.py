@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftguard._validation import check_positive
-from shiftguard.functional.scaling import distance_scale_exponent, ldexp, normalize_rows
+from shiftguard.functional.scaling import distance_scale_exponent, normalize_rows
 from shiftguard.losses.base import DIST_EPS, EmbeddingLoss, safe_euclidean, zero_loss
 
 __all__ = [

@@ -41,9 +41,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftguard._validation import check_positive
+from shiftguard.functional.scaling import ldexp
 from shiftguard.functional.vmf import log_vmf_normalizer, sample_vmf
 from shiftguard.losses.base import EmbeddingLoss, zero_loss
-from shiftguard.functional.scaling import ldexp
 
 __all__ = [
     "split_vmf",

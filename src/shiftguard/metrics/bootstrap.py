@@ -113,7 +113,7 @@ def bootstrap_ci(statistic: Callable[[torch.Tensor], float], n: int, *, n_boot: 
         return v
 
     estimate = call(torch.arange(n), "the full sample")
-    reps = []
+    reps: list[float] = []
     for block in _resample_blocks(n, n_boot, seed):
         for row in block:
             reps.append(call(row, f"resample {len(reps)}"))

@@ -100,6 +100,11 @@ def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str =
         debiased: Kumar et al.'s debiased L2 estimator (needs ``p=2``).
         one_vs_rest: ``probs`` holds one-vs-rest probabilities (entries in [0, 1], rows need not
             sum to 1; module docstring).
+
+    Examples:
+        >>> probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
+        >>> round(ece(probs, torch.tensor([0, 0, 1, 1]), n_bins=10), 4)
+        0.15
     """
     prob, y = check_probs_labels(probs, labels, simplex=not one_vs_rest)
     check_positive(n_bins, "n_bins", integer=True)

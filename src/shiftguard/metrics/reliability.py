@@ -38,8 +38,8 @@ class ReliabilityData:
 
 def _draw(data: ReliabilityData, title: Optional[str]):
     # The object API with an explicit Agg canvas: headless, and pyplot's global state is untouched.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
-    from matplotlib.figure import Figure  # noqa: PLC0415
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     fig = Figure(figsize=(4.5, 5.5))
     FigureCanvasAgg(fig)
@@ -94,7 +94,7 @@ def reliability_diagram(probs, labels, n_bins: int = 15, binning: str = "width",
         ece=calibration_error_1d(conf, hits, n_bins, binning),
     )
     if path is not None:
-        from shiftguard.io import atomic_write_bytes  # noqa: PLC0415
+        from shiftguard.io import atomic_write_bytes
 
         fig = _draw(data, title)
         buf = io.BytesIO()

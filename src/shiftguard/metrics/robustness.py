@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, Optional, Union
 
 import torch
 
@@ -77,7 +77,7 @@ def _cells(x, name: str) -> dict[tuple[Hashable, Hashable], float]:
     cells: dict[tuple[Hashable, Hashable], float] = {}
     forms = set()
     for key, value in x.items():
-        seq = value if isinstance(value, (list, tuple)) else None
+        seq: Union[list, tuple, torch.Tensor, None] = value if isinstance(value, (list, tuple)) else None
         if seq is None and not isinstance(value, (int, float, bool)):
             t = as_tensor(value, f"{name}[{key!r}]") if not isinstance(value, (str, bytes)) else None
             if t is None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._base import EmbeddingClassifier, activation as make_act, check_activation, check_channels, norm_activation
+from ._base import EmbeddingClassifier, check_activation, check_channels, norm_activation
+from ._base import activation as make_act
 
 __all__ = ["BasicBlock", "ResNet", "resnet18"]
 

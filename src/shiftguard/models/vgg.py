@@ -7,7 +7,6 @@ Shapes: ``(N, in_channels, H, W)`` -> embeddings ``(N, 512)`` (or ``embedding_di
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from ._base import EmbeddingClassifier, check_activation, check_channels, norm_activation

@@ -395,6 +395,12 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
         ValueError: unknown ``to``; ``block=False`` with a target other than ``"qact"``; empty ``types``.
         TypeError: ``model`` not an ``nn.Module``; ``types`` not module classes; ``kwargs`` for a target
             other than ``"qact"`` or not accepted by QACT; a bad ``example_input``.
+
+    Examples:
+        >>> from torch import nn
+        >>> net = convert_activations(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+        >>> type(net[1]).__name__, has_qact(net)
+        ('ConvertedActivation', True)
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from shiftguard._validation import check_positive, check_tensor
-from shiftguard.registry import Registry
 from shiftguard.functional.quantile import (
     QACTStatistics,
     channel_values,
@@ -40,6 +39,7 @@ from shiftguard.functional.quantile import (
     qact_statistics,
     quantile_activation,
 )
+from shiftguard.registry import Registry
 
 __all__ = ["QuantileActivation", "QACTBlock", "make_activation", "CONTEXT_MODES", "ACTIVATION_NAMES"]
 
@@ -204,7 +204,8 @@ class QuantileActivation(nn.Module):
         # Lazily-sized buffers take the stored shape (like nn.LazyModule).
         for name in ("running_quantiles", "running_samples", "running_bandwidth"):
             key = prefix + name
-            if key in state_dict and getattr(self, name).shape != state_dict[key].shape and getattr(self, name).shape[0] == 0:
+            current = getattr(self, name)
+            if key in state_dict and current.shape != state_dict[key].shape and current.shape[0] == 0:
                 setattr(self, name, torch.empty_like(state_dict[key], device=getattr(self, name).device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 

@@ -117,7 +117,7 @@ def load_latest_checkpoint(directory: str | os.PathLike, map_location: Any = "cp
 
     Damaged checkpoints are skipped with a ``RuntimeWarning`` naming them.
     """
-    for epoch, path in reversed(list_checkpoints(directory)):
+    for _epoch, path in reversed(list_checkpoints(directory)):
         try:
             return load_checkpoint(path, map_location)
         except CheckpointError as exc:
