@@ -33,7 +33,7 @@ __all__ = [
     "silverman_bandwidth",
 ]
 
-from shiftguard.functional.vmf import (  # noqa: E402  (vMF utilities, [Kirchhof, Ch. 2 / App. A])
+from shiftguard.functional.vmf import (  # vMF utilities [Kirchhof, Ch. 2 / App. A]
     log_vmf_normalizer,
     sample_vmf,
     vmf_log_prob,

@@ -1,9 +1,10 @@
 """Compile QACT's CPU kernels ahead of use.
 
 The compiled kernels (:mod:`shiftguard.functional._qact_cpu`) are numba functions compiled on their
-first call in a process, per argument types, and cached on disk (``cache=True``): the first use on a
-machine compiles (seconds to tens of seconds), later processes load the cache (a fraction of a
-second). Without a warm-up that cost lands inside whatever runs QACT first, e.g. the first training
+first call in a process, per argument types, and cached on disk (``cache=True``; in which folder, and
+what happens where none is writable: :mod:`shiftguard._numba`): the first use on a machine compiles
+(about 8 s for the first training step of a layer, 14 s for every path below, on 2 cores:
+``benchmarks/bench_coldstart.py``), later processes load the cache (a fraction of a second). Without a warm-up that cost lands inside whatever runs QACT first, e.g. the first training
 epoch, and makes its timing meaningless. :func:`warm_up` runs each path a QACT layer takes once on a
 tiny input, so callers can time and announce it as a step of its own.
 """

@@ -24,7 +24,7 @@ from shiftguard.functional._qact_cpu.output import (
 from shiftguard.functional._qact_cpu.kde import _channel_grid, _channel_samples, _grid_scratch, _layout, _tallied
 
 
-@njit(inline="always")
+@njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
 def _lerp_row(run, new, m):
     # run += m * (new - run), torch.lerp's formula (the form chosen by the weight), in float64
     # and rounded to run's dtype; new is first rounded to run's dtype (by storing it there), as

@@ -73,7 +73,7 @@ def _comb_count(k, nn, k_dim, s_dim, u):
     return int(math.ceil(a - u))
 
 
-@njit(inline="always")
+@njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
 def _channel_samples(row, nn, c, s_dim, seed, tally, through, out_row):
     # the S points of one sorted grounded context row drawn with the grounding weights by
     # systematic sampling (quantile.py, "Sampling"), written sorted to out_row; returns
@@ -200,7 +200,7 @@ def _bin_cell(v, lo, inv_d, half, top):
     return np.int32(i0) + 2, frac
 
 
-@njit(inline="always")
+@njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
 def _bin_points(bins, points, tally, w, lo, inv_d, half, top, cell, w0, w1):
     # linear binning in float64 of points[k] with weight tally[k] * w (w where tally is empty):
     # bins[2 + e] <-> node lo + (e - half) * delta; two guard cells at each end take the weight of
@@ -227,7 +227,7 @@ def _bin_points(bins, points, tally, w, lo, inv_d, half, top, cell, w0, w1):
             bins[i + _U1] += w1[k]
 
 
-@njit(inline="always")
+@njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
 def _smooth(bins, binned, taps, taps_key, acc, g_dim, half, ratio, truncate):
     # acc[j] = sum_t phi(t delta / h) bins[j + t + 2], t = -half..half, in the precision of
     # `binned` (the samples' dtype: float32 layers have twice the SIMD width; the eager grid
@@ -274,7 +274,7 @@ def _grid_scratch(max_g, max_half, dtype):
             np.empty(_BIN_CHUNK, np.float64), np.empty(_BIN_CHUNK, np.float64))
 
 
-@njit(inline="always")
+@njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
 def _channel_grid(scratch, row, tally, sample_row, tallied, lo, d, h, g_dim, truncate, out_row):
     # one channel's grid KDE on nodes lo + j * d, j < g_dim, into out_row: the points linearly
     # binned (tallied: the sorted entries `row` weighted by their draws `tally`, each binned

@@ -54,7 +54,7 @@ def _table_size(n_tau, n_values):
     return max(4 * n_tau, min(8 * n_tau, n_values // 2))
 
 
-@njit(inline="always")
+@njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
 def _cell_table(q, qp, start, n_lut, xmin, xmax):
     # qp = the quantiles q, then +inf twice (for the fixed steps); start = the cumulative counts
     # per cell; returns (q_lo, 1 / cell width, whether no cell holds more than two quantiles).

@@ -97,7 +97,7 @@ def _fill_brackets(k_dim, n_tau, kk, ww):
             kk[nn, i], ww[nn, i] = _level_bracket(levels[i], nn, k_dim)
 
 
-@njit(inline="always")
+@njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
 def _channel_quantiles(row, nn, levels, kk, ww, q_row):
     # the weighted quantiles of one sorted grounded context row with nn negative entries at
     # `levels` (_levels; grounded_quantiles): the brackets from the table kk, ww when there is
