@@ -1,9 +1,14 @@
 """Retrieval metrics against pytorch-metric-learning's AccuracyCalculator and a slow reference."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from shiftguard.metrics import retrieval_metrics
 
@@ -81,12 +86,83 @@ def test_map_r_r_precision_and_precision_at_1_equal_pytorch_metric_learning(data
     assert ours["precision@1"] == pytest.approx(theirs["precision_at_1"], abs=1e-6)
 
 
-def test_a_tiny_memory_budget_gives_identical_results(data):
+@pytest.mark.parametrize("backend", ["torch", "faiss", "pruned"])
+def test_results_are_bit_identical_for_every_chunking(data, backend):
+    if backend == "faiss":
+        pytest.importorskip("faiss")
     x, y = data
-    small, full = retrieval_metrics(x, y, memory_budget_bytes=2048), retrieval_metrics(x, y)
-    assert small.keys() == full.keys()
-    for key in full:  # summation order differs between chunkings: equal up to rounding
-        assert small[key] == pytest.approx(full[key], rel=1e-12), key
+    x = x.float() if backend == "faiss" else x
+    full = retrieval_metrics(x, y, ks=(1, 3, 10), backend=backend)
+    # 2 KiB: one query per chunk; 2**16: chunks of a few hundred rows with lists of different lengths
+    for budget in (2048, 5000, 2**16):
+        assert retrieval_metrics(x, y, ks=(1, 3, 10), backend=backend, memory_budget_bytes=budget) == full, budget
+
+
+def test_unequal_classes_and_lone_queries_match_the_slow_reference_in_small_chunks():
+    g = torch.Generator().manual_seed(5)
+    # one class of 150, others of 40, 9, 2 and three lone samples: chunks of very different list lengths
+    y = torch.cat([torch.full((150,), 0), torch.full((40,), 1), torch.full((9,), 2), torch.full((2,), 3),
+                   torch.tensor([4, 5, 6])])[torch.randperm(204, generator=g)]
+    x = torch.randn(204, 6, generator=g, dtype=torch.float64) + 0.7 * torch.nn.functional.one_hot(y, 7)[:, :6]
+    ref = slow_reference(x, y, (1, 4))
+    for budget in (2048, 2**14, 2**25):
+        got, nearest = retrieval_metrics(x, y, ks=(1, 4), memory_budget_bytes=budget, return_nearest=True)
+        assert got["n_queries"] == 201 and got["n_lone_queries"] == 3
+        for key, val in ref.items():
+            assert got[key] == pytest.approx(val, abs=1e-12), (key, budget)
+        d = torch.cdist(x, x)
+        d.fill_diagonal_(float("inf"))
+        assert torch.equal(nearest, d.argmin(1))  # lone queries included
+
+
+@given(seed=st.integers(0, 2**31 - 1), budget=st.integers(1, 2**18), n_classes=st.integers(2, 12))
+@settings(max_examples=10, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+def test_any_memory_budget_gives_the_same_values_as_the_default(seed, budget, n_classes):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, n_classes, (120,), generator=g)
+    x = torch.randn(120, 4, generator=g, dtype=torch.float64)
+    assert retrieval_metrics(x, y, ks=(1, 5), memory_budget_bytes=budget) == retrieval_metrics(x, y, ks=(1, 5))
+
+
+_PEAK_SCRIPT = """
+import os, sys, torch
+from shiftguard.metrics import retrieval_metrics
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+y = torch.arange(4000) % 2  # R = 1999 for every query: one (N, R) float64 matrix is 64 MB
+x = torch.randn(4000, 8, generator=g) + 2.0 * torch.nn.functional.one_hot(y, 8)
+retrieval_metrics(x[:200], y[:200], backend=sys.argv[1])  # libraries' lazy set-up counts as baseline
+with open("/proc/self/statm") as fh:
+    before = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+m = retrieval_metrics(x, y, ks=(1, 10), backend=sys.argv[1], memory_budget_bytes=int(sys.argv[2]))
+with open("/proc/self/status") as fh:  # this process's own high-water mark (ru_maxrss can carry the parent's)
+    peak = 1024 * int(next(line for line in fh if line.startswith("VmHWM")).split()[1])
+print(peak - before, m["map@r"])
+"""
+
+
+@pytest.mark.parametrize("backend, budget", [("torch", 2**21), ("faiss", 2**23)])
+def test_peak_memory_stays_within_a_few_budgets_when_classes_are_large(backend, budget):
+    if backend == "faiss":
+        pytest.importorskip("faiss")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, backend, str(budget)], capture_output=True,
+                         text=True, env=env, check=True).stdout.split()
+    extra_bytes, map_r = int(out[0]), float(out[1])
+    assert 0.0 < map_r < 1.0
+    # one chunk's lists, the distance block and the per-query scalars; MAP@R over whole (N, R)
+    # matrices (indices, relevance, running precision, as pytorch-metric-learning holds them)
+    # would take several 64 MB matrices
+    assert extra_bytes < 48 * 2**20, extra_bytes
+
+
+def test_a_non_positive_or_fractional_memory_budget_is_refused(data):
+    x, y = data
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        retrieval_metrics(x, y, memory_budget_bytes=0)
+    with pytest.raises(TypeError, match="memory_budget_bytes"):
+        retrieval_metrics(x, y, memory_budget_bytes=1e6)
 
 
 def test_faiss_backend_gives_the_same_metrics(data):

@@ -3,12 +3,12 @@
 For query q with R_q other samples of its class, ranked neighbours n_1, n_2, ... (increasing
 squared Euclidean distance) and rel_j = 1[y_{n_j} = y_q]:
 
-- ``recall@K`` (002 Sec. 5.3 "r@k"): 1 if any of the first K neighbours is relevant, averaged.
-- ``precision@1``: rel_1 averaged (= recall@1; 003's R@1; 004's 1NN accuracy).
+- ``recall@K`` ([Patel, Sec. 5.3] "r@k"): 1 if any of the first K neighbours is relevant, averaged.
+- ``precision@1``: rel_1 averaged (= recall@1; the R@1 of [Kirchhof]; the 1NN accuracy of [NED]).
 - ``r_precision`` (Musgrave et al. 2020): ``(1/R_q) sum_{j<=R_q} rel_j``.
 - ``map@r`` (Musgrave et al. 2020): ``(1/R_q) sum_{j<=R_q} P@j rel_j`` with ``P@j`` the precision of
   the first j neighbours.
-- ``map@K``: 000 Sec. 4 reports "mean average precision at K" without a formula; we use the
+- ``map@K``: [QACT, Sec. 4] reports "mean average precision at K" without a formula; we use the
   standard truncated AP normalised by the best achievable value,
   ``AP@K = (1/min(K, R_q)) sum_{j<=K} P@j rel_j``, so a perfect ranking scores 1 and
   ``map@K`` at ``K = R_q`` equals ``map@r``.
@@ -17,44 +17,59 @@ Queries with ``R_q = 0`` (no other sample of their class) are left out of every 
 pytorch-metric-learning's ``AccuracyCalculator``; their number is reported as ``n_lone_queries``.
 MAP@R, R-precision and precision@1 agree with ``AccuracyCalculator`` (tested).
 
-Memory: queries are processed in chunks; each chunk needs its kNN list up to
-``max(max(ks), max R_q in the chunk)`` and one ``(chunk, N)`` distance block (``knn_search``),
-so 100k x 100k never materialises an N x N matrix. The support is prepared once for all chunks
-(``shiftguard.neighbors.KNNIndex``). For many samples per class the chunk's
-kNN list (chunk x max R) is the dominant cost; the chunk size adapts to keep it under the budget.
+Memory and order: the search for one chunk of queries returns each query's neighbour list up to
+``L = max(max(ks), R_q)`` (``max(ks)`` without ``r_metrics``); the chunk is sized so that its
+``(rows, L)`` lists and per-query temporaries fit ``memory_budget_bytes``, and only per-query
+scalars (one float64 per query and metric) outlive it. Queries are taken in increasing order of
+``R_q``, so a chunk's lists are as long as its own queries need, not as long as the largest class.
+The peak is the embeddings, the prepared support (a centred copy for torch, the faiss index), the
+per-query scalars and a few budgets: 1.7 GB for the whole process with 1M x 128 float32 embeddings
+and 1,000 classes (faiss), where one whole ``(N, R_max)`` int64 neighbour matrix would take 8 GB
+(``docs/performance.md``, ``benchmarks/bench_retrieval.py``).
+Every average is the correctly rounded sum (``math.fsum``) of the per-query values, so the result
+does not depend on the chunking (bit-identical for any ``memory_budget_bytes`` wherever no two
+candidates of a query are tied at its cut-off).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Sequence
 
 import torch
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
-from shiftguard.neighbors import DEFAULT_MEMORY_BUDGET_BYTES, KNNIndex, check_backend, default_chunk_size
+from shiftguard.neighbors import DEFAULT_MEMORY_BUDGET_BYTES, KNNIndex, check_backend
 
 __all__ = ["retrieval_metrics"]
+
+#: Bytes per neighbour-list entry one query chunk may hold at once: the search's distances and
+#: indices, the relevance matrix and the running sums of ``_per_query`` (16 tensors of 8 bytes).
+_BYTES_PER_ENTRY = 128
 
 
 def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int],
                r_metrics: bool = True) -> dict[str, torch.Tensor]:
-    """Per-query metric values from the relevance matrix ``rel (Q, L)`` (bool) and ``R_q (Q,)``;
-    ``r_metrics=False`` leaves out MAP@R and R-precision (``L`` may then be just ``max(ks)``)."""
-    q, length = rel.shape
+    """Per-query metric values ``(Q,)`` float64 from the relevance matrix ``rel (Q, L)`` (bool) and
+    ``R_q (Q,)`` (``L >= R_q`` with ``r_metrics``; ``L >= max(ks)``).
+
+    Every value is read off running sums (``cumsum``, sequential along each row) at the query's
+    cut-off, so it does not depend on ``L`` or on the other rows of the chunk."""
+    length = rel.shape[1]
     relf = rel.double()
     pos = torch.arange(1, length + 1, device=rel.device, dtype=torch.float64)
-    cum = relf.cumsum(1)
-    prec_at_j = cum / pos
+    cum = relf.cumsum(1)                     # relevant among the first j (exact integers)
+    ap_cum = (cum / pos * relf).cumsum(1)    # sum_{i<=j} P@i rel_i
     rd = r.double()
     out = {"precision@1": relf[:, 0]}
     if r_metrics:
-        within_r = pos.unsqueeze(0) <= r.unsqueeze(1)
-        out["r_precision"] = (relf * within_r).sum(1) / rd
-        out["map@r"] = (prec_at_j * relf * within_r).sum(1) / rd
+        at_r = (r - 1).unsqueeze(1)
+        out["r_precision"] = cum.gather(1, at_r).squeeze(1) / rd
+        out["map@r"] = ap_cum.gather(1, at_r).squeeze(1) / rd
     for k in ks:
         out[f"recall@{k}"] = (cum[:, k - 1] > 0).double()
-        out[f"map@{k}"] = (prec_at_j[:, :k] * relf[:, :k]).sum(1) / torch.clamp(rd, max=k)
+        out[f"map@{k}"] = ap_cum[:, k - 1] / torch.clamp(rd, max=k)
     return out
 
 
@@ -77,7 +92,7 @@ def _check_ks(ks) -> list[int]:
     return out
 
 
-def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), backend: str = "torch",
+def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), backend: str = "auto",
                       memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, r_metrics: bool = True,
                       return_nearest: bool = False):
     """Recall@K, MAP@K, MAP@R, R-precision and precision@1 of ``embeddings (N, D)`` (see module doc).
@@ -86,9 +101,11 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         embeddings: ``(N, D)`` float tensor.
         labels: ``(N,)`` integer classes.
         ks: cut-offs for recall@K and map@K.
-        backend: kNN back end for ``knn_search`` (``"torch"``, ``"faiss"``, ``"pruned"``, ``"auto"``;
-            the pruned index is built once for all query chunks).
-        memory_budget_bytes: bound on each chunk's distance block and neighbour list.
+        backend: kNN back end of ``knn_search``: ``"auto"`` (faiss for CPU embeddings of >= 50k rows
+            when ``faiss-cpu`` is installed, exact torch otherwise), ``"torch"``, ``"faiss"`` or
+            ``"pruned"``; the search index is built once for all query chunks.
+        memory_budget_bytes: bound on each query chunk's neighbour lists with their per-query
+            temporaries, and on the torch back end's distance block (positive int).
         r_metrics: also MAP@R and R-precision, which need every query's neighbour list up to its
             class size R_q (~N / classes); without them the lists stop at ``max(ks)``, far cheaper
             when classes are large. The K metrics are the same either way, except where neighbours
@@ -96,57 +113,70 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
             differently for different list lengths).
         return_nearest: also return the ``(N,)`` index of every query's nearest other sample (the
             first entry of its neighbour list), for callers that need per-query Recall@1 hits (e.g.
-            the R-AUROC target of 003) without a second search.
+            the R-AUROC target of [Kirchhof]) without a second search.
 
     Returns:
         dict of floats: ``recall@K`` and ``map@K`` for every K, ``map@r`` and ``r_precision`` (with
         ``r_metrics``), ``precision@1``, plus ``n_queries`` (used) and ``n_lone_queries`` (skipped);
         with ``return_nearest`` the tuple ``(dict, nearest)``.
+
+    Raises:
+        TypeError: non-floating ``embeddings``, non-integer ``labels`` or ``ks``, a non-integer
+            ``memory_budget_bytes``.
+        ValueError: shapes that do not match, NaN/inf embeddings, a cut-off above ``N - 1``, an
+            unknown ``backend``, a non-positive ``memory_budget_bytes``, or labels where every class
+            has a single sample; each message names the argument.
     """
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
     check_backend(backend)
     check_same_length([("embeddings", emb), ("labels", y)])
+    check_positive(memory_budget_bytes, "memory_budget_bytes", integer=True)
     y = y.to(emb.device)
     ks = _check_ks(ks)
     n = emb.shape[0]
     if max(ks) > n - 1:
         raise ValueError(f"ks: cut-off {max(ks)} exceeds the {n - 1} other samples")
     r_all = torch.bincount(y)[y] - 1                                        # R_q per query
-    sums: dict[str, float] = {}
-    n_used = 0
-    nearest = torch.empty(n, dtype=torch.long, device=emb.device) if return_nearest else None
-    block_rows = default_chunk_size(n, emb.dtype, memory_budget_bytes)
-    index = KNNIndex(emb, backend)  # what every query chunk searches against, built once
-    start = 0
-    while start < n:
-        # Rows whose neighbour list and per-query temporaries (rows x L, ~8 float64 tensors,
-        # 64 bytes per entry) also fit the budget.
-        rows = min(block_rows, n - start)
-        while True:
-            length = max(max(ks), int(r_all[start:start + rows].max())) if r_metrics else max(ks)
-            if rows == 1 or rows * length * 64 <= memory_budget_bytes:
-                break
-            rows = max(1, rows // 2)
-        sl = slice(start, start + rows)
-        self_index = torch.arange(start, start + rows, device=emb.device)
-        _, idx = index.search(emb[sl], length, exclude=self_index, chunk_size=block_rows)
-        if nearest is not None:
-            nearest[sl] = idx[:, 0]
-        rel = y[idx] == y[sl].unsqueeze(1)
-        r = r_all[sl]
-        keep = r > 0
-        if bool(keep.any()):
-            vals = _per_query(rel[keep], r[keep], ks, r_metrics)
-            for key, v in vals.items():
-                sums[key] = sums.get(key, 0.0) + float(v.sum())
-            n_used += int(keep.sum())
-        start += rows
-    if n_used == 0:
+    used = torch.nonzero(r_all > 0).squeeze(1)
+    if used.numel() == 0:
         raise ValueError("labels: every class has a single sample; no query has a relevant neighbour")
-    order = ([f"recall@{k}" for k in ks] + [f"map@{k}" for k in ks]
-             + (["map@r", "r_precision"] if r_metrics else []) + ["precision@1"])
-    out = {key: sums[key] / n_used for key in order}
-    out["n_queries"] = n_used
-    out["n_lone_queries"] = n - n_used
+    keys = ([f"recall@{k}" for k in ks] + [f"map@{k}" for k in ks]
+            + (["map@r", "r_precision"] if r_metrics else []) + ["precision@1"])
+    # Per-query values of the non-lone queries, in the order of ``used``; nothing else is kept.
+    per_query = {key: torch.empty(used.numel(), dtype=torch.float64, device=emb.device) for key in keys}
+    index = KNNIndex(emb, backend)  # what every query chunk searches against, built once
+    nearest = None
+    if return_nearest:
+        nearest = torch.empty(n, dtype=torch.long, device=emb.device)
+        lone = torch.nonzero(r_all == 0).squeeze(1)
+        if lone.numel():  # lone queries enter no average, but their nearest sample is still asked for
+            _, idx = index.search(emb[lone], 1, exclude=lone, memory_budget_bytes=memory_budget_bytes)
+            nearest[lone] = idx[:, 0]
+    order = torch.argsort(r_all[used], stable=True)  # increasing R_q: each chunk's lists stay short
+    r_sorted = r_all[used][order]
+
+    def list_length(last: int) -> int:  # the list length a chunk ending at sorted position ``last`` needs
+        return max(max(ks), int(r_sorted[last])) if r_metrics else max(ks)
+
+    start, m = 0, used.numel()
+    while start < m:
+        # Rows whose (rows, L) neighbour lists and per-query temporaries (at most 16 tensors of
+        # 8 bytes per entry) fit the budget; L is the chunk's last (largest) list length.
+        rows = min(m - start, max(1, memory_budget_bytes // (_BYTES_PER_ENTRY * list_length(start))))
+        while rows > 1 and rows * list_length(start + rows - 1) * _BYTES_PER_ENTRY > memory_budget_bytes:
+            rows //= 2
+        length = list_length(start + rows - 1)
+        pos = order[start:start + rows]
+        q_rows = used[pos]
+        _, idx = index.search(emb[q_rows], length, exclude=q_rows, memory_budget_bytes=memory_budget_bytes)
+        if nearest is not None:
+            nearest[q_rows] = idx[:, 0]
+        rel = y[idx] == y[q_rows].unsqueeze(1)
+        for key, v in _per_query(rel, r_all[q_rows], ks, r_metrics).items():
+            per_query[key][pos] = v
+        start += rows
+    out = {key: math.fsum(per_query[key].tolist()) / used.numel() for key in keys}
+    out["n_queries"] = int(used.numel())
+    out["n_lone_queries"] = n - int(used.numel())
     return (out, nearest) if return_nearest else out

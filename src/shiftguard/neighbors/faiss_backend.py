@@ -15,11 +15,14 @@ from shiftguard.neighbors.exact import exact_sq_dist, key_centre, resort
 
 __all__ = ["import_faiss", "faiss_available", "faiss_index", "faiss_knn"]
 
+#: Support rows centred and added to a faiss index at a time.
+_ADD_BLOCK_ROWS = 65536
+
 
 def import_faiss():
     """The ``faiss`` module; ``ImportError`` naming the extra to install when it is missing."""
     try:
-        import faiss  # noqa: PLC0415 - optional dependency, imported only when asked for
+        import faiss  # optional dependency, imported only when asked for
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError(
             "backend='faiss' needs the optional dependency faiss-cpu (pip install 'shiftguard[faiss]')"
@@ -42,7 +45,11 @@ def faiss_index(support: torch.Tensor):
     faiss = import_faiss()
     centre = key_centre(support)
     index = faiss.IndexFlatL2(support.shape[1])
-    index.add(np.ascontiguousarray((support - centre).detach().cpu().numpy(), dtype=np.float32))
+    # Added in blocks of rows: the index holds the one float32 copy of the support, and no centred
+    # copy of the whole support exists beside it (1M x 128 float32 would be another 512 MB).
+    for start in range(0, support.shape[0], _ADD_BLOCK_ROWS):
+        block = support[start:start + _ADD_BLOCK_ROWS] - centre
+        index.add(np.ascontiguousarray(block.detach().cpu().numpy(), dtype=np.float32))
     return centre, index
 
 

@@ -1,7 +1,7 @@
 """Exact k-nearest-neighbour search in squared Euclidean distance.
 
 :func:`knn_search` is the one place the library looks up neighbours (NED and the kNN baselines in
-004 Sec. 2, the retrieval metrics of 002 Sec. 5.3 and the R-AUROC of 003 Sec. 4.3). Three exact back
+[NED, Sec. 2], the retrieval metrics of [Patel, Sec. 5.3] and the R-AUROC of [Kirchhof, Sec. 4.3]). Three exact back
 ends return the same neighbours on tie-free data:
 
 - ``"torch"``: chunked ``||s||^2 - 2 q.s`` (the ranking part of ``||q - s||^2``) and ``topk``; the
