@@ -10,7 +10,7 @@ folder (the kernels are loaded from numba's disk cache). Measured in each proces
   ``shiftguard run`` compiles in its announced step);
 - ``corrupt``: one pass over the 15 MNIST-C corruptions (8 images 28x28, uint8) and the 15 CIFAR-10-C
   ones (8 images 3x32x32) at severity 3, the first pass over the corruptions of an evaluation,
-  and ``shiftguard.corruptions._kernels.warm_up`` timed before it in a process of its own.
+  and ``shiftguard.corruptions.warm_up`` timed before it in a process of its own.
 
 Wall and CPU seconds per step, import time apart. The machine's load average is printed and recorded
 (timings on a shared machine are noisy; the CPU seconds less so). ``--src`` runs another source tree
@@ -72,9 +72,8 @@ elif mode in ("corrupt", "corrupt_warm_up"):
                 SC.corrupt(images, name, 3, suite=suite)
 
     if mode == "corrupt_warm_up":
-        from shiftguard.corruptions import _kernels
-        res["warm_up_missing"] = not hasattr(_kernels, "warm_up")  # a tree from before it existed
-        timed("warm_up", getattr(_kernels, "warm_up", lambda: None))
+        res["warm_up_missing"] = not hasattr(SC, "warm_up")  # a tree from before it existed
+        timed("warm_up", getattr(SC, "warm_up", lambda: None))
     timed("first", one_pass)
     timed("second", one_pass)
 print(json.dumps(res))

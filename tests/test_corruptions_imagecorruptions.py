@@ -35,18 +35,25 @@ def _import_imagecorruptions():
             __import__(module)
         except ImportError as exc:
             _unavailable(f"{module} not importable: {exc}")
+    shimmed = False
     try:
         import pkg_resources  # noqa: F401
     except ImportError:  # setuptools >= 81 dropped it; imagecorruptions 1.1.2 only needs this
         shim = types.ModuleType("pkg_resources")
         shim.resource_filename = lambda pkg, path: str(Path(sys.modules[pkg].__file__).parent / path)
         sys.modules["pkg_resources"] = shim
+        shimmed = True
     try:
         with warnings.catch_warnings():  # its import-time deprecation warnings are not ours
             warnings.simplefilter("ignore")
             import imagecorruptions
     except Exception as exc:  # absent, or unusable with this numpy / OpenCV
         _unavailable(f"imagecorruptions not importable: {type(exc).__name__}: {exc}")
+    finally:
+        # imagecorruptions holds resource_filename itself; a stand-in left in sys.modules would be
+        # found by later code of the same process (pytest's syspath_prepend imports from it)
+        if shimmed:
+            sys.modules.pop("pkg_resources", None)
     return imagecorruptions
 
 

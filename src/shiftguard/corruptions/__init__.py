@@ -26,17 +26,20 @@ depends on its position in the batch.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
+import numpy as np
 import torch
 
+from shiftguard._numba import AVAILABLE as NUMBA_AVAILABLE
 from shiftguard.registry import Registry
 
 from .cifar_c import CIFAR_C, CIFAR_C_EXTRA
 from .mnist_c import MNIST_C
 from .registry import CorruptionSpec
 
-__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "corrupt",
+__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "corrupt", "warm_up",
            "gallery"]
 
 #: The suites by name: ``suite -> {corruption name -> CorruptionSpec}`` (benchmark order). Suite
@@ -264,3 +267,35 @@ def gallery(images, suite: Optional[str] = None, **kwargs):
     from .figures import gallery as _gallery
 
     return _gallery(images, suite, **kwargs)
+
+
+def warm_up(dtypes=(torch.uint8, torch.float32)) -> float:
+    """Compile (or load from numba's disk cache) the corruption kernels; return the seconds taken.
+
+    Runs every corruption of the ``mnist-c`` suite on two 1x28x28 images and of the ``cifar-c`` suite
+    on two 3x32x32 images, at severity 3, once per dtype in ``dtypes`` (uint8 0..255, float in
+    [0, 1]); the outputs are discarded and the global RNG is not used. The kernels compile on their
+    first call per argument types (seconds on a machine whose cache is empty): called first, the
+    compilation is a step of its own that a caller can time and announce, instead of a part of the
+    first evaluation's time. A variant that a later input needs and these did not (another dtype)
+    still compiles on its first call. Returns 0.0 at once without numba (the torch code runs:
+    nothing to compile).
+
+    Raises:
+        ValueError: ``dtypes`` holds a dtype other than uint8 or a float one (those
+            :func:`shiftguard.corruptions.corrupt` takes).
+    """
+    for dtype in dtypes:
+        if not isinstance(dtype, torch.dtype) or (dtype != torch.uint8 and not dtype.is_floating_point):
+            raise ValueError(f"dtypes: expected torch.uint8 or float dtypes, got {dtype}")
+    if not NUMBA_AVAILABLE:
+        return 0.0
+    t0 = time.perf_counter()
+    for suite, shape in (("mnist-c", (2, 1, 28, 28)), ("cifar-c", (2, 3, 32, 32))):
+        # a deterministic image spanning the gray levels
+        levels = (torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) * 37 % 256) / 255.0
+        for dtype in dtypes:
+            x = (levels * 255).round().to(dtype) if dtype == torch.uint8 else levels.to(dtype)
+            for name in names(suite):
+                corrupt(x, name, 3, suite=suite)
+    return time.perf_counter() - t0

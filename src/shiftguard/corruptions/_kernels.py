@@ -52,7 +52,7 @@ def serves(x: torch.Tensor, floating: bool = False) -> bool:
 
 __all__ = [
     "AVAILABLE", "serves", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
-    "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid", "warm_up",
+    "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid",
 ]
 
 if AVAILABLE:
@@ -447,39 +447,3 @@ if AVAILABLE:
                         sy += dy[n, i, j]
                     out[n, i, j, 0] = sx * scale_x + shift_x
                     out[n, i, j, 1] = sy * scale_y + shift_y
-
-
-def warm_up(dtypes=(torch.uint8, torch.float32)) -> float:
-    """Compile (or load from numba's disk cache) the corruption kernels; return the seconds taken.
-
-    Runs every corruption of the ``mnist-c`` suite on two 1x28x28 images and of the ``cifar-c`` suite
-    on two 3x32x32 images, at severity 3, once per dtype in ``dtypes`` (uint8 0..255, float in
-    [0, 1]); the outputs are discarded and the global RNG is not used. The kernels compile on their
-    first call per argument types (seconds on a machine whose cache is empty): called first, the
-    compilation is a step of its own that a caller can time and announce, instead of a part of the
-    first evaluation's time. A variant that a later input needs and these did not (another dtype)
-    still compiles on its first call. Returns 0.0 at once without numba (the torch code runs:
-    nothing to compile).
-
-    Raises:
-        ValueError: ``dtypes`` holds a dtype other than uint8 or a float one (those
-            :func:`shiftguard.corruptions.corrupt` takes).
-    """
-    for dtype in dtypes:
-        if not isinstance(dtype, torch.dtype) or (dtype != torch.uint8 and not dtype.is_floating_point):
-            raise ValueError(f"dtypes: expected torch.uint8 or float dtypes, got {dtype}")
-    if not AVAILABLE:
-        return 0.0
-    import time
-
-    from shiftguard import corruptions as SC
-
-    t0 = time.perf_counter()
-    for suite, shape in (("mnist-c", (2, 1, 28, 28)), ("cifar-c", (2, 3, 32, 32))):
-        # a deterministic image spanning the gray levels
-        levels = (torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) * 37 % 256) / 255.0
-        for dtype in dtypes:
-            x = (levels * 255).round().to(dtype) if dtype == torch.uint8 else levels.to(dtype)
-            for name in SC.names(suite):
-                SC.corrupt(x, name, 3, suite=suite)
-    return time.perf_counter() - t0
