@@ -171,7 +171,9 @@ def test_input_is_not_modified():
 def test_chunked_processing_matches_for_small_batches(monkeypatch):
     x = synthetic_scene(6, 32)
     whole = C.corrupt(x, "contrast", 3)
-    monkeypatch.setattr(C, "CHUNK", 4)
+    from shiftguard.corruptions import engine
+
+    monkeypatch.setattr(engine, "CHUNK", 4)  # the engine reads its own module's CHUNK
     assert torch.equal(C.corrupt(x, "contrast", 3), whole)  # deterministic op: chunking invisible
 
 

@@ -20,7 +20,7 @@ Subpackages (each concept lives in the module named after it):
 ``import shiftguard`` stays light.
 """
 
-__version__ = "0.1.0"
+from shiftguard._version import __version__
 
 __all__ = ["evaluate", "EvaluationResult", "__version__"]
 

@@ -87,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         top = _top_parser()
         ns, _ = top.parse_known_args(argv[:1])
         if ns.version:
-            from shiftguard import __version__
+            from shiftguard._version import __version__
 
             print(f"shiftguard {__version__}")
             return 0

@@ -70,8 +70,8 @@ def gallery(
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    from . import corrupt
-    from . import names as suite_names
+    from .engine import corrupt
+    from .engine import names as suite_names
 
     if not isinstance(images, torch.Tensor) or images.dim() != 4:
         raise ValueError("images: expected a tensor (N, C, H, W)")

@@ -159,7 +159,7 @@ def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cell
                   baseline_rows: Optional[list[dict]] = None, baseline_name: Optional[str] = None,
                   kind: str = "evaluate") -> dict:
     """The JSON-able results dict shared by ``evaluate`` and ``shiftguard run`` (``results.json``)."""
-    from shiftguard import __version__
+    from shiftguard._version import __version__
 
     rows = grid["rows"]
     skipped = {(s["model"], s["head"]) for s in grid["skipped_heads"]}

@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shiftguard import __version__
 from shiftguard import corruptions as C
+from shiftguard._version import __version__
 from shiftguard.io import atomic_write_bytes, atomic_write_json, sha256_file
 
 SUITE_CHOICES = ("mnist-c", "cifar-c", "cifar-c-extra", "cifar-c+extra")

@@ -434,7 +434,7 @@ def versions() -> dict:
     import numpy
     import sklearn
 
-    from shiftguard import __version__
+    from shiftguard._version import __version__
 
     return {"shiftguard": __version__, "python": platform.python_version(), "torch": torch.__version__,
             "numpy": numpy.__version__, "scikit-learn": sklearn.__version__, "platform": platform.platform()}

@@ -10,6 +10,13 @@ from __future__ import annotations
 from typing import Callable
 
 from shiftguard.heads.base import EmbeddingHead
+from shiftguard.heads.distance_ratio import DistanceRatioHead
+from shiftguard.heads.knn_baselines import KNNVote, OneNN, WeightedKNN
+from shiftguard.heads.logistic import LogisticRegressionHead
+from shiftguard.heads.ned import NED
+from shiftguard.heads.quantile import QuantileClassifierHead
+from shiftguard.heads.softmax import SoftmaxHead
+from shiftguard.heads.temperature import TemperatureScaling
 from shiftguard.registry import Registry
 
 __all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "build_head", "head_input"]
@@ -19,21 +26,15 @@ __all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "bui
 HEAD_REGISTRY: Registry[Callable[[int, int], EmbeddingHead]] = Registry("head", argument="heads")
 
 
-def _heads():
-    from shiftguard import heads  # deferred: this module is imported by shiftguard.heads itself
-
-    return heads
-
-
-HEAD_REGISTRY.register("softmax", lambda num_classes, k: _heads().SoftmaxHead(num_classes=num_classes))
-HEAD_REGISTRY.register("temperature", lambda num_classes, k: _heads().TemperatureScaling(num_classes=num_classes))
-HEAD_REGISTRY.register("logistic", lambda num_classes, k: _heads().LogisticRegressionHead(num_classes=num_classes))
-HEAD_REGISTRY.register("quantile", lambda num_classes, k: _heads().QuantileClassifierHead(num_classes=num_classes))
-HEAD_REGISTRY.register("ned", lambda num_classes, k: _heads().NED(k=k, fit_mode="holdout", num_classes=num_classes))
-HEAD_REGISTRY.register("knn", lambda num_classes, k: _heads().KNNVote(k=k, num_classes=num_classes))
-HEAD_REGISTRY.register("wknn", lambda num_classes, k: _heads().WeightedKNN(k=k, num_classes=num_classes))
-HEAD_REGISTRY.register("1nn", lambda num_classes, k: _heads().OneNN(num_classes=num_classes))
-HEAD_REGISTRY.register("distance_ratio", lambda num_classes, k: _heads().DistanceRatioHead(num_classes=num_classes))
+HEAD_REGISTRY.register("softmax", lambda num_classes, k: SoftmaxHead(num_classes=num_classes))
+HEAD_REGISTRY.register("temperature", lambda num_classes, k: TemperatureScaling(num_classes=num_classes))
+HEAD_REGISTRY.register("logistic", lambda num_classes, k: LogisticRegressionHead(num_classes=num_classes))
+HEAD_REGISTRY.register("quantile", lambda num_classes, k: QuantileClassifierHead(num_classes=num_classes))
+HEAD_REGISTRY.register("ned", lambda num_classes, k: NED(k=k, fit_mode="holdout", num_classes=num_classes))
+HEAD_REGISTRY.register("knn", lambda num_classes, k: KNNVote(k=k, num_classes=num_classes))
+HEAD_REGISTRY.register("wknn", lambda num_classes, k: WeightedKNN(k=k, num_classes=num_classes))
+HEAD_REGISTRY.register("1nn", lambda num_classes, k: OneNN(num_classes=num_classes))
+HEAD_REGISTRY.register("distance_ratio", lambda num_classes, k: DistanceRatioHead(num_classes=num_classes))
 
 #: Heads that read logits ``(N, C)``.
 LOGIT_HEADS = ("softmax", "temperature")
