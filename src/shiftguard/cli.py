@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
+import os
 import sys
 from typing import Optional, Sequence
 
@@ -78,7 +79,20 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _passive_openmp_waiting() -> None:
+    """Let idle OpenMP threads sleep instead of spinning, unless the user chose otherwise.
+
+    libgomp's threads spin for a while after each parallel region; between the many small torch
+    ops of a training or evaluation step the spinning threads take the core the next op needs,
+    so two threads ran ``shiftguard run --quick`` slower than one (benchmarks/bench_threads.py,
+    docs/performance.md). The variable is read when the OpenMP runtime starts, so it is set
+    before torch is imported; a process that imported torch earlier keeps its setting."""
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    _passive_openmp_waiting()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     if debug:
