@@ -1,4 +1,4 @@
-"""Crash safety (issue #8): a run killed at any moment resumes to the same result.
+"""Crash safety: a run killed at any moment resumes to the same result.
 
 Faults are real ``SIGKILL`` s of real processes (no ``finally`` blocks, no atexit, no flush):
 

@@ -1,4 +1,4 @@
-"""Fuzzing every file loader (issue #8): damaged files fail clearly, pickles never run code.
+"""Fuzzing every file loader: damaged files fail clearly, pickles never run code.
 
 Each format is built small and valid, then damaged by seeded random truncations and byte flips
 (half of the flips aimed at the first 64 bytes, where headers live). Every damaged file must either

@@ -1,4 +1,4 @@
-"""Memory bounds (issue #8): kNN heads and retrieval metrics never build an N x N matrix.
+"""Memory bounds: kNN heads and retrieval metrics never build an N x N matrix.
 
 Method. ``tracemalloc`` cannot see torch's allocations, so the peak *resident set size* of a fresh
 subprocess is measured instead: before each operation the kernel's peak counter is reset (writing
