@@ -34,8 +34,8 @@ from . import plots as P
 from .plots import CLEAN, as_number, benchmark_corruptions, cell_index, primary_keys, severity_curve
 
 __all__ = [
-    "build_report", "render_html", "make_plots", "write_csv", "summary_rows", "format_summary", "headline_rows",
-    "build_comparison", "render_comparison", "protocol_differences", "delta_rows", "results_problems",
+    "build_report", "render_html", "make_plots", "write_csv", "csv_text", "summary_rows", "format_summary",
+    "headline_rows", "build_comparison", "render_comparison", "protocol_differences", "delta_rows", "results_problems",
 ]
 
 CSV_FIXED = ["model", "context", "head", "corruption", "severity", "n"]
@@ -252,6 +252,11 @@ def format_summary(results: dict) -> str:
 # --------------------------------------------------------------------------- files
 def write_csv(path: Path, rows: list[dict]) -> Path:
     """Every result row, one line each (``CSV_FIXED`` columns first); ``None`` as an empty field."""
+    return atomic_write_text(path, csv_text(rows))
+
+
+def csv_text(rows: list[dict]) -> str:
+    """The CSV of :func:`write_csv` as a string."""
     keys = list(CSV_FIXED)
     for r in rows:
         keys += [k for k in r if k not in keys]
@@ -260,7 +265,7 @@ def write_csv(path: Path, rows: list[dict]) -> Path:
     w.writeheader()
     for r in rows:
         w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
-    return atomic_write_text(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> dict[str, Path]:

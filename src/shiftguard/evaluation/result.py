@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 from pathlib import Path
@@ -12,9 +10,6 @@ from typing import Optional, Union
 from shiftguard.io import atomic_write_text
 
 __all__ = ["EvaluationResult"]
-
-_CSV_FIXED = ["model", "context", "head", "corruption", "severity", "n", "group"]
-
 
 def _headline(results: dict) -> dict[tuple, dict]:
     """Per (model, context, head): the numbers a comparison puts side by side."""
@@ -94,15 +89,9 @@ class EvaluationResult:
     # -- files ----------------------------------------------------------------------------------
     def to_csv(self, path: Optional[Union[str, Path]] = None) -> str:
         """One line per cell (every metric a column); written atomically to ``path`` when given."""
-        keys = list(_CSV_FIXED)
-        for r in self.rows:
-            keys += [k for k in r if k not in keys]
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
-        w.writeheader()
-        for r in self.rows:
-            w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
-        text = buf.getvalue()
+        from .report import csv_text
+
+        text = csv_text(self.rows)
         if path is not None:
             atomic_write_text(Path(path), text)
         return text
