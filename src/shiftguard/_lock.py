@@ -17,7 +17,7 @@ from typing import Optional
 try:  # POSIX
     import fcntl
 except ImportError:  # pragma: no cover - Windows: byte-range locking of the first byte instead
-    fcntl = None
+    fcntl = None  # type: ignore[assignment]
     import msvcrt
 
 __all__ = ["DirectoryLock", "DirectoryInUseError", "LOCK_NAME"]

@@ -36,10 +36,10 @@ try:  # numba is a dependency, but every kernel has a torch equivalent that runs
     AVAILABLE = True
 except ImportError:  # pragma: no cover - exercised only where numba is missing
     AVAILABLE = False
-    _numba_njit = None
+    _numba_njit = None  # type: ignore[assignment]
 
 # set once the warning that kernels compile without a disk cache has been given in this process
-_UNCACHED_WARNED = []
+_UNCACHED_WARNED: list[bool] = []
 
 
 def _cached_or_not(fn, options):

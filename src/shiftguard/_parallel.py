@@ -173,6 +173,6 @@ def parallel_parts(fn: Callable[[int], None], n_parts: int, threads: Optional[in
     pool = _pool(threads)
     futures = [pool.submit(fn, i) for i in range(n_parts)]
     errors = [f.exception() for f in futures]  # waits for every part, also after one failed
-    for e in errors:
-        if e is not None:
-            raise e
+    for err in errors:
+        if err is not None:
+            raise err

@@ -18,7 +18,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, cast
 
 __all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "sha256_file"]
 
@@ -64,7 +64,7 @@ def _named_failures(path: Path):
         raise named from exc
 
 
-def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], None]) -> Path:
+def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], object]) -> Path:
     """Call ``writer(fileobj)`` on a temporary file, then atomically move it to ``path``.
 
     Raises the ``OSError`` (``filename`` = ``path``) of a write the system refused, see the module
@@ -85,7 +85,7 @@ def atomic_write(path: str | os.PathLike, writer: Callable[[IO[bytes]], None]) -
                 os.chmod(tmp, 0o666 & ~umask)
             guard = _WriteGuard(fh)
             try:
-                writer(guard)
+                writer(cast(IO[bytes], guard))  # duck-typed: write() guarded, the rest delegated
             except Exception as exc:
                 if guard.error is None:
                     raise

@@ -134,8 +134,8 @@ def sample_levels(x: Tensor, tables: AliasTables, gen: torch.Generator) -> Tenso
     thresholds, alias = tables.thresholds, tables.outcomes[: K * K]
     if _kernels.serves(x):  # one compiled loop, counter-based bits
         seed = int(torch.randint(0, 2**63 - 1, (1,), generator=gen))
-        flat = x.reshape(-1).contiguous().numpy()
-        return torch.from_numpy(_kernels.sample_levels(flat, thresholds.numpy(), alias.numpy(), seed)).view(x.shape)
+        flat_np = x.reshape(-1).contiguous().numpy()
+        return torch.from_numpy(_kernels.sample_levels(flat_np, thresholds.numpy(), alias.numpy(), seed)).view(x.shape)
     bits = _Bits(gen, x.device)
     flat = x.reshape(-1)
     out = torch.empty_like(flat)

@@ -347,21 +347,21 @@ def motion_blur(x: Tensor, radius: float, sigma: float, angle_deg: Tensor) -> Te
     width = 2 * int(math.ceil(radius)) + 1
     i = torch.arange(width, dtype=torch.float64)
     k = torch.exp(-(i**2) / (2 * float(sigma) ** 2))
-    k = (k / k.sum()).tolist()
+    weights = (k / k.sum()).tolist()
     a = angle_deg.to(torch.float64) * (math.pi / 180.0)
     sin_a, cos_a = torch.sin(a), torch.cos(a)
     taps = []  # (weight, row offsets (N,), column offsets (N,), tap inside the image (N,))
     for t in range(width):
-        if k[t] < 1e-7:  # a far tail tap: changes no pixel by more than 1e-7 (skipped for speed)
+        if weights[t] < 1e-7:  # a far tail tap: changes no pixel by more than 1e-7 (skipped for speed)
             continue
         oy = torch.ceil(t * sin_a - 0.5).long().to(x.device)
         ox = torch.ceil(t * cos_a - 0.5).long().to(x.device)
-        taps.append((k[t], oy, ox, ((oy.abs() < H) & (ox.abs() < W)).to(x.dtype)))
+        taps.append((weights[t], oy, ox, ((oy.abs() < H) & (ox.abs() < W)).to(x.dtype)))
     if _kernels.serves(x, floating=True) and taps:
-        oy = torch.stack([t[1] for t in taps]).numpy()
-        ox = torch.stack([t[2] for t in taps]).numpy()
-        w = torch.stack([kt * valid for kt, _, _, valid in taps]).numpy()
-        return torch.from_numpy(_kernels.motion_blur_taps(x.detach().contiguous().numpy(), oy, ox, w))
+        tap_oy = torch.stack([t[1] for t in taps]).numpy()
+        tap_ox = torch.stack([t[2] for t in taps]).numpy()
+        tap_w = torch.stack([kt * valid for kt, _, _, valid in taps]).numpy()
+        return torch.from_numpy(_kernels.motion_blur_taps(x.detach().contiguous().numpy(), tap_oy, tap_ox, tap_w))
     rows = torch.arange(H, device=x.device)
     cols = torch.arange(W, device=x.device)
     out = torch.empty_like(x)
@@ -473,7 +473,7 @@ def _sample_compiled(x: Tensor, matrix: Optional[Tensor], dx: Optional[Tensor], 
         m[:, 1, 1] = 1.0
     else:
         m = np.ascontiguousarray(matrix.detach().to(torch.float64).expand(N, 2, 3).numpy())
-    if dx is None:
+    if dx is None or dy is None:  # both or neither (the callers' contract)
         ddx = ddy = np.zeros((0, 1, 1), dtype=np.float32)
     else:
         ddx = np.ascontiguousarray(dx.detach().expand(N, H, W).numpy())

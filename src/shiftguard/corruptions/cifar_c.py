@@ -292,9 +292,9 @@ def _spatter_block(x: Tensor, liquid: Tensor, c, s) -> Tensor:
         dist = _ops.distance_to_edges(edges, 20.0).to(x.dtype)
         colour = torch.tensor([175.0, 238.0, 238.0], dtype=x.dtype, device=x.device).view(1, 3, 1, 1) / 255
         if _kernels.serves(x, floating=True):
-            ker = np.array([[-2.0, -1.0, 0.0], [-1.0, 1.0, 1.0], [0.0, 1.0, 2.0]], dtype=dist.numpy().dtype)
-            args = (liquid[:, 0].contiguous().numpy(), dist[:, 0].contiguous().numpy(), ker)
-            add = torch.from_numpy(_kernels.spatter_water(*args, ker.dtype.type(intensity), colour.view(3).numpy()))
+            emboss = np.array([[-2.0, -1.0, 0.0], [-1.0, 1.0, 1.0], [0.0, 1.0, 2.0]], dtype=dist.numpy().dtype)
+            args = (liquid[:, 0].contiguous().numpy(), dist[:, 0].contiguous().numpy(), emboss)
+            add = torch.from_numpy(_kernels.spatter_water(*args, emboss.dtype.type(intensity), colour.view(3).numpy()))
             return x + (_ops.rgb_to_gray(add) if C == 1 else add)
         dist = torch.floor(_ops.box_blur3(dist))
         dist = _ops.equalize_hist_u8(dist)

@@ -22,16 +22,17 @@ import dataclasses
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 from shiftguard.heads.registry import HEAD_NAMES  # the heads [[models]].heads may name
 
-try:  # Python >= 3.11
+if sys.version_info >= (3, 11):
     import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "DataConfig", "TrainConfig", "EvalConfig", "ModelConfig", "RunConfig",

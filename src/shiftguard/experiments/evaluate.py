@@ -17,6 +17,7 @@ import argparse
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -69,6 +70,7 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"--weights: no such file: {p}")
+    state: Any
     if p.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file

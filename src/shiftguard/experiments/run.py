@@ -29,7 +29,7 @@ import threading
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -192,6 +192,7 @@ def make_shift_source(cfg: C.RunConfig, data: dict,
     official = CORRUPTED_SETS.get(data["name"]) if d.dataset not in ("mnist-default", "default") else None
 
     def from_official(c: str, s: int) -> torch.Tensor:
+        assert official is not None  # only called when the dataset has an official corrupted set
         ds = D.load(official, "test", d.root or None, corruption=c, severity=s)
         labels = ds.labels if test_idx is None else ds.labels[test_idx]
         images = ds.images if test_idx is None else ds.images[test_idx]
@@ -499,7 +500,8 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
 
     e = cfg.eval
     contexts = ("batch", "frozen") if e.frozen_context else ("batch",)
-    trained, timings = [], {"compile_s": compile_s, "train_s": {}, "evaluate_s": 0.0}
+    trained: list[dict] = []
+    timings: dict[str, Any] = {"compile_s": compile_s, "train_s": {}, "evaluate_s": 0.0}
     training = {}
     for m in cfg.models:
         t0 = time.perf_counter()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ __all__ = ["build_mlp", "train_and_evaluate", "run_toy", "add_arguments", "main"
 
 def build_mlp(activation: str, hidden: int = 32, n_samples: int = 200) -> nn.Sequential:
     """MLP 2 -> hidden -> hidden -> 1 logit with ``relu`` or ``qact`` activations."""
+    act: Callable[[], nn.Module]
     if activation == "relu":
         act = nn.ReLU
     elif activation == "qact":

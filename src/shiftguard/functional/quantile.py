@@ -292,8 +292,8 @@ def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool =
     ``searchsorted(quantiles, v, right=True)``, ties included). Returns ``(stats, counts)`` then.
     """
     if not with_counts and _compiled(values):
-        ctx = _qact_cpu.sorted_grounded_context(values.detach().contiguous().numpy()[None], c)
-        return _compiled_statistics(ctx, n_tau, n_samples, generator, values)
+        sorted_ctx = _qact_cpu.sorted_grounded_context(values.detach().contiguous().numpy()[None], c)
+        return _compiled_statistics(sorted_ctx, n_tau, n_samples, generator, values)
     ch, m = values.shape
     bounds = torch.tensor([-c, c], dtype=values.dtype, device=values.device).expand(ch, 2)
     ctx, order = _sort_rows(torch.cat([values, bounds], dim=1))
@@ -432,15 +432,17 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
     # rows of an (N, C) input are short: sorted inside the fused pass, one parallel region; rows of
     # a conv input are long: sorted in a region of their own, which balances the threads better
     merged = fused and x3.shape[2] == 1 and _qact_cpu.all_finite(x3)
-    ctx = None if merged else _qact_cpu.sorted_grounded_context(x3, c)
-    if not (merged or (fused and _qact_cpu.sorted_context_finite(ctx))):
-        q = _qact_cpu.grounded_quantiles(ctx, n_tau)
-        # the output pass also checks for NaN/inf, before any random draw or stored statistic
-        out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
-        stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
-        if running is not None:
-            _move_running(running, stats)
-        return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
+    ctx = None
+    if not merged:
+        ctx = _qact_cpu.sorted_grounded_context(x3, c)
+        if not (fused and _qact_cpu.sorted_context_finite(ctx)):
+            q = _qact_cpu.grounded_quantiles(ctx, n_tau)
+            # the output pass also checks for NaN/inf, before any random draw or stored statistic
+            out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
+            stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
+            if running is not None:
+                _move_running(running, stats)
+            return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
     arrays = _running_arrays(running, x, n_tau, n_samples)
     # where the pass moves the running statistics itself, it keeps no samples (stats has (C, 0)):
     # they are needed only for that update

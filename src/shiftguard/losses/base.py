@@ -51,12 +51,14 @@ def validate_batch(embeddings, labels, *, min_dim: int = 1) -> tuple[torch.Tenso
 
 def zero_loss(*tensors: torch.Tensor) -> torch.Tensor:
     """An exact scalar 0 that stays attached to the graph of ``tensors`` (so ``backward`` works)."""
-    out = None
+    out: torch.Tensor | None = None
     for t in tensors:
         if t is None:
             continue
         term = t.sum() * 0.0
         out = term if out is None else out + term
+    if out is None:
+        raise ValueError("tensors: zero_loss needs at least one tensor to attach the zero to")
     return out
 
 

@@ -261,6 +261,8 @@ class ProxyDRLoss(EmbeddingLoss):
     every proxy: uniform probabilities, finite gradients.
     """
 
+    scale: torch.Tensor
+
     def __init__(
         self,
         num_classes: int,

@@ -79,18 +79,19 @@ class CrossEntropyLoss(EmbeddingLoss):
         return F.cross_entropy(F.linear(embeddings, w, b), labels)
 
 
-def _need(embedding_dim, num_classes, name):
+def _need(embedding_dim, num_classes, name) -> tuple[int, int]:
+    """``(embedding_dim, num_classes)``, both given and positive integers."""
     if embedding_dim is None or num_classes is None:
         raise ValueError(f"embedding_dim and num_classes: both are required for loss {name!r}")
     check_positive(embedding_dim, "embedding_dim", integer=True)
     check_positive(num_classes, "num_classes", integer=True)
+    return embedding_dim, num_classes
 
 
 def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None, **kw):
     """Build one of :data:`PML_LOSSES` by name."""
     if name == "cross_entropy":
-        _need(embedding_dim, num_classes, name)
-        return CrossEntropyLoss(embedding_dim, num_classes)
+        return CrossEntropyLoss(*_need(embedding_dim, num_classes, name))
     if name == "triplet":
         margin = kw.pop("margin", 0.1)
         miner = pml_miners.TripletMarginMiner(margin=margin, type_of_triplets=kw.pop("type_of_triplets", "semihard"))

@@ -94,7 +94,7 @@ def _split_vmf_large(embeddings: torch.Tensor, large: torch.Tensor, eps: float):
     kappa = embeddings.new_empty(embeddings.shape[0])
     mu = mu.index_put((large,), scaled / norm_scaled.unsqueeze(1))
     kappa = kappa.index_put((large,), big_kappa)
-    if small_mu is not None:
+    if small_mu is not None and small_kappa is not None:
         mu = mu.index_put((~large,), small_mu)
         kappa = kappa.index_put((~large,), small_kappa)
     return mu, kappa

@@ -60,6 +60,8 @@ class EmbeddingClassifier(nn.Module):
     activation: str
     embedding_dim: int
     classifier: nn.Linear
+    features: nn.Module
+    projection: nn.Module
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return self.projection(self.features(x))

@@ -106,6 +106,8 @@ class ConvertedActivation(nn.Module):
         ValueError: for an input with fewer than 2 dimensions.
     """
 
+    _like: torch.Tensor
+
     def __init__(self, to: str, block: bool = True, qact_kwargs: Optional[dict] = None,
                  like: Optional[torch.Tensor] = None):
         super().__init__()
@@ -121,6 +123,7 @@ class ConvertedActivation(nn.Module):
         self._materialised = False  # a forward of the model has completed: the number of sites is fixed
 
     def _make_site(self, num_features: int) -> nn.Module:
+        site: nn.Module
         if self.to_name == "qact":
             site = (QACTBlock(num_features, **self.qact_kwargs) if self.block
                     else QuantileActivation(num_features=num_features, **self.qact_kwargs))

@@ -95,6 +95,11 @@ class QuantileActivation(nn.Module):
     deterministic given ``torch.manual_seed``.
     """
 
+    running_quantiles: torch.Tensor
+    running_samples: torch.Tensor
+    running_bandwidth: torch.Tensor
+    num_batches_tracked: torch.Tensor
+
     def __init__(self, n_tau: int = 100, c: float = 100.0, n_samples: int = 1000, context: str = "batch",
                  momentum: Optional[float] = 0.1, num_features: Optional[int] = None):
         super().__init__()

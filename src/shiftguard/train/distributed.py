@@ -47,7 +47,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -211,7 +211,7 @@ def all_gather_results(fn: Callable[[], object], what: str = "work") -> list:
 
     error: Optional[BaseException] = None
     try:
-        message = ("ok", pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL))
+        message: tuple[str, object] = ("ok", pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL))
     except Exception as exc:  # any failure of fn: every process must still reach the gather below
         error, message = exc, ("error", f"{type(exc).__name__}: {exc}")
     box: list = [None] * dist.get_world_size()
@@ -312,7 +312,7 @@ def make_distributed_loader(dataset, batch_size: int, shuffle: bool = True, *, s
     if not is_distributed():
         return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
                           generator=torch.Generator().manual_seed(seed), **loader_kwargs)
-    sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    sampler: DistributedSampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)
 
 
@@ -345,7 +345,8 @@ def wrap_ddp(model: nn.Module, device: torch.device | str = "cpu", *, find_unuse
     # Newer PyTorch renames broadcast_buffers=False to forward_sync_buffers=False (both keep the
     # initial broadcast from rank 0 of parameters; buffers too with the new name, which is fine).
     params = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_fwd_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    no_fwd_sync: dict[str, Any] = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                                   else {"broadcast_buffers": False})
     return DistributedDataParallel(
         MethodDispatch(model), device_ids=[dev.index] if dev.type == "cuda" else None,
         find_unused_parameters=find_unused_parameters, process_group=process_group, **no_fwd_sync,
@@ -578,11 +579,12 @@ class DistributedTrainer(Trainer):
 
     def _multistage_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The trainer's multistage step, over the global batch (:func:`distributed_multistage_step`)."""
-        if self.ddp is None:
+        ddp = self.ddp
+        if ddp is None:
             return super()._multistage_step(x, y)
         loss = self.loss_fn.loss if isinstance(self.loss_fn, GlobalBatchLoss) else self.loss_fn
-        return distributed_multistage_step(self.ddp, loss, x, y, self.chunk_size,
-                                           embed=lambda t: self.ddp(t, method="embed"),
+        return distributed_multistage_step(ddp, loss, x, y, self.chunk_size,
+                                           embed=lambda t: ddp(t, method="embed"),
                                            process_group=self.process_group)
 
     # Each global batch of the single-process trainer, split across processes.
@@ -606,7 +608,8 @@ class DistributedTrainer(Trainer):
         keys = sorted(out)
         vals = all_reduce_sum(torch.tensor([out[k] for k in keys], dtype=torch.float64, device=self.device))
         out = {k: float(v) / self.world_size for k, v in zip(keys, vals)}
-        if self.loss_on == "embeddings":  # class means from every process's embeddings
+        # Class means from every process's embeddings (the epoch above has set the sums).
+        if self.loss_on == "embeddings" and self._emb_sum is not None:
             self._emb_sum = all_reduce_sum(self._emb_sum)
             self._emb_cnt = all_reduce_sum(self._emb_cnt)
             self._class_means = self._emb_sum / self._emb_cnt.clamp_min(1).unsqueeze(1)

@@ -29,7 +29,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -78,6 +78,11 @@ class Trainer:
     callable is a ``ValueError``.
     """
 
+    #: Nearest-class-mean validation head of embedding losses: class means (C, D) of the last
+    #: epoch's training embeddings and which classes had any.
+    _class_means: torch.Tensor
+    _class_present: torch.Tensor
+
     def __init__(
         self,
         model: nn.Module,
@@ -124,7 +129,8 @@ class Trainer:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {v!r}")
         self.device = torch.device(device)
-        self.model = model.to(self.device)
+        # Any: the model's embed() (and a DDP view's) is checked above, not by the nn.Module type.
+        self.model: Any = model.to(self.device)
         self.loss_fn = loss.to(self.device) if isinstance(loss, nn.Module) else loss
         self.loss_on = loss_on
         self.epochs, self.batch_size, self.val_batch_size = epochs, batch_size, val_batch_size
@@ -192,6 +198,8 @@ class Trainer:
         if self.loss_on == "logits":
             out["train_acc"] = n_correct / max(n_seen, 1)
         else:
+            if self._emb_sum is None:
+                raise RuntimeError(f"{self.desc}: epoch {epoch} ran no training batch, so there are no class means")
             self._class_means = self._emb_sum / self._emb_cnt.clamp_min(1).unsqueeze(1)
             self._class_present = self._emb_cnt > 0
         return out

@@ -126,7 +126,7 @@ def _sort_and_pass(c0: int, c1: int, ctx: np.ndarray, x3: np.ndarray, seed: int,
     _batch_channels(c0, c1, ctx, x3, seed, c_bound, *rest)
 
 
-def batch_channels(x3: np.ndarray, ctx: np.ndarray, c: float, n_tau: int, n_samples: int, seed: int,
+def batch_channels(x3: np.ndarray, ctx: np.ndarray | None, c: float, n_tau: int, n_samples: int, seed: int,
                    values_by_count: np.ndarray, points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
                    truncate: float = TRUNCATE, max_points: int = 4096, running=None, keep_samples: bool = True):
     """Everything the batch context of a layer that needs its gradient computes, in one pass per

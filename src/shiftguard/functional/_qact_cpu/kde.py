@@ -348,7 +348,9 @@ def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax:
     h = np.asarray(bandwidth, dtype=np.float64)
     f64 = [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in
            (samples.min(axis=1), samples.max(axis=1), h, xmin, xmax)]
-    lo, delta, n_grid = (t.numpy() for t in grid_layout(*f64, points_per_bandwidth, truncate, max_points))
+    smin, smax, h64, xmin64, xmax64 = f64
+    lo, delta, n_grid = (t.numpy() for t in grid_layout(smin, smax, h64, xmin64, xmax64, points_per_bandwidth,
+                                                        truncate, max_points))
     grid = np.zeros((samples.shape[0], int(n_grid.max())), dtype=np.float64)
     _run(_kde_grid, samples.shape[0], grid.size * 64, samples, h, lo, delta, n_grid, float(truncate), grid)
     return grid, lo, delta, n_grid
