@@ -347,27 +347,43 @@ def test_trainer_log_callable_receives_the_epoch_lines(capsys):
         _fit(capsys, log="yes")
 
 
-# --------------------------------------------------------------------------- QACT compile step
-def _cfg(activation):
-    return C.config_from_dict({"models": [{"arch": "lenet", "activation": activation}]})
+# --------------------------------------------------------------------------- kernel compile step
+def _cfg(activation, source="auto", suite="mnist-c"):
+    return C.config_from_dict({"models": [{"arch": "lenet", "activation": activation}],
+                               "data": {"corrupted_source": source, "suite": suite}})
 
 
 def test_compile_step_is_announced_with_its_duration_when_slow(monkeypatch, capsys):
+    import shiftguard.corruptions as K
     import shiftguard.functional as F
 
     monkeypatch.setattr(F, "warm_up", lambda: (time.sleep(1.3), 1.3)[1])
-    assert R.compile_kernels(_cfg("qact"), "cpu") == 1.3
-    assert capsys.readouterr().out == "compiling QACT kernels (first use) ... 1.3 s\n"
+    monkeypatch.setattr(K, "warm_up", lambda **kw: 0.25)
+    assert R.compile_kernels(_cfg("qact"), "cpu") == 1.55
+    assert capsys.readouterr().out == "compiling kernels (first use) ... 1.6 s\n"
 
 
-def test_compile_step_is_silent_when_fast_and_skipped_without_qact(monkeypatch, capsys):
+def test_compile_step_warms_what_the_run_calls_and_is_silent_when_fast(monkeypatch, capsys):
+    import shiftguard.corruptions as K
     import shiftguard.functional as F
 
-    calls = []
-    monkeypatch.setattr(F, "warm_up", lambda: calls.append(1) or 0.01)
-    assert R.compile_kernels(_cfg("qact"), "cpu") == 0.01
-    assert R.compile_kernels(_cfg("relu"), "cpu") == 0.0
-    assert calls == [1] and capsys.readouterr().out == ""
+    qact, corrupt = [], []
+    monkeypatch.setattr(F, "warm_up", lambda: qact.append(1) or 0.01)
+    monkeypatch.setattr(K, "warm_up", lambda **kw: corrupt.append(kw) or 0.02)
+    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(0.03)
+    assert R.compile_kernels(_cfg("relu", suite="cifar-c"), "cpu") == 0.02  # no QACT: the corruptions only
+    assert R.compile_kernels(_cfg("relu", source="official"), "cpu") == 0.0  # read from disk: nothing
+    assert qact == [1]
+    assert corrupt == [{"dtypes": (torch.uint8,), "suites": ("mnist-c",)},
+                       {"dtypes": (torch.uint8,), "suites": ("cifar-c",)}]
+    assert capsys.readouterr().out == ""
+
+
+def test_corruption_warm_up_names_a_bad_suite():
+    import shiftguard.corruptions as K
+
+    with pytest.raises(ValueError, match="suites"):
+        K.warm_up(suites=("imagenet-c",))
 
 
 def test_warm_up_compiles_what_a_qact_model_then_uses():

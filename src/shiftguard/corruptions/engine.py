@@ -238,12 +238,13 @@ def _corrupt_labelled(data, name, severity, seed, *, suite, params):
     return corrupt(images, name, severity, seed, suite=suite, params=params), labels
 
 
-def warm_up(dtypes=(torch.uint8, torch.float32)) -> float:
+def warm_up(dtypes=(torch.uint8, torch.float32), suites=("mnist-c", "cifar-c")) -> float:
     """Compile (or load from numba's disk cache) the corruption kernels; return the seconds taken.
 
-    Runs every corruption of the ``mnist-c`` suite on two 1x28x28 images and of the ``cifar-c`` suite
-    on two 3x32x32 images, at severity 3, once per dtype in ``dtypes`` (uint8 0..255, float in
-    [0, 1]); the outputs are discarded and the global RNG is not used. The kernels compile on their
+    Runs every corruption of the ``mnist-c`` suite on two 1x28x28 images and of the ``cifar-c``
+    suite (``cifar-c-extra`` too where ``suites`` names it) on two 3x32x32 images, at severity 3,
+    once per dtype in ``dtypes`` (uint8 0..255, float in [0, 1]) and suite in ``suites``; the
+    outputs are discarded and the global RNG is not used. The kernels compile on their
     first call per argument types (seconds on a machine whose cache is empty): called first, the
     compilation is a step of its own that a caller can time and announce, instead of a part of the
     first evaluation's time. A variant that a later input needs and these did not (another dtype)
@@ -252,15 +253,21 @@ def warm_up(dtypes=(torch.uint8, torch.float32)) -> float:
 
     Raises:
         ValueError: ``dtypes`` holds a dtype other than uint8 or a float one (those
-            :func:`shiftguard.corruptions.corrupt` takes).
+            :func:`shiftguard.corruptions.corrupt` takes); ``suites`` names an unknown suite.
     """
     for dtype in dtypes:
         if not isinstance(dtype, torch.dtype) or (dtype != torch.uint8 and not dtype.is_floating_point):
             raise ValueError(f"dtypes: expected torch.uint8 or float dtypes, got {dtype}")
+    if isinstance(suites, str):
+        suites = (suites,)
+    for suite in suites:
+        if suite not in SUITES:
+            raise ValueError(f"suites: unknown suite {suite!r}; expected some of {', '.join(SUITES)}")
     if not NUMBA_AVAILABLE:
         return 0.0
     t0 = time.perf_counter()
-    for suite, shape in (("mnist-c", (2, 1, 28, 28)), ("cifar-c", (2, 3, 32, 32))):
+    for suite in suites:
+        shape = (2, 1, 28, 28) if suite == "mnist-c" else (2, 3, 32, 32)
         # a deterministic image spanning the gray levels
         levels = (torch.arange(int(np.prod(shape)), dtype=torch.float64).reshape(shape) * 37 % 256) / 255.0
         for dtype in dtypes:

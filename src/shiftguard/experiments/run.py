@@ -615,15 +615,31 @@ def main(args) -> int:
 
 
 def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
-    """Compile QACT's CPU kernels before any training (:func:`shiftguard.functional.warm_up`) when a
-    model of ``cfg`` has ``activation = "qact"`` and ``device`` is the CPU; return the seconds it took
-    (0.0 when not needed; a fraction of a second once numba's on-disk cache holds the kernels).
+    """Compile the CPU kernels the run will call before any training; return the seconds it took
+    (0.0 when none is needed; a fraction of a second once numba's on-disk cache holds them):
 
-    With ``announce``, a step that lasts over a second prints ``compiling QACT kernels (first use)
-    ...`` when that second has passed and its duration when done, on one line of stdout."""
-    if torch.device(device).type != "cpu" or not any(m.activation.lower() == "qact" for m in cfg.models):
+    - QACT's (:func:`shiftguard.functional.warm_up`) when a model of ``cfg`` has
+      ``activation = "qact"`` and ``device`` is the CPU;
+    - the corruption engine's for ``cfg.data.suite`` on uint8 images
+      (:func:`shiftguard.corruptions.warm_up`), unless ``data.corrupted_source = "official"`` (the
+      corrupted test sets are then read from disk, not generated).
+
+    With ``announce``, a step that lasts over a second prints ``compiling kernels (first use) ...``
+    when that second has passed and its duration when done, on one line of stdout."""
+    steps = []
+    if torch.device(device).type == "cpu" and any(m.activation.lower() == "qact" for m in cfg.models):
+        from shiftguard.functional import warm_up as qact_warm_up
+
+        steps.append(qact_warm_up)
+    if cfg.data.corrupted_source != "official":
+        from shiftguard import corruptions as K
+
+        steps.append(lambda: K.warm_up(dtypes=(torch.uint8,), suites=(cfg.data.suite,)))
+    if not steps:
         return 0.0
-    from shiftguard.functional import warm_up
+
+    def warm_up() -> float:
+        return sum(step() for step in steps)
 
     # state["open"]: the announcement line was started and awaits its duration; state["done"]: the
     # step ended, so a timer firing late must not start the line.
@@ -632,7 +648,7 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
     def begin():
         with lock:
             if not state["done"]:
-                print("compiling QACT kernels (first use) ...", end="", flush=True)
+                print("compiling kernels (first use) ...", end="", flush=True)
                 state["open"] = True
 
     timer = threading.Timer(1.0, begin) if announce else None
