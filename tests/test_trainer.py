@@ -92,6 +92,50 @@ def test_embedding_loss_uses_nearest_class_mean_validation():
     assert "train_acc" not in out["history"][0]
 
 
+class _OwnObjective(nn.Module):
+    """A model with its own objective: cross-entropy on its logits plus a penalty the trainer cannot
+    know of (so training through ``training_loss`` is observable), and a call counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = small_mlp()
+        self.extra = nn.Parameter(torch.ones(1))  # only training_loss depends on it
+        self.calls = 0
+
+    def embed(self, x):
+        return self.net.embed(x)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_loss(self, x, y):
+        self.calls += 1
+        return nn.functional.cross_entropy(self(x), y) + self.extra.pow(2).sum()
+
+
+def test_loss_model_trains_with_the_models_own_objective():
+    data = patch_images()
+    torch.manual_seed(0)
+    m = _OwnObjective()
+    tr = make_trainer(m, loss="model", epochs=3)
+    assert tr.loss_on == "model"
+    out = fit(tr, data)
+    assert m.calls == 3 * tr.num_batches(train_val_split(len(data[1]))[0])
+    assert out["best_val_acc"] > 0.9  # validated on the argmax of model(x)
+    # the penalty was optimised (Adam moves the parameter by ~lr per step); plain CE leaves it alone
+    assert float(m.extra) < 1.0 - 0.01
+    plain = _OwnObjective()
+    fit(make_trainer(plain, epochs=3), data)
+    assert float(plain.extra) == 1.0
+
+
+def test_loss_model_needs_a_training_loss_method():
+    with pytest.raises(TypeError, match="training_loss"):
+        make_trainer(small_mlp(), loss="model")
+    with pytest.raises(ValueError, match="loss_on"):
+        make_trainer(_OwnObjective(), loss="model", loss_on="logits")
+
+
 def test_training_is_deterministic_given_the_seed():
     data = patch_images()
     results = []

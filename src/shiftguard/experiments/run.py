@@ -626,7 +626,7 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
 
     With ``announce``, a step that lasts over a second prints ``compiling kernels (first use) ...``
     when that second has passed and its duration when done, on one line of stdout."""
-    steps = []
+    steps: list[Callable[[], float]] = []
     if torch.device(device).type == "cpu" and any(m.activation.lower() == "qact" for m in cfg.models):
         from shiftguard.functional import warm_up as qact_warm_up
 

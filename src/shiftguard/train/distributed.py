@@ -318,18 +318,20 @@ def make_distributed_loader(dataset, batch_size: int, shuffle: bool = True, *, s
 
 # --------------------------------------------------------------------------- DDP wrapping
 class MethodDispatch(nn.Module):
-    """Routes ``forward(x, method=...)`` to ``model.forward`` or another method such as ``embed``.
+    """Routes ``forward(x, *rest, method=...)`` to ``model.forward`` or another method such as
+    ``embed`` or ``training_loss``.
 
-    DDP only synchronises what runs through its own ``forward``; wrapping this module lets both
-    ``model(x)`` and ``model.embed(x)`` do so: ``ddp(x)`` and ``ddp(x, method="embed")``.
+    DDP only synchronises what runs through its own ``forward``; wrapping this module lets
+    ``model(x)``, ``model.embed(x)`` and ``model.training_loss(x, y)`` do so: ``ddp(x)``,
+    ``ddp(x, method="embed")`` and ``ddp(x, y, method="training_loss")``.
     """
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, x: torch.Tensor, method: str = "forward") -> torch.Tensor:
-        return self.model(x) if method == "forward" else getattr(self.model, method)(x)
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor, method: str = "forward") -> torch.Tensor:
+        return self.model(x, *rest) if method == "forward" else getattr(self.model, method)(x, *rest)
 
 
 def wrap_ddp(model: nn.Module, device: torch.device | str = "cpu", *, find_unused_parameters: bool = False,
@@ -358,13 +360,17 @@ class _TrainingView:
 
     For logit losses the view has no ``embed`` attribute, so the trainer calls ``view(x)`` (one DDP
     forward through ``classifier(embed(x))``); for embedding losses ``view.embed(x)`` is
-    ``ddp(x, method="embed")``.
+    ``ddp(x, method="embed")``; for a model's own objective ``view.training_loss(x, y)`` is
+    ``ddp(x, y, method="training_loss")``.
     """
 
-    def __init__(self, ddp: DistributedDataParallel, model: nn.Module, with_embed: bool):
+    def __init__(self, ddp: DistributedDataParallel, model: nn.Module, with_embed: bool,
+                 with_training_loss: bool = False):
         self._ddp, self._model = ddp, model
         if with_embed:
             self.embed = lambda x: ddp(x, method="embed")
+        if with_training_loss:
+            self.training_loss = lambda x, y: ddp(x, y, method="training_loss")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._ddp(x)
@@ -572,7 +578,7 @@ class DistributedTrainer(Trainer):
         super().__init__(model, loss, **trainer_kwargs)
         self.ddp = None
         if self.world_size > 1:
-            self.ddp = wrap_ddp(self.model, self.device, find_unused_parameters=self.loss_on == "embeddings",
+            self.ddp = wrap_ddp(self.model, self.device, find_unused_parameters=self.loss_on != "logits",
                                 process_group=process_group)
             if global_loss and self.loss_on == "embeddings":
                 self.loss_fn = GlobalBatchLoss(self.loss_fn, process_group)
@@ -599,7 +605,8 @@ class DistributedTrainer(Trainer):
         if self.ddp is None:
             return super()._train_epoch(images, labels, epoch, num_classes)
         model = self.model
-        self.model = _TrainingView(self.ddp, model, with_embed=self.loss_on == "embeddings")
+        self.model = _TrainingView(self.ddp, model, with_embed=self.loss_on == "embeddings",
+                                   with_training_loss=self.loss_on == "model")
         try:
             out = super()._train_epoch(images, labels, epoch, num_classes)
         finally:

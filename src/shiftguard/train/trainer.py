@@ -7,10 +7,12 @@
   ``early_stopping_patience`` epochs), keeping the best weights;
 - an 80:20 train/validation split with seed 42 (:func:`train_val_split`).
 
-Any loss works: ``loss_on="logits"`` (cross-entropy on ``model(x)``) or ``loss_on="embeddings"``
-(watershed and other embedding losses on ``model.embed(x)``). For embedding losses the
-validation metric is the accuracy of a nearest-class-mean head whose means are accumulated from
-the epoch's training embeddings (no extra pass).
+Any loss works: ``loss_on="logits"`` (cross-entropy on ``model(x)``), ``loss_on="embeddings"``
+(watershed and other embedding losses on ``model.embed(x)``) or ``loss="model"`` (the model's own
+objective ``model.training_loss(x, y)``, as the uncertainty estimators of
+``shiftguard.uncertainty`` define it; validated on the argmax of ``model(x)``). For embedding
+losses the validation metric is the accuracy of a nearest-class-mean head whose means are
+accumulated from the epoch's training embeddings (no extra pass).
 
 Resumability: a checkpoint is written after every epoch (``train/checkpoint.py``) holding the
 model, optimiser, scheduler, early-stopping state, metric history and the global RNG states.
@@ -29,7 +31,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -114,15 +116,27 @@ class Trainer:
         is_main_process: bool = True,
         log=None,
     ):
+        loss_fn: Optional[nn.Module | Callable] = None
         if isinstance(loss, str):
-            if loss != "cross_entropy":
-                raise ValueError("loss: a string loss must be 'cross_entropy'; build others with "
+            if loss == "model":
+                if not callable(getattr(model, "training_loss", None)):
+                    raise TypeError("model: loss='model' trains with model.training_loss(x, y), which this "
+                                    f"{type(model).__name__} does not have")
+                if loss_on not in (None, "model"):
+                    raise ValueError(f"loss_on: loss='model' computes its own loss; leave loss_on unset, "
+                                     f"got {loss_on!r}")
+                loss_on = "model"
+            elif loss == "cross_entropy":
+                loss_fn = nn.CrossEntropyLoss()
+            else:
+                raise ValueError("loss: a string loss must be 'cross_entropy' or 'model'; build others with "
                                  f"shiftguard.losses.build_loss, got {loss!r}")
-            loss = nn.CrossEntropyLoss()
+        else:
+            loss_fn = loss
         if loss_on is None:
-            loss_on = "logits" if isinstance(loss, nn.CrossEntropyLoss) else "embeddings"
-        if loss_on not in ("logits", "embeddings"):
-            raise ValueError(f"loss_on: expected 'logits' or 'embeddings', got {loss_on!r}")
+            loss_on = "logits" if isinstance(loss_fn, nn.CrossEntropyLoss) else "embeddings"
+        if loss_on not in ("logits", "embeddings", "model"):
+            raise ValueError(f"loss_on: expected 'logits', 'embeddings' or 'model', got {loss_on!r}")
         if not hasattr(model, "embed") and loss_on == "embeddings":
             raise TypeError("model: an embedding loss needs a model with an embed() method")
         for name, v in (("epochs", epochs), ("batch_size", batch_size), ("val_batch_size", val_batch_size)):
@@ -131,7 +145,8 @@ class Trainer:
         self.device = torch.device(device)
         # Any: the model's embed() (and a DDP view's) is checked above, not by the nn.Module type.
         self.model: Any = model.to(self.device)
-        self.loss_fn = loss.to(self.device) if isinstance(loss, nn.Module) else loss
+        # None exactly when loss_on == "model" (the model computes its own loss).
+        self.loss_fn: Any = loss_fn.to(self.device) if isinstance(loss_fn, nn.Module) else loss_fn
         self.loss_on = loss_on
         self.epochs, self.batch_size, self.val_batch_size = epochs, batch_size, val_batch_size
         self.early_stopping_patience = early_stopping_patience
@@ -197,7 +212,7 @@ class Trainer:
         out = {"train_loss": total_loss / max(n_seen, 1)}
         if self.loss_on == "logits":
             out["train_acc"] = n_correct / max(n_seen, 1)
-        else:
+        elif self.loss_on == "embeddings":
             if self._emb_sum is None:
                 raise RuntimeError(f"{self.desc}: epoch {epoch} ran no training batch, so there are no class means")
             self._class_means = self._emb_sum / self._emb_cnt.clamp_min(1).unsqueeze(1)
@@ -225,6 +240,8 @@ class Trainer:
                 out = self.model(x)  # shiftguard's models: forward = classifier(embed(x))
                 loss = self.loss_fn(out, y)
                 n_correct += int((out.argmax(1) == y).sum())
+            elif self.loss_on == "model":
+                loss = self.model.training_loss(x, y)
             else:
                 emb = self.model.embed(x)
                 loss = self.loss_fn(emb, y)
@@ -265,7 +282,7 @@ class Trainer:
         for i in range(0, labels.numel(), self.val_batch_size):
             x = to_model_input(images[i : i + self.val_batch_size], self.device)
             y = labels[i : i + self.val_batch_size].to(self.device)
-            if self.loss_on == "logits":
+            if self.loss_on in ("logits", "model"):
                 pred = self.model(x).argmax(1)
             else:
                 d = torch.cdist(self.model.embed(x).float(), self._class_means)
