@@ -100,7 +100,8 @@ def bench_evaluate(dev, rows, n):
 
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1),
-                        nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 49, 128), nn.ReLU(), nn.Linear(128, 10))
+                        nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 49, 128), nn.ReLU(),
+                        nn.Linear(128, 10))
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)

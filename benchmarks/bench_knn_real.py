@@ -84,7 +84,8 @@ def main() -> None:
           f"torch threads={torch.get_num_threads()}")
     print(f"{'backend':10s} {'fit s':>8s} {'predict s':>10s} {'total s':>8s} {'x vs sklearn NED':>17s}")
     for name, r in rows.items():
-        print(f"{name:10s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} {r['speedup_vs_sklearn_ned']:17.2f}")
+        print(f"{name:10s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} "
+              f"{r['speedup_vs_sklearn_ned']:17.2f}")
     print(f"pruned: predict computed {rows['pruned']['predict_products_fraction']:.1%} of the brute-force products; "
           f"max |p_torch - p_pruned| = {agree:.1e}")
     atomic_write_json(args.out, {

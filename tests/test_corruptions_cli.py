@@ -30,7 +30,8 @@ def test_mnist_layout_reads_back_through_the_loader(tmp_path):
 
     x, y = _digits()
     xt, yt = _digits(12)
-    write_corrupted({"test": (x, y), "train": (xt, yt)}, tmp_path, "mnist-c", [1, 3], 5, ["fog", "stripe"], progress=False)
+    write_corrupted({"test": (x, y), "train": (xt, yt)}, tmp_path, "mnist-c", [1, 3], 5, ["fog", "stripe"],
+                    progress=False)
     for sev in (1, 3):
         for name in ("fog", "stripe"):
             ds = load("mnist-c", "test", root=tmp_path / f"severity-{sev}", corruption=name)

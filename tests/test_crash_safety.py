@@ -405,7 +405,8 @@ def _grid(tmp_path):
     from shiftguard.evaluation import ModelOutputs
 
     model = CountingModel()
-    kw = dict(models=[{"name": "m", "model": model, "outputs": ModelOutputs(model), "heads": ["softmax", "knn", "quantile"]}],
+    kw = dict(models=[{"name": "m", "model": model, "outputs": ModelOutputs(model),
+                       "heads": ["softmax", "knn", "quantile"]}],
               support=(x[:30], y[:30]), validation=(x[30:40], y[30:40]), test=(x[40:], y[40:]), shifted=shifted,
               cells=[(c, s, "benchmark") for c in ("flip", "bright") for s in (1, 2)], num_classes=3,
               cache_root=tmp_path / "cache", batch_size=10, k=3, retrieval_ks=(1,), progress=False)
@@ -625,7 +626,8 @@ def test_library_writes_files_only_through_the_atomic_writers():
                 is_torch = isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "torch"
                 if is_torch and len(node.args) < 2:
                     continue
-                target = node.args[1] if is_torch else node.args[0]  # torch.save(obj, f); np.save(f, arr); fig.savefig(f)
+                # torch.save(obj, f); np.save(f, arr); fig.savefig(f)
+                target = node.args[1] if is_torch else node.args[0]
                 # Saving into an in-memory buffer or the atomic writer's file object is fine; a path is not.
                 if not (isinstance(target, ast.Name) and target.id in ("buf", "fh")):
                     offenders.append(f"{where} {name}({ast.unparse(target)})")

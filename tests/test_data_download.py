@@ -55,7 +55,8 @@ def test_checksum_mismatch_names_the_file_and_leaves_nothing(tmp_path, monkeypat
     bad = (Resource(good[0].filename, good[0].urls, "0" * 32),) + good[1:]
     monkeypatch.setitem(dl.RESOURCES, "mnist", bad)
     dest = tmp_path / "data"
-    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\.gz: checksum mismatch .* expected the published 0{32}"):
+    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\.gz: checksum mismatch "
+                                         r".* expected the published 0{32}"):
         load("mnist", "test", root=dest, download=True)
     assert [p.name for p in dest.iterdir()] == []  # no partial or temporary file left behind
 
@@ -112,7 +113,8 @@ def _cifar_tarball(path):
 def test_cifar_archive_is_downloaded_and_extracted(tmp_path, monkeypatch):
     tarball = tmp_path / "cifar-10-python.tar.gz"
     data = _cifar_tarball(tarball)
-    monkeypatch.setitem(dl.RESOURCES, "cifar10", (Resource("cifar-10-python.tar.gz", (tarball.as_uri(),), _md5(data), extract=True),))
+    monkeypatch.setitem(dl.RESOURCES, "cifar10",
+                        (Resource("cifar-10-python.tar.gz", (tarball.as_uri(),), _md5(data), extract=True),))
     ds = load("cifar10", "train", root=tmp_path / "data", download=True)
     assert len(ds) == 10 and ds.labels.tolist() == [3, 4] * 5
     assert (tmp_path / "data" / "cifar-10-batches-py" / "test_batch").is_file()

@@ -21,7 +21,8 @@ def test_every_documented_name_is_registered():
 
 
 def test_unknown_name_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"name: unknown dataset 'svhn'; expected one of cifar10, cifar10-c, .*digits, fashion-mnist"):
+    with pytest.raises(ValueError, match=r"name: unknown dataset 'svhn'; expected one of cifar10, cifar10-c, "
+                                         r".*digits, fashion-mnist"):
         load("svhn")
 
 

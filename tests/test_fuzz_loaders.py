@@ -93,7 +93,8 @@ def build_cifar(d: Path):
              b"batch_label": b"testing batch 1 of 1", b"filenames": [b"f.png"] * 6}
     for name in ["test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]:
         (root / name).write_bytes(pickle.dumps(batch, protocol=2))
-    (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": [f"c{i}".encode() for i in range(10)]}, protocol=2))
+    (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": [f"c{i}".encode() for i in range(10)]},
+                                                     protocol=2))
     return [root / "test_batch", root / "batches.meta"], lambda: load("cifar10", "test", root=d), \
         lambda ds: check_dataset(ds, 10, 3)
 
@@ -358,7 +359,8 @@ def test_cache_file_damage_is_recomputed_never_raised(tmp_path):
         if not calls:
             torch.testing.assert_close(out["embeddings"].shape, good["embeddings"].shape)
     assert recomputed >= CASES // 4
-    record(group="fuzz", case="embedding-cache", n=CASES, outcome=f"{recomputed} recomputed, {CASES - recomputed} read back")
+    record(group="fuzz", case="embedding-cache", n=CASES,
+           outcome=f"{recomputed} recomputed, {CASES - recomputed} read back")
 
 
 # ------------------------------------------------------------------------------------------ malicious pickles
@@ -394,7 +396,8 @@ def test_malicious_cifar_batch_is_refused_without_running_it(tmp_path):
             assert str(target) in str(exc.value), what
             assert not marker.exists(), f"{what} in {target.name} executed code"
             target.write_bytes(good)
-    record(group="malicious pickle", case="CIFAR batch / meta (__reduce__ -> exec)", n=4, outcome="refused, no code ran")
+    record(group="malicious pickle", case="CIFAR batch / meta (__reduce__ -> exec)", n=4,
+           outcome="refused, no code ran")
 
 
 def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):

@@ -86,7 +86,8 @@ def test_k_of_one_and_k_larger_than_a_cluster(k):
 
 def test_queries_far_from_all_clusters():
     q, s = clustered(2000, 200, 20)
-    far = q + 60.0 * torch.nn.functional.normalize(torch.randn(200, 20, generator=torch.Generator().manual_seed(5)), dim=1)
+    far = q + 60.0 * torch.nn.functional.normalize(torch.randn(200, 20, generator=torch.Generator().manual_seed(5)),
+                                                   dim=1)
     assert_same_as_torch(far, s, 6)
 
 

@@ -58,8 +58,10 @@ for n in map(int, sys.argv[2:]):
     emb = torch.randn(n, 32, generator=g)
     fine = torch.arange(n) % (n // 10)   # 10 samples per class
     r = {}
-    r["knn_search (budget)"] = peak_extra(lambda: knn_search(emb, emb, 10, exclude_self=True, memory_budget_bytes=budget))
-    r["retrieval_metrics (budget)"] = peak_extra(lambda: retrieval_metrics(emb, fine, ks=(1, 4, 8), memory_budget_bytes=budget))
+    r["knn_search (budget)"] = peak_extra(lambda: knn_search(emb, emb, 10, exclude_self=True,
+                                                             memory_budget_bytes=budget))
+    r["retrieval_metrics (budget)"] = peak_extra(lambda: retrieval_metrics(emb, fine, ks=(1, 4, 8),
+                                                                           memory_budget_bytes=budget))
     r["KNNVote fit + predict_proba (default)"] = peak_extra(lambda: KNNVote(k=10).fit(emb, fine).predict_proba(emb))
     r["NED fit + predict_proba (default)"] = peak_extra(lambda: NED(k=10).fit(emb, fine).predict_proba(emb))
     res[n] = r
@@ -104,7 +106,8 @@ def test_knn_heads_and_retrieval_metrics_stay_within_their_chunk_budget():
         assert extra < full_matrix / 2, op
         if "(budget)" in op:
             # Same budget, 4x the rows: an N x N temporary would make the peak 16x; chunking keeps it flat.
-            assert extra < 2 * res[small][op] + 48 * MiB, f"{op}: peak grows with N ({res[small][op] / MiB:.0f} -> {extra / MiB:.0f} MiB)"
+            assert extra < 2 * res[small][op] + 48 * MiB, (
+                f"{op}: peak grows with N ({res[small][op] / MiB:.0f} -> {extra / MiB:.0f} MiB)")
         record(group="memory", case=op, n=big,
                outcome=f"peak +{extra / MiB:.0f} MiB at N={big} (+{res[small][op] / MiB:.0f} MiB at N={small}); "
                        f"N x N float32 = {full_matrix / MiB:.0f} MiB")

@@ -16,7 +16,8 @@ from shiftguard.metrics import retrieval_metrics
 def slow_reference(x, y, ks):
     """Per query: sort all other samples by distance and apply the textbook formulas."""
     n = len(y)
-    acc = {f"recall@{k}": [] for k in ks} | {f"map@{k}": [] for k in ks} | {"map@r": [], "r_precision": [], "precision@1": []}
+    acc = ({f"recall@{k}": [] for k in ks} | {f"map@{k}": [] for k in ks}
+           | {"map@r": [], "r_precision": [], "precision@1": []})
     for q in range(n):
         d = ((x - x[q]) ** 2).sum(1)
         d[q] = float("inf")

@@ -52,10 +52,12 @@ def test_results_json_has_every_cell_metric_and_provenance(quick_run):
 def test_aggregates_are_means_over_corruptions(quick_run):
     r = json.loads((quick_run / "results.json").read_text())
     a = next(x for x in r["aggregates"] if x["severity"] == 5 and x["head"] == "logistic" and x["context"] == "none")
-    accs = [x["accuracy"] for x in r["rows"] if x["severity"] == 5 and x["head"] == "logistic" and x["context"] == "none"]
+    accs = [x["accuracy"] for x in r["rows"]
+            if x["severity"] == 5 and x["head"] == "logistic" and x["context"] == "none"]
     assert a["accuracy_mean"] == pytest.approx(sum(accs) / len(accs))
     d = next(x for x in r["drops"] if (x["head"], x["context"], x["from"], x["to"]) == ("logistic", "none", 0, 5))
-    clean = next(x["accuracy"] for x in r["rows"] if x["severity"] == 0 and x["head"] == "logistic" and x["context"] == "none")
+    clean = next(x["accuracy"] for x in r["rows"]
+                 if x["severity"] == 0 and x["head"] == "logistic" and x["context"] == "none")
     assert d["drop_mean"] == pytest.approx(100 * (clean - a["accuracy_mean"]))
 
 
@@ -102,7 +104,8 @@ def test_existing_run_dir_without_resume_is_refused(quick_run, capsys):
 def test_user_errors_end_with_one_line_and_exit_2(tmp_path, capsys, toml, message):
     p = tmp_path / "bad.toml"
     p.write_text(toml)
-    rc = cli(["run", "--config", str(p), "--out", str(tmp_path / "runs"), "--name", "x", "--no-progress", "--epochs", "1"])
+    rc = cli(["run", "--config", str(p), "--out", str(tmp_path / "runs"), "--name", "x", "--no-progress",
+              "--epochs", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("shiftguard run: error:") and message in err[0]

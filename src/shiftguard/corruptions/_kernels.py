@@ -51,8 +51,8 @@ def serves(x: torch.Tensor, floating: bool = False) -> bool:
 
 
 __all__ = [
-    "AVAILABLE", "serves", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance", "pil_box_resample",
-    "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid",
+    "AVAILABLE", "serves", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance",
+    "pil_box_resample", "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid",
 ]
 
 if AVAILABLE:

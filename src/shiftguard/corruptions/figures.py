@@ -43,7 +43,8 @@ def synthetic_scene(n: int = 1, size: int = 32, seed: int = 0) -> torch.Tensor:
         ox, oy = 0.3 + 0.4 * r[6], 0.6 + 0.2 * r[7]
         box = ((u - ox).abs() < 0.12) & ((v - oy).abs() < 0.1)
         stripe = ((xx.long() // max(1, size // 16)) % 2 == 0)
-        col = torch.where(stripe, torch.tensor([0.85, 0.1, 0.1]).view(3, 1, 1), torch.tensor([0.1, 0.2, 0.8]).view(3, 1, 1))
+        col = torch.where(stripe, torch.tensor([0.85, 0.1, 0.1]).view(3, 1, 1),
+                          torch.tensor([0.1, 0.2, 0.8]).view(3, 1, 1))
         img = torch.where(box, col, img)
         out[i] = img
     return (out.clamp(0, 1) * 255).round().to(torch.uint8)

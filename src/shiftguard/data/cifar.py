@@ -387,7 +387,8 @@ _LAYOUT: dict[str, dict[str, Any]] = {
 }
 
 
-def load_cifar(name: str, split: str = "train", root=None, download: bool = False, label_mode: str = "fine") -> ImageDataset:
+def load_cifar(name: str, split: str = "train", root=None, download: bool = False,
+               label_mode: str = "fine") -> ImageDataset:
     """``cifar10`` or ``cifar100`` (``label_mode`` ``"fine"`` (100 classes) or ``"coarse"`` (20))."""
     check_split(name, split, ("train", "test"))
     layout = _LAYOUT[name]

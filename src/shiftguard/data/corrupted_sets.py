@@ -172,7 +172,8 @@ def _stacked_severities(folder: Path) -> list[int]:
         raise file_error(path, f"corrupt manifest ({exc})") from None
     if sev is None:
         return [1, 2, 3, 4, 5]
-    if not isinstance(sev, list) or not sev or not all(isinstance(v, int) and 1 <= v <= 5 for v in sev) or len(set(sev)) != len(sev):
+    if (not isinstance(sev, list) or not sev or not all(isinstance(v, int) and 1 <= v <= 5 for v in sev)
+            or len(set(sev)) != len(sev)):
         raise file_error(path, f"'severities' must be a list of distinct ints in 1..5, got {sev!r}")
     return sev
 
@@ -190,7 +191,8 @@ def _load_stacked(name: str, folder: Path, corruption: str, severity: int, class
             img_path, f"expected {n_blocks} severity blocks of images ({n_blocks}n, H, W, C), got shape {arr.shape}"
         )
     if severity not in severities:
-        raise ValueError(f"severity: {folder} holds severities {severities} only (see its manifest.json), got {severity}")
+        raise ValueError(f"severity: {folder} holds severities {severities} only (see its manifest.json), "
+                         f"got {severity}")
     n = arr.shape[0] // n_blocks
     block = severities.index(severity)
     rows = slice(block * n, (block + 1) * n)
@@ -207,7 +209,8 @@ def _load_stacked(name: str, folder: Path, corruption: str, severity: int, class
     return _to_dataset(images, labels, classes, name, split, meta)
 
 
-def load_cifar_c(name: str, split: str = "test", root=None, download: bool = False, *, corruption=None, severity=None) -> ImageDataset:
+def load_cifar_c(name: str, split: str = "test", root=None, download: bool = False, *, corruption=None,
+                 severity=None) -> ImageDataset:
     """``cifar10-c`` / ``cifar100-c``: one corruption at one severity (10,000 test images)."""
     check_split(name, split, ("test",))
     corruption = _check_corruption(name, corruption, root)
@@ -220,7 +223,8 @@ def load_cifar_c(name: str, split: str = "test", root=None, download: bool = Fal
     return _load_stacked(name, folder, corruption, severity, classes, split)
 
 
-def load_mnist_c(name: str = "mnist-c", split: str = "test", root=None, download: bool = False, *, corruption=None, severity=None) -> ImageDataset:
+def load_mnist_c(name: str = "mnist-c", split: str = "test", root=None, download: bool = False, *, corruption=None,
+                 severity=None) -> ImageDataset:
     """``mnist-c``: one corruption (official: no severity; see the module docstring for extensions)."""
     check_split(name, split, ("train", "test"))
     corruption = _check_corruption(name, corruption, root)
@@ -271,7 +275,8 @@ def load_mnist_c(name: str = "mnist-c", split: str = "test", root=None, download
     return _to_dataset(images, labels, MNIST_CLASSES, name, split, meta)
 
 
-def load_tinyimagenet_c(name: str = "tinyimagenet-c", split: str = "test", root=None, download: bool = False, *, corruption=None, severity=None) -> ImageDataset:
+def load_tinyimagenet_c(name: str = "tinyimagenet-c", split: str = "test", root=None, download: bool = False, *,
+                        corruption=None, severity=None) -> ImageDataset:
     """``tinyimagenet-c``: one corruption at one severity (10,000 JPEGs, 64x64 RGB)."""
     from shiftguard.data.imagefolder import decode_images, read_wnids, read_words
 

@@ -13,7 +13,8 @@ so ``root=`` may point at the files themselves or at a folder holding several da
 ``download=True`` fetches the official archives (URLs and checksums in :data:`RESOURCES`, each
 with the source of its published checksum), verifies the checksum while streaming, moves the file
 into place atomically and extracts archives safely (no absolute paths, no ``..``, no links out of
-the target; existing files are never replaced or deleted, see :func:`extract_archive`). Without network it fails after a short timeout and says where to put the files by hand.
+the target; existing files are never replaced or deleted, see :func:`extract_archive`). Without
+network it fails after a short timeout and says where to put the files by hand.
 Nothing is ever downloaded unless ``download=True`` is passed.
 """
 
@@ -153,7 +154,8 @@ RESOURCES: dict[str, tuple[Resource, ...]] = {
             ("https://zenodo.org/records/8206060/files/Tiny-ImageNet-C.tar",),
             "f9c9a9dbdc11469f0b850190f7ad8be1",
             extract=True,
-            checksum_source="Zenodo record 8206060 (Hendrycks & Dietterich 2019); the 4 extra corruptions are in Tiny-ImageNet-C-extra.tar",
+            checksum_source="Zenodo record 8206060 (Hendrycks & Dietterich 2019); "
+                            "the 4 extra corruptions are in Tiny-ImageNet-C-extra.tar",
         ),
     ),
 }

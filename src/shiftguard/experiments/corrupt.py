@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--root", default=None, help="dataset folder (default: the loader's search path)")
     parser.add_argument("--split", default="test", help="split(s) to corrupt, comma-separated (default: test)")
-    parser.add_argument("--severities", default="1,2,3,4,5", help="comma-separated severities in 1..5 (default: 1,2,3,4,5)")
+    parser.add_argument("--severities", default="1,2,3,4,5",
+                        help="comma-separated severities in 1..5 (default: 1,2,3,4,5)")
     parser.add_argument("--corruptions", default=None, help="comma-separated subset of the suite (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="only the first LIMIT images of each split")
@@ -169,7 +170,8 @@ def write_corrupted(
         "shiftguard_version": __version__,
         "torch_version": torch.__version__,
         "suite": suite,
-        "layout": "mnist-c (one official tree per severity)" if mnist_layout else "cifar-10-c (severity blocks stacked)",
+        "layout": ("mnist-c (one official tree per severity)" if mnist_layout
+                   else "cifar-10-c (severity blocks stacked)"),
         "splits": {k: int(v[0].shape[0]) for k, v in images_by_split.items()},
         "image_shape": list(next(iter(images_by_split.values()))[0].shape[1:]),
         "severities": severities,

@@ -6,7 +6,8 @@
         --root ../data/fashion-mnist --normalize 0.2860 0.3530 --heads softmax temperature ned --out report/
 
 The model comes from a factory ``module:function`` (``shiftguard.models.build_user_model``: called
-with those of ``num_classes`` / ``in_channels`` it accepts; the current directory is importable); weights are read safely: ``torch.load`` with
+with those of ``num_classes`` / ``in_channels`` it accepts; the current directory is importable);
+weights are read safely: ``torch.load`` with
 ``weights_only=True`` (no code runs) or a ``.safetensors`` file. Nothing is downloaded. The
 support (heads' training data) and the validation split come from the dataset's training split.
 """

@@ -17,7 +17,8 @@ from shiftguard.io import atomic_write_bytes
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="mnist", help="dataset name, or 'synthetic' (default: mnist)")
-    parser.add_argument("--suite", default="mnist-c", choices=("mnist-c", "cifar-c", "cifar-c-extra"), help="suite (default: mnist-c)")
+    parser.add_argument("--suite", default="mnist-c", choices=("mnist-c", "cifar-c", "cifar-c-extra"),
+                        help="suite (default: mnist-c)")
     parser.add_argument("--out", default=None, help="PNG file (default: gallery_<suite>.png)")
     parser.add_argument("--root", default=None, help="dataset folder")
     parser.add_argument("--split", default="test", help="split (default: test)")

@@ -50,7 +50,8 @@ class PMLLoss(EmbeddingLoss):
 
     def compute(self, embeddings, labels):
         if self.embedding_dim is not None and embeddings.shape[1] != self.embedding_dim:
-            raise ValueError(f"embeddings: expected {self.embedding_dim} features (embedding_dim), got {embeddings.shape[1]}")
+            raise ValueError(f"embeddings: expected {self.embedding_dim} features (embedding_dim), "
+                             f"got {embeddings.shape[1]}")
         if self.num_classes is not None and int(labels.max()) >= self.num_classes:
             raise ValueError(f"labels: must be < num_classes={self.num_classes}, got {int(labels.max())}")
         if self.miner is not None:
@@ -109,7 +110,8 @@ def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: O
         loss = pml_losses.ProxyAnchorLoss(num_classes, embedding_dim, margin=kw.pop("margin", 0.1),
                                           alpha=kw.pop("alpha", 32), **kw)
     elif name == "normface":
-        loss = pml_losses.NormalizedSoftmaxLoss(num_classes, embedding_dim, temperature=kw.pop("temperature", 0.05), **kw)
+        loss = pml_losses.NormalizedSoftmaxLoss(num_classes, embedding_dim, temperature=kw.pop("temperature", 0.05),
+                                                **kw)
     else:  # pragma: no cover - guarded by the registry
         raise ValueError(f"name: unknown pytorch-metric-learning loss {name!r}")
     return PMLLoss(loss, num_classes=num_classes, embedding_dim=embedding_dim)

@@ -6,10 +6,13 @@ value means MORE uncertain, so all of them plug into ``metrics.auroc_error`` / `
 | ``max_probability_uncertainty`` | ``1 - max_c p_c`` | Hendrycks & Gimpel 2017; [NED], conf. p-hat |
 | ``entropy_uncertainty`` | ``-sum_c p_c log p_c`` | Shannon entropy of the prediction |
 | ``margin_uncertainty`` | ``1 - (p_(1) - p_(2))`` (top-2 gap) | margin sampling |
-| ``knn_distance_uncertainty`` | mean squared distance to the k nearest support embeddings | [NED, Sec. 2] ("the magnitude of this distance can represent the confidence") |
+| ``knn_distance_uncertainty`` | mean squared distance to the k nearest support embeddings | [NED, Sec. 2] (a) |
 | ``ned_uncertainty`` | ``1 - max_c p_NED(c|z)`` | [NED, eq. (3)] |
-| ``embedding_norm_uncertainty`` | ``-||z||`` | kappa = ||z|| (vMF concentration; [Kirchhof, Ch. 2 and URL Sec. 4] "embedding norm") |
+| ``embedding_norm_uncertainty`` | ``-||z||`` | kappa = ||z||, vMF concentration [Kirchhof, Ch. 2 and URL Sec. 4] (b) |
 | ``kappa_uncertainty`` | ``-kappa`` | predicted vMF concentration [Kirchhof] |
+
+(a) [NED, Sec. 2]: "the magnitude of this distance can represent the confidence".
+(b) [Kirchhof, Ch. 2 and URL Sec. 4] call this score the "embedding norm".
 """
 
 from __future__ import annotations
