@@ -1,6 +1,21 @@
-"""Per-sample uncertainty scores (higher = more uncertain) and the loss-prediction head [Kirchhof, Ch. 5]."""
+"""Per-sample uncertainty scores (higher = more uncertain), the loss-prediction head [Kirchhof, Ch. 5] and
+the uncertainty estimators of the URL benchmark [Kirchhof, URL Sec. 4.1, App. B.7-B.11]."""
 
-from shiftguard.uncertainty.loss_prediction import LossPredictionHead, loss_ranking_loss
+from shiftguard.uncertainty.ensemble import DeepEnsemble
+from shiftguard.uncertainty.estimator import (
+    UncertaintyEstimator,
+    entropy_from_log_probs,
+    jensen_shannon_divergence,
+    log_mean_exp,
+)
+from shiftguard.uncertainty.hetxl import HETXL
+from shiftguard.uncertainty.loss_prediction import (
+    LossPredictionHead,
+    LossPredictionL2,
+    loss_prediction_l2_loss,
+    loss_ranking_loss,
+)
+from shiftguard.uncertainty.mc_dropout import MCDropout
 from shiftguard.uncertainty.scores import (
     embedding_norm_uncertainty,
     entropy_uncertainty,
@@ -10,6 +25,7 @@ from shiftguard.uncertainty.scores import (
     max_probability_uncertainty,
     ned_uncertainty,
 )
+from shiftguard.uncertainty.sngp import SNGP, spectral_normalize
 
 __all__ = [
     "max_probability_uncertainty",
@@ -21,4 +37,15 @@ __all__ = [
     "kappa_uncertainty",
     "LossPredictionHead",
     "loss_ranking_loss",
+    "UncertaintyEstimator",
+    "DeepEnsemble",
+    "MCDropout",
+    "SNGP",
+    "HETXL",
+    "LossPredictionL2",
+    "loss_prediction_l2_loss",
+    "spectral_normalize",
+    "log_mean_exp",
+    "entropy_from_log_probs",
+    "jensen_shannon_divergence",
 ]

@@ -11,16 +11,27 @@ sign used here: the higher-loss sample must be the more uncertain one.) Pairs ar
 Kweon: each shuffled mini-batch is split into halves and paired element-wise. Architecture:
 2 hidden layers of width 512 with ReLU ([Kirchhof, Ch. 5, App. C] "By default it has 2 hidden layers of
 width 512"), AdamW (their default optimiser) with a cosine schedule.
+
+:class:`LossPredictionL2` is the URL benchmark's joint variant [Kirchhof, URL App. B.9, eq. (8)]: a
+loss predictor ``kappa(e)`` on the backbone's embedding trained together with the classifier under
+``L = CE(x, y) + lambda (kappa(x) - CE_detached(x, y))^2``; the CE target of the L2 term is detached
+("to prevent fitting it to kappa(x), instead of the other way around"). ``kappa`` is the URL code's
+uncertainty network: 3 hidden layers of width 512 with LeakyReLU and a softplus output (a
+non-negative prediction of a non-negative loss).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from shiftguard._validation import check_positive, check_same_length, check_tensor
+from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
+from shiftguard.uncertainty.estimator import UncertaintyEstimator, _entropy, backbone_embed, resolve_backbone, seeded
 
-__all__ = ["LossPredictionHead", "loss_ranking_loss"]
+__all__ = ["LossPredictionHead", "loss_ranking_loss", "LossPredictionL2", "loss_prediction_l2_loss"]
 
 
 def loss_ranking_loss(u1: torch.Tensor, u2: torch.Tensor, loss1: torch.Tensor, loss2: torch.Tensor,
@@ -128,3 +139,99 @@ class LossPredictionHead(nn.Module):
         emb = self._check(embeddings)
         p = next(self.parameters())
         return self(emb.to(p.device, p.dtype)).to(emb.dtype)
+
+
+def loss_prediction_l2_loss(logits, y, predicted_loss, loss_weight: float = 0.5) -> torch.Tensor:
+    """Eq. (8) of [Kirchhof, URL App. B.9], batch mean: ``mean(CE) + loss_weight * mean((u - CE.detach())^2)``.
+
+    Args:
+        logits: ``(N, C)`` floating. y: ``(N,)`` integer labels in ``[0, C)``.
+        predicted_loss: ``(N,)`` the loss predictor's output ``u = kappa(x)``.
+        loss_weight: lambda >= 0 ([0.01, 0.99] in the URL search).
+
+    Gradients of the L2 term reach ``predicted_loss`` only, never the CE target. Raises ``TypeError`` /
+    ``ValueError`` naming the argument for wrong dtypes, shapes, lengths or labels.
+    """
+    z = check_tensor(logits, "logits", ndim=2, floating=True)
+    u = check_tensor(predicted_loss, "predicted_loss", ndim=1, floating=True)
+    yt = check_labels(y, "y", num_classes=z.shape[1])
+    check_same_length([("logits", z), ("y", yt), ("predicted_loss", u)])
+    check_positive(loss_weight, "loss_weight", strict=False)
+    ce = F.cross_entropy(z, yt.to(z.device), reduction="none")
+    return ce.mean() + loss_weight * ((u - ce.detach()) ** 2).mean()
+
+
+class LossPredictionL2(UncertaintyEstimator):
+    """Classifier + loss predictor trained jointly under eq. (8) [Kirchhof, URL App. B.9] (module docstring).
+
+    Args:
+        backbone: a ``shiftguard.models.EmbeddingClassifier`` (its ``classifier`` gives the logits) or any
+            module mapping ``x`` to ``(N, D)`` (a new ``nn.Linear`` is created, seeded; give
+            ``embedding_dim`` / ``num_classes`` or set them as attributes).
+        loss_weight: lambda of eq. (8), >= 0.
+        hidden: hidden widths of ``kappa`` (default ``(512, 512, 512)``).
+        detach_embedding: feed ``kappa`` a stop-gradient embedding, so the L2 term trains ``kappa``
+            only ([Kirchhof, Ch. 5, Sec. 3.3], "StopGrad"); default ``False`` as in eq. (8).
+        num_classes, embedding_dim: sizes for a plain backbone. seed: initialisation of new layers.
+
+    ``forward(x) -> (N, C)`` ``log_softmax`` of the logits; ``embed(x) -> (N, D)``;
+    ``predicted_loss(x) -> (N,)``; ``training_loss(x, y)`` eq. (8);
+    ``uncertainty(x) -> {"predicted_loss", "entropy"}`` (default ``"predicted_loss"``).
+    """
+
+    uncertainty_names = ("predicted_loss", "entropy")
+    default_uncertainty = "predicted_loss"
+
+    def __init__(self, backbone: nn.Module, loss_weight: float = 0.5, hidden: tuple[int, ...] = (512, 512, 512), *,
+                 detach_embedding: bool = False, num_classes: Optional[int] = None,
+                 embedding_dim: Optional[int] = None, seed: int = 0):
+        super().__init__()
+        spec = resolve_backbone(backbone, embedding_dim, num_classes)
+        check_positive(loss_weight, "loss_weight", strict=False)
+        widths = tuple(hidden)
+        for h in widths:
+            check_positive(h, "hidden", integer=True)
+        if not isinstance(detach_embedding, bool):
+            raise TypeError(f"detach_embedding: expected a bool, got {type(detach_embedding).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+        self.backbone = spec.module
+        self.embedding_dim = spec.embedding_dim
+        self.num_classes = spec.num_classes
+        self.loss_weight = float(loss_weight)
+        self.detach_embedding = detach_embedding
+        with seeded(seed):
+            linear = spec.classifier if spec.classifier is not None else nn.Linear(spec.embedding_dim,
+                                                                                  spec.num_classes)
+            layers: list[nn.Module] = []
+            width = spec.embedding_dim
+            for h in widths:
+                layers += [nn.Linear(width, h), nn.LeakyReLU()]
+                width = h
+            layers += [nn.Linear(width, 1), nn.Softplus()]
+            self.loss_predictor = nn.Sequential(*layers)
+        self.linear = linear
+        self.classifier = nn.Sequential(linear, nn.LogSoftmax(dim=1))
+
+    def extra_repr(self) -> str:
+        return f"loss_weight={self.loss_weight}, detach_embedding={self.detach_embedding}"
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        return backbone_embed(self.backbone, x)
+
+    def _kappa(self, emb: torch.Tensor) -> torch.Tensor:
+        return self.loss_predictor(emb.detach() if self.detach_embedding else emb).squeeze(1)
+
+    def predicted_loss(self, x) -> torch.Tensor:
+        """``kappa(e(x))`` ``(N,)``, the predicted CE (in the module's current mode)."""
+        return self._kappa(self.embed(self._check_input(x)))
+
+    def training_loss(self, x, y) -> torch.Tensor:
+        """Eq. (8): ``mean CE + loss_weight * mean((kappa - CE.detach())^2)``."""
+        xt, yt = self._check_batch(x, y)
+        emb = self.embed(xt)
+        return loss_prediction_l2_loss(self.linear(emb), yt, self._kappa(emb), self.loss_weight)
+
+    def _uncertainty(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        emb = self.embed(x)
+        return {"predicted_loss": self._kappa(emb), "entropy": _entropy(self.classifier(emb))}
