@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 from shiftguard.heads.registry import HEAD_NAMES  # the heads [[models]].heads may name
+from shiftguard.uncertainty.registry import ESTIMATOR_NAMES, ESTIMATOR_REGISTRY  # [[models]].estimator
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -126,11 +127,17 @@ class ModelConfig:
     activation: str = "relu"
     #: "cross_entropy" (on logits) or any ``shiftguard.losses.build_loss`` name (on embeddings).
     loss: str = "cross_entropy"
+    #: "" (none) or a ``shiftguard.uncertainty.ESTIMATOR_NAMES`` name (ensemble, mc_dropout, sngp,
+    #: hetxl, loss_prediction): the built model is wrapped in that estimator and trained with its
+    #: own objective (``loss`` must then stay "cross_entropy").
+    estimator: str = ""
     heads: list = field(default_factory=lambda: ["logistic"])
     #: extra keywords for ``build_model`` (embedding_dim, width, growth_rate, ...).
     model_kwargs: dict = field(default_factory=dict)
     #: extra keywords for ``build_loss``.
     loss_kwargs: dict = field(default_factory=dict)
+    #: extra keywords for ``shiftguard.uncertainty.build_estimator`` (num_members, rate, ...).
+    estimator_kwargs: dict = field(default_factory=dict)
     #: per-model overrides of [train] keys (e.g. epochs, batch_size).
     train: dict = field(default_factory=dict)
 
@@ -190,6 +197,7 @@ _K_HEADS = ("ned", "knn", "wknn")
 _RESERVED_KWARGS = {
     "model_kwargs": ("name", "activation", "num_classes", "in_channels", "example_input"),
     "loss_kwargs": ("name", "embedding_dim", "num_classes"),
+    "estimator_kwargs": ("name", "backbone", "num_classes", "embedding_dim"),
 }
 
 
@@ -317,9 +325,11 @@ _RULES: dict[str, dict[str, Any]] = {
         "arch": _text(),
         "activation": _text(),
         "loss": _text(),
+        "estimator": _text(empty_ok=True),
         "heads": None,  # checked against HEAD_NAMES in _check_values
         "model_kwargs": None,
         "loss_kwargs": None,
+        "estimator_kwargs": None,
         "train": None,
     },
 }
@@ -440,8 +450,19 @@ def _check_values(cfg: RunConfig, src: str) -> None:
     for i, m in enumerate(cfg.models):
         where = f"models[{i}]"
         apply(rules["models"], {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, f"{where}.")
+        if m.estimator:
+            if m.estimator not in ESTIMATOR_REGISTRY:
+                raise ValueError(f"{src}: key {where}.estimator: unknown estimator {_shown(m.estimator)}; expected "
+                                 f"one of {', '.join(ESTIMATOR_NAMES)}")
+            m.estimator = ESTIMATOR_REGISTRY.canonical(m.estimator)
+            if m.loss not in LOGIT_LOSSES:
+                raise ValueError(f"{src}: key {where}.loss: an estimator ({m.estimator!r}) trains with its own "
+                                 f"objective; leave loss = {LOGIT_LOSSES[0]!r}, got {m.loss!r}")
+        elif m.estimator_kwargs:
+            raise ValueError(f"{src}: key {where}.estimator_kwargs is set but {where}.estimator is not")
         if not m.name:  # a factory "pkg.mod:make" names its models "pkg.mod.make-<activation>-<loss>"
-            m.name = f"{m.arch.replace(':', '.')}-{m.activation}-{m.loss.replace('_', '')}"
+            what = m.estimator.replace("_", "") if m.estimator else m.loss.replace("_", "")
+            m.name = f"{m.arch.replace(':', '.')}-{m.activation}-{what}"
         if not _NAME_RE.match(m.name):
             bad(f"{where}.name", "be letters, digits and _.+- only", m.name)
         if m.name in seen:
@@ -460,7 +481,7 @@ def _check_values(cfg: RunConfig, src: str) -> None:
             if h in m.heads and m.loss not in LOGIT_LOSSES:
                 raise ValueError(f"{src}: key {where}.heads: {h!r} uses the model's trained classifier and needs a "
                                  f"logit loss ({', '.join(LOGIT_LOSSES)}), not {m.loss!r}")
-        for kw_key in ("model_kwargs", "loss_kwargs"):
+        for kw_key in ("model_kwargs", "loss_kwargs", "estimator_kwargs"):
             _check_kwargs(getattr(m, kw_key), f"{where}.{kw_key}", src)
         dim = m.model_kwargs.get("embedding_dim")
         if dim is not None and (not _is_int(dim) or dim < 1):

@@ -256,7 +256,7 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
 
     ``distributed``: every process of a torch.distributed job trains (DistributedTrainer); rank 0 writes."""
     from shiftguard.models import build_model
-    from shiftguard.train import Trainer
+    from shiftguard.train import Trainer, to_model_input
     from shiftguard.train.checkpoint import checksum_problem, write_checksum
     from shiftguard.train.distributed import DistributedTrainer, barrier, is_main_process
 
@@ -271,7 +271,13 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
     example = torch.rand(2, channels, size, size, generator=torch.Generator().manual_seed(0)).mul(2).sub(1)
     model = build_model(m.arch, activation=m.activation, num_classes=data["num_classes"],
                         in_channels=data["in_channels"], example_input=example, **kw)
-    loss, loss_on = build_loss_for(m, _with_embedding_dim(model, example, m), data["num_classes"])
+    if m.estimator:
+        from shiftguard.uncertainty import build_estimator
+
+        model = build_estimator(m.estimator, model, num_classes=data["num_classes"], **m.estimator_kwargs)
+        loss, loss_on = "model", None
+    else:
+        loss, loss_on = build_loss_for(m, _with_embedding_dim(model, example, m), data["num_classes"])
     final, summary_path = mdir / "model.pt", mdir / "model.json"
     if resume and final.is_file() and summary_path.is_file():
         hint = "delete it and --resume rebuilds it from the checkpoints"
@@ -301,7 +307,11 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         log=True,  # one line per epoch, also with --no-progress and in a log file
     )
     summary = trainer.fit(*data["train"], *data["val"], num_classes=data["num_classes"], resume=resume)
-    summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": loss_on})
+    if callable(getattr(model, "fit_covariance", None)):  # SNGP: the posterior from one pass of the training data
+        train_x = data["train"][0]
+        step = cfg.eval.batch_size
+        model.fit_covariance(to_model_input(train_x[i : i + step], device) for i in range(0, len(train_x), step))
+    summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": trainer.loss_on})
     if is_main_process():
         atomic_write(final, lambda fh: torch.save(model.state_dict(), fh))
         write_checksum(final)
@@ -328,6 +338,10 @@ def preflight(cfg: C.RunConfig) -> None:
     for m in cfg.models:
         try:  # a 2-class dummy build checks the arch, activation and model_kwargs at no cost
             model = build_model(m.arch, activation=m.activation, num_classes=2, in_channels=1, **m.model_kwargs)
+            if m.estimator:
+                from shiftguard.uncertainty import build_estimator
+
+                build_estimator(m.estimator, model, num_classes=2, **m.estimator_kwargs)
         except ValueError as exc:
             raise ValueError(f"{src}: models {m.name!r}: {exc}") from None
         if m.loss not in C.LOGIT_LOSSES and not callable(getattr(model, "embed", None)):

@@ -16,6 +16,7 @@ from shiftguard.uncertainty.loss_prediction import (
     loss_ranking_loss,
 )
 from shiftguard.uncertainty.mc_dropout import MCDropout
+from shiftguard.uncertainty.registry import ESTIMATOR_NAMES, ESTIMATOR_REGISTRY, build_estimator
 from shiftguard.uncertainty.scores import (
     embedding_norm_uncertainty,
     entropy_uncertainty,
@@ -48,4 +49,7 @@ __all__ = [
     "log_mean_exp",
     "entropy_from_log_probs",
     "jensen_shannon_divergence",
+    "build_estimator",
+    "ESTIMATOR_NAMES",
+    "ESTIMATOR_REGISTRY",
 ]
