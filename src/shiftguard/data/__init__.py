@@ -5,11 +5,19 @@
 ``.classes``, ``.name``, ``.split``). ``load_default(split)`` is a real, class-balanced MNIST
 subset shipped inside the package (offline, < 1 s). ``make_loader`` builds a DataLoader whose
 shuffle depends only on its seed. ``as_tensors(data)`` turns a user's Dataset, DataLoader or
-``(images, labels)`` arrays into checked pixel tensors. See ``docs/data.md`` for every name,
-format and error.
+``(images, labels)`` arrays into checked pixel tensors. ``Augment`` and ``two_views`` are seeded,
+batched torch-only augmentations (crops, flips, brightness/contrast) for contrastive training.
+See ``docs/data.md`` for every name, format and error.
 """
 
 from shiftguard.data import toy  # two-Gaussians failure-mode toy [QACT, Fig. 1]
+from shiftguard.data.augment import (
+    Augment,
+    brightness_contrast_jitter,
+    random_horizontal_flip,
+    random_resized_crop,
+    two_views,
+)
 from shiftguard.data.base import ImageDataset, make_loader
 from shiftguard.data.convert import as_tensors
 from shiftguard.data.corrupted_sets import (
@@ -34,4 +42,9 @@ __all__ = [
     "MNIST_C_CORRUPTIONS",
     "TINYIMAGENET_C_CORRUPTIONS",
     "toy",
+    "Augment",
+    "random_resized_crop",
+    "random_horizontal_flip",
+    "brightness_contrast_jitter",
+    "two_views",
 ]

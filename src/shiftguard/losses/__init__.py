@@ -11,6 +11,10 @@ smooth_ap           :class:`SmoothAPLoss`                                       
 mcinfonce           :class:`MCInfoNCELoss`                                      [Kirchhof, App. B, eq. (7)]
 nivmf_proxy         :class:`NivMFProxyLoss` (EL-nivMF)                          [Kirchhof, App. A, eq. (4)-(6)]
 hib / elk           :class:`HIBLoss` / :class:`ELKLoss`                         [Kirchhof, App. B, eq. (54)/(55)]
+spce                :class:`SPCELoss` (``fit`` + ``posterior``, eq. (6.8))       [Patel, Ch. 6, eq. (6.7)]
+tightness           :class:`TightnessLoss` (``base=`` representation loss)       [Patel, Ch. 6, eq. (6.9)-(6.11)]
+esupcon             :class:`ESupConLoss` (prototypes, ``posterior``)             [Patel, Ch. 6, eq. (6.12)-(6.15)]
+infonce             :class:`InfoNCELoss` (NT-Xent on instance ids)               [Kirchhof, URL App. B.2]
 cross_entropy, triplet, proxy_nca, proxy_nca_pp, proxy_anchor, normface, supcon   pytorch-metric-learning wrappers
 ==================  ==========================================================  =========================
 
@@ -26,7 +30,15 @@ from typing import Callable, Optional
 from torch import nn
 
 from shiftguard.losses.base import EmbeddingLoss
+from shiftguard.losses.contrastive import (
+    ESupConLoss,
+    ESupConTerms,
+    MomentumMeanClassifier,
+    SPCELoss,
+    TightnessLoss,
+)
 from shiftguard.losses.distance_ratio import DRLoss, ProxyDRLoss, dr_log_probs, sd_softmax_log_probs
+from shiftguard.losses.infonce import InfoNCELoss
 from shiftguard.losses.pml import PML_LOSSES, CrossEntropyLoss, PMLLoss, make_pml_loss
 from shiftguard.losses.probabilistic import ELKLoss, HIBLoss, MCInfoNCELoss, NivMFProxyLoss
 from shiftguard.losses.recall_at_k import RecallAtKSurrogate
@@ -37,7 +49,8 @@ from shiftguard.registry import Registry
 __all__ = [
     "EmbeddingLoss", "WatershedLoss", "DRLoss", "ProxyDRLoss", "RecallAtKSurrogate", "SmoothAPLoss",
     "MCInfoNCELoss", "HIBLoss", "ELKLoss", "NivMFProxyLoss", "PMLLoss", "CrossEntropyLoss", "dr_log_probs",
-    "sd_softmax_log_probs", "build_loss", "LOSS_NAMES", "LOSS_REGISTRY",
+    "sd_softmax_log_probs", "build_loss", "LOSS_NAMES", "LOSS_REGISTRY", "SPCELoss", "TightnessLoss",
+    "MomentumMeanClassifier", "ESupConLoss", "ESupConTerms", "InfoNCELoss",
 ]
 
 #: The losses :func:`build_loss` builds by name: ``name -> builder(embedding_dim, num_classes, **kw)``.
@@ -66,6 +79,24 @@ def _nivmf_proxy(embedding_dim, num_classes, **kw):
     return NivMFProxyLoss(num_classes, embedding_dim, **kw)
 
 
+def _spce(embedding_dim, num_classes, **kw):
+    _need_dims("spce", embedding_dim, num_classes)
+    return SPCELoss(num_classes, embedding_dim, **kw)
+
+
+def _tightness(embedding_dim, num_classes, base=None, **kw):
+    """``base`` may be a loss name: it is built with the same dimensions and trained beside ``l_tt``."""
+    _need_dims("tightness", embedding_dim, num_classes)
+    if isinstance(base, str):
+        base = build_loss(base, embedding_dim, num_classes)
+    return TightnessLoss(num_classes, embedding_dim, base=base, **kw)
+
+
+def _esupcon(embedding_dim, num_classes, **kw):
+    _need_dims("esupcon", embedding_dim, num_classes)
+    return ESupConLoss(num_classes, embedding_dim, **kw)
+
+
 def _without_dims(cls: type) -> Callable[..., nn.Module]:
     """A builder for a loss without per-class parameters: the dimensions are not passed on."""
     def build(embedding_dim, num_classes, **kw):
@@ -83,6 +114,10 @@ LOSS_REGISTRY.register("mcinfonce", _without_dims(MCInfoNCELoss))
 LOSS_REGISTRY.register("hib", _without_dims(HIBLoss))
 LOSS_REGISTRY.register("elk", _without_dims(ELKLoss))
 LOSS_REGISTRY.register("nivmf_proxy", _nivmf_proxy)
+LOSS_REGISTRY.register("spce", _spce)
+LOSS_REGISTRY.register("tightness", _tightness)
+LOSS_REGISTRY.register("esupcon", _esupcon)
+LOSS_REGISTRY.register("infonce", _without_dims(InfoNCELoss))
 for _name in PML_LOSSES:
     LOSS_REGISTRY.register(_name, functools.partial(make_pml_loss, _name))
 del _name
@@ -96,8 +131,9 @@ def build_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Opti
 
     ``name`` is matched ignoring case, ``-`` and ``_`` (``recall@k`` names ``recall_at_k``).
     ``embedding_dim`` and ``num_classes`` are required by losses that own per-class parameters
-    (proxies or a classifier): ``proxydr``, ``nivmf_proxy``, ``cross_entropy``, ``proxy_nca``,
-    ``proxy_anchor``, ``normface`` and ``dr`` with ``mode="proxies"``; other losses ignore them.
+    (proxies or a classifier): ``proxydr``, ``nivmf_proxy``, ``spce``, ``tightness``, ``esupcon``,
+    ``cross_entropy``, ``proxy_nca``, ``proxy_anchor``, ``normface`` and ``dr`` with ``mode="proxies"``;
+    other losses ignore them. ``tightness`` takes ``base=<loss name>`` (built with the same dimensions).
 
     Raises:
         TypeError: ``name`` is not a str.
