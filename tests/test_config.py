@@ -121,3 +121,13 @@ def test_to_dict_roundtrips():
     cfg = default_config()
     again = config_from_dict(cfg.to_dict())
     assert again.to_dict() == cfg.to_dict()
+
+
+def test_two_views_go_with_instance_discrimination_only():
+    ok = config_from_dict({"models": [{"arch": "lenet", "loss": "infonce", "heads": ["knn"],
+                                         "train": {"two_views": True}}]})
+    assert ok.model_train_config(ok.models[0]).two_views is True
+    with pytest.raises(ValueError, match=r"key train\.two_views must be true .*'infonce'"):
+        config_from_dict({"models": [{"arch": "lenet", "loss": "infonce", "heads": ["knn"]}]})
+    with pytest.raises(ValueError, match=r"train\.two_views must be false .*not 'cross_entropy'"):
+        config_from_dict({"train": {"two_views": True}, "models": [{"arch": "lenet"}]})

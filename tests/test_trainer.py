@@ -253,3 +253,29 @@ def test_bad_arguments_are_named():
         Trainer(small_mlp(), progress=False).fit(x, y, x, y, resume=True)
     with pytest.raises(TypeError, match="embed"):
         Trainer(nn.Linear(3, 2), loss=nn.MSELoss())
+
+
+def test_two_views_train_instance_discrimination_and_resume_identically(tmp_path):
+    from shiftguard.losses import InfoNCELoss
+
+    data = patch_images()
+    x, y = data
+    tr, va = train_val_split(len(y))
+    kw = dict(loss=InfoNCELoss(), two_views=True, early_stopping_patience=0)
+    torch.manual_seed(0)
+    full = small_mlp()
+    out = fit(make_trainer(full, tmp_path / "a", epochs=2, **kw), data)
+    assert out["best_val_acc"] > 0.5  # nearest class mean of embeddings learnt without labels
+    # the views are drawn per (seed, epoch): one run equals an interrupted and resumed one
+    torch.manual_seed(0)
+    part = small_mlp()
+    fit(make_trainer(part, tmp_path / "b", epochs=1, **kw), data)
+    torch.manual_seed(123)
+    resumed = small_mlp()
+    make_trainer(resumed, tmp_path / "b", epochs=2, **kw).fit(x[tr], y[tr], x[va], y[va], num_classes=4, resume=True)
+    assert_same_weights(weights(full), weights(resumed))
+
+
+def test_two_views_need_an_embedding_loss():
+    with pytest.raises(ValueError, match="two_views"):
+        make_trainer(small_mlp(), two_views=True)

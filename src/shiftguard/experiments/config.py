@@ -93,6 +93,9 @@ class TrainConfig:
     samples_per_class: int = 4
     #: > 0: multistage back-propagation in chunks of this size ([Patel, Sec. 5.3.2]; embedding losses).
     chunk_size: int = 0
+    #: train on two augmented views of each image with instance ids as labels (the InfoNCE
+    #: baseline [Kirchhof, URL App. B.2]; embedding losses; ``shiftguard.data.two_views``).
+    two_views: bool = False
     #: evaluate validation every epoch on at most this many images (0 = the whole split).
     max_val: int = 0
 
@@ -309,6 +312,7 @@ _RULES: dict[str, dict[str, Any]] = {
         "class_balanced": None,  # bool: the type check is the whole check
         "samples_per_class": _ints(1),
         "chunk_size": _ints(0, why=" (0 = no multistage chunks)"),
+        "two_views": None,  # bool: the type check is the whole check
         "max_val": _ints(0, why=" (0 = the whole validation split)"),
     },
     "eval": {
@@ -524,6 +528,14 @@ def _check_train_together(cfg: RunConfig, i: int, bad) -> None:
     if t.class_balanced and t.batch_size % t.samples_per_class:
         bad(origin("batch_size"), f"be a multiple of {origin('samples_per_class')} = {t.samples_per_class} "
                                   f"with class-balanced batches", t.batch_size)
+    if t.two_views and (m.loss in LOGIT_LOSSES or m.estimator):
+        bad(origin("two_views"), f"be false for model {m.name!r}: two augmented views with instance ids train "
+                                 f"an embedding loss, not {m.estimator or m.loss!r}", t.two_views)
+    if m.loss == "infonce" and not t.two_views:
+        bad(origin("two_views"), f"be true for model {m.name!r}: loss 'infonce' discriminates instances, which "
+                                 "needs two augmented views of each image", t.two_views)
+    if t.two_views and (t.chunk_size or t.class_balanced):
+        bad(origin("two_views"), "not be combined with chunk_size or class_balanced", t.two_views)
     if t.chunk_size and m.loss in LOGIT_LOSSES:
         bad(origin("chunk_size"), f"be 0 for model {m.name!r}: multistage chunks [Patel, Sec. 5.3.2] need an "
                                   f"embedding loss, not {m.loss!r}", t.chunk_size)

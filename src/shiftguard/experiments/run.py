@@ -302,15 +302,17 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         lr_cooldown=t.lr_cooldown, lr_threshold=t.lr_threshold, min_lr=t.min_lr,
         early_stopping_patience=t.early_stopping_patience, early_stopping_min_delta=t.early_stopping_min_delta,
         class_balanced=t.class_balanced, samples_per_class=t.samples_per_class, chunk_size=t.chunk_size,
+        two_views=t.two_views,
         max_val=t.max_val, val_batch_size=cfg.eval.batch_size, device=device, seed=cfg.seed,
         checkpoint_dir=mdir / "checkpoints", metrics_log=mdir / "metrics.jsonl", progress=progress, desc=m.name,
         log=True,  # one line per epoch, also with --no-progress and in a log file
     )
     summary = trainer.fit(*data["train"], *data["val"], num_classes=data["num_classes"], resume=resume)
-    if callable(getattr(model, "fit_covariance", None)):  # SNGP: the posterior from one pass of the training data
+    fit_covariance = getattr(model, "fit_covariance", None)
+    if callable(fit_covariance):  # SNGP: the posterior from one pass of the training data
         train_x = data["train"][0]
         step = cfg.eval.batch_size
-        model.fit_covariance(to_model_input(train_x[i : i + step], device) for i in range(0, len(train_x), step))
+        fit_covariance(to_model_input(train_x[i : i + step], device) for i in range(0, len(train_x), step))
     summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": trainer.loss_on})
     if is_main_process():
         atomic_write(final, lambda fh: torch.save(model.state_dict(), fh))

@@ -8,7 +8,8 @@
 - an 80:20 train/validation split with seed 42 (:func:`train_val_split`).
 
 Any loss works: ``loss_on="logits"`` (cross-entropy on ``model(x)``), ``loss_on="embeddings"``
-(watershed and other embedding losses on ``model.embed(x)``) or ``loss="model"`` (the model's own
+(watershed and other embedding losses on ``model.embed(x)``; with ``two_views=True`` on two
+augmented views of each image, labelled by instance, as InfoNCE trains) or ``loss="model"`` (the model's own
 objective ``model.training_loss(x, y)``, as the uncertainty estimators of
 ``shiftguard.uncertainty`` define it; validated on the argmax of ``model(x)``). For embedding
 losses the validation metric is the accuracy of a nearest-class-mean head whose means are
@@ -105,6 +106,7 @@ class Trainer:
         class_balanced: bool = False,
         samples_per_class: int = 4,
         chunk_size: int = 0,
+        two_views: bool = False,
         max_val: int = 0,
         val_batch_size: int = 1000,
         device: str | torch.device = "cpu",
@@ -155,6 +157,12 @@ class Trainer:
         if chunk_size and loss_on != "embeddings":
             raise ValueError("chunk_size: multistage steps [Patel, Sec. 5.3.2] need an embedding loss")
         self.chunk_size = int(chunk_size)
+        if two_views and (loss_on != "embeddings" or chunk_size):
+            raise ValueError("two_views: two augmented views with instance ids need an embedding loss and no "
+                             "chunk_size")
+        self.two_views = bool(two_views)
+        self._views_gen: Optional[torch.Generator] = None
+        self._views_epoch = -1
         self.seed = int(seed)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.metrics_log = Path(metrics_log) if metrics_log is not None else None
@@ -236,7 +244,11 @@ class Trainer:
                     self._accumulate_means(self.model.embed(x).float(), y, num_classes)
                 bar.update(1, {"loss": f"{total_loss / n_seen:.4f}"})
                 continue
-            if self.loss_on == "logits":
+            if self.two_views:
+                emb = self._two_view_embeddings(images[idx], epoch)
+                loss = self.loss_fn(emb, torch.arange(y.numel(), device=self.device).repeat(2))
+                self._accumulate_means(emb[: y.numel()].detach().float(), y, num_classes)
+            elif self.loss_on == "logits":
                 out = self.model(x)  # shiftguard's models: forward = classifier(embed(x))
                 loss = self.loss_fn(out, y)
                 n_correct += int((out.argmax(1) == y).sum())
@@ -258,6 +270,19 @@ class Trainer:
                 post["acc"] = f"{n_correct / n_seen:.3f}"
             bar.update(1, post)
         return total_loss, n_seen, n_correct
+
+    def _two_view_embeddings(self, pixels: torch.Tensor, epoch: int) -> torch.Tensor:
+        """Embeddings ``(2N, D)`` of two augmented views of ``pixels`` (rows ``i`` and ``N + i`` are
+        views of image ``i``; ``shiftguard.data.two_views``), drawn from a generator seeded with
+        ``(seed, epoch, batch)`` so that a resumed run draws the same views."""
+        from shiftguard.data import two_views
+
+        if self._views_gen is None or self._views_epoch != epoch:
+            self._views_gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._views_epoch = epoch
+        x = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
+        views, _ = two_views(x, self._views_gen)
+        return self.model.embed(to_model_input(views, self.device))
 
     def _multistage_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One multistage step on batch ``(x, y)``; the DDP trainer overrides it (train/distributed.py)."""
