@@ -271,7 +271,7 @@ def build_final_model(d: Path):
     data = {"num_classes": 10, "in_channels": 1, "image_size": 28}  # no images: nothing may be retrained
 
     def validate(got):
-        loaded, summary = got
+        loaded, summary, _ = got
         assert summary["loaded_from_run_dir"] is True
         assert loaded.state_dict().keys() == model.state_dict().keys()
 

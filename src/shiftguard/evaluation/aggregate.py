@@ -51,7 +51,7 @@ def _stats(values: list) -> tuple[Optional[float], Optional[float]]:
 
 
 def _benchmark(rows: Iterable[dict]) -> list[dict]:
-    return [r for r in rows if r.get("group", "benchmark") != "extra"]
+    return [r for r in rows if r.get("group", "benchmark") == "benchmark"]
 
 
 def aggregate(rows: list[dict]) -> list[dict]:

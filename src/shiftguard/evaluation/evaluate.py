@@ -23,6 +23,7 @@ from shiftguard import corruptions as K
 from shiftguard.heads import HEAD_NAMES
 
 from . import aggregate as A
+from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
 from .grid import Cell, model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs
 from .result import EvaluationResult
@@ -157,7 +158,7 @@ def _baseline_rows(baseline, key: Optional[str]) -> tuple[Optional[list[dict]], 
 def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cells: list[Cell], seed: int,
                   device, ece_bins: int, n_boot: int, level: float = 0.95,
                   baseline_rows: Optional[list[dict]] = None, baseline_name: Optional[str] = None,
-                  kind: str = "evaluate") -> dict:
+                  kind: str = "evaluate", attacks: Optional[AttackSuite] = None) -> dict:
     """The JSON-able results dict shared by ``evaluate`` and ``shiftguard run`` (``results.json``)."""
     from shiftguard._version import __version__
 
@@ -174,7 +175,8 @@ def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cell
         "versions": {"shiftguard": __version__, "python": platform.python_version(), "torch": torch.__version__},
         "data": {**data, "corruptions": _unique_in_order(c for c, _, g in cells if g == "benchmark"),
                  "extra_corruptions": _unique_in_order(c for c, _, g in cells if g == "extra"),
-                 "severities": sorted({s for _, s, _ in cells})},
+                 "severities": sorted({s for _, s, g in cells if g != ADVERSARIAL}),
+                 "attacks": attacks.describe() if attacks is not None else {}},
         "models": [{"name": m["name"], "heads": [h for h in m["heads"] if (m["name"], h) not in skipped],
                     "primary_head": None,
                     "contexts": model_contexts(m["model"], m.get("contexts", ("batch", "frozen"))),
@@ -222,6 +224,10 @@ def evaluate(
     baseline_key: Optional[str] = None,
     n_boot: int = 1000,
     shifted: Optional[Callable[[str, int], torch.Tensor]] = None,
+    attacks: Sequence[Any] = (),
+    attack_eps: Sequence[float] = (1 / 255, 2 / 255, 4 / 255, 8 / 255),
+    attack_steps: Optional[int] = None,
+    attack_loss: Union[None, Callable, Mapping[str, Callable]] = None,
     name: str = "evaluation",
     cache_dir: Optional[Union[str, Path]] = None,
     progress: bool = False,
@@ -260,6 +266,17 @@ def evaluate(
         n_boot: bootstrap resamples of the 95% intervals (over test images).
         shifted: advanced: ``shifted(corruption, severity) -> images`` instead of the engine, e.g.
             the official pre-corrupted files, in the order and with the labels of ``test``.
+        attacks: adversarial shift beside the corruptions (:mod:`.adversarial`): attack names
+            (``"fgsm"``, ``"bim-linf"``, ``"pgd-l2"``, ...; ``shiftguard.adversarial.AttackSpec.parse``)
+            or ``AttackSpec`` s, untargeted, each scored at every budget of ``attack_eps`` (pixel
+            units of [0, 1] images) as severities 1..len(attack_eps) of group "adversarial";
+            every (model, context) is attacked white-box; ``attack_steps`` overrides the steps of
+            named BIM / PGD attacks (default 10). ``attack_loss``: for a model whose
+            output is an embedding, the loss the attack ascends, ``loss(embeddings, labels)`` (a
+            callable for every model or a mapping model name -> callable); models with logits
+            are attacked through cross-entropy unless a loss is given for them (it then receives
+            ``model.embed(x)`` where the model has ``embed``). Adversarial cells never enter the
+            corruption means.
         cache_dir: keep the model outputs of every cell there (resumable).
         distributed: share the grid among the processes of an initialised ``torch.distributed``
             process group (``torchrun``): every process calls ``evaluate`` with the same
@@ -336,6 +353,26 @@ def evaluate(
     if suite is None:
         suite = "mnist-c" if test_x.shape[1] == 1 else "cifar-c"
     cells = build_cells(suite, corruptions, severities, extra)
+    suite_attacks = None
+    specs = attack_specs(attacks, attack_steps)
+    if specs:
+        if callable(attack_loss):
+            losses = {nm: attack_loss for nm in named}
+        elif isinstance(attack_loss, Mapping):
+            unknown = sorted(set(attack_loss) - set(named))
+            if unknown:
+                raise ValueError(f"attack_loss: no model named {', '.join(map(repr, unknown))}; models: "
+                                 f"{', '.join(named)}")
+            losses = dict(attack_loss)
+        elif attack_loss is None:
+            losses = {}
+        else:
+            raise TypeError(f"attack_loss: expected a callable, a mapping or None, got {type(attack_loss).__name__}")
+        suite_attacks = AttackSuite(specs, attack_eps, (test_x, test_y), losses, seed=seed, batch_size=batch_size,
+                                    device=dev)
+        cells = cells + suite_attacks.cells()
+    elif attack_loss is not None:
+        raise ValueError("attack_loss: given without attacks")
     source = "engine" if shifted is None else "user"
     if shifted is None:
         def shifted(c: str, s: int) -> torch.Tensor:
@@ -357,16 +394,19 @@ def evaluate(
         if part is not None:
             _labels_range(num_classes, part[1], nm)
     base_rows, base_name = _baseline_rows(baseline, baseline_key)
+    if suite_attacks is not None:
+        suite_attacks.check_models(entries)
 
     grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
                     support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
                     contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
-                    distributed=distributed)
+                    distributed=distributed, attacks=suite_attacks)
     data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
             "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
             "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}
     results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
-                            ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name)
+                            ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name,
+                            attacks=suite_attacks)
     results["config"] = {"batch_size": batch_size, "contexts": contexts, "k": k, "retrieval_ks": ks,
                          "ece_bins": ece_bins, "preprocess": _describe(preprocess), "layout": layout, "output": output}
     results["timings"]["evaluate_s"] = time.perf_counter() - t_start

@@ -31,6 +31,7 @@ import torch
 from shiftguard.heads import build_head, head_input
 from shiftguard.nn import has_qact, qact_context
 
+from .adversarial import ADVERSARIAL, AttackSuite
 from .aggregate import CLEAN
 from .cache import OutputCache
 from .outputs import ModelOutputs, compute_outputs
@@ -96,12 +97,15 @@ def run_grid(
     ece_bins: int = 15,
     progress: bool = False,
     distributed: bool = False,
+    attacks: Optional[AttackSuite] = None,
 ) -> dict:
     """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads", "timings"}``.
 
     ``models`` holds ``{"name", "model", "outputs": ModelOutputs, "heads": [names]}`` dicts.
     ``shifted(corruption, severity)`` returns the corrupted test images (same order and labels as
     ``test``). Severity 0 (the clean test set) is scored once, as ``corruption="clean"``.
+    Cells of group "adversarial" (``attacks.cells()``) are attacked per (model, context) by
+    ``attacks`` (:mod:`.adversarial`) instead.
     ``per_image[(model, context, head)]`` keeps each test image's correctness and confidence on
     the clean set and on the benchmark corrupted cells, for bootstrap intervals.
 
@@ -127,7 +131,9 @@ def run_grid(
     all_cells: list[Cell] = [(CLEAN, 0, "benchmark")] + list(cells)
     top = max((s for _, s, _ in cells), default=0)
     rank, world = (get_rank(), get_world_size()) if distributed and is_distributed() else (0, 1)
-    timings = {"embed_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0}
+    timings = {"embed_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0, "attack_s": 0.0}
+    if any(g == ADVERSARIAL for _, _, g in cells) and attacks is None:
+        raise ValueError("cells: adversarial cells need the attacks that make their images")
     skipped_all: list[dict] = []
     jobs = []
     for m in models:
@@ -197,6 +203,12 @@ def run_grid(
             m, ctx, heads = jobs[j]
 
             def make_images():
+                if group == ADVERSARIAL:  # white-box: every (model, context) has its own images
+                    assert attacks is not None
+                    t0 = time.perf_counter()
+                    x = attacks(m, ctx, corruption, severity)
+                    timings["attack_s"] += time.perf_counter() - t0
+                    return x
                 if images.get("cell") != c:  # units are cell-major: one cell's images at a time
                     t0 = time.perf_counter()
                     images["x"] = test_x if corruption == CLEAN else shifted(corruption, severity)
@@ -204,7 +216,8 @@ def run_grid(
                     timings["corrupt_s"] += time.perf_counter() - t0
                 return images["x"]
 
-            out = outputs_of(m, ctx, f"{corruption}-s{severity}", make_images)
+            key = attacks.key(corruption, severity) if group == ADVERSARIAL and attacks else f"{corruption}-s{severity}"
+            out = outputs_of(m, ctx, key, make_images)
             t0 = time.perf_counter()
             results[u] = _score_unit(out, fitted, m["name"], ctx, heads, all_cells[c], test_y, retrieval_ks,
                                      ece_bins, keep=severity == 0 or group == "benchmark")

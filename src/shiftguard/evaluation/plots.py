@@ -120,10 +120,27 @@ def benchmark_corruptions(results: dict) -> tuple[list[str], list[str]]:
     seen = set(bench) | set(extra)
     for r in results["rows"]:  # a corruption present in the rows but not listed in data: still shown
         c = r["corruption"]
-        if c != CLEAN and c not in seen:
+        if c != CLEAN and c not in seen and r.get("group") != "adversarial":
             bench.append(c)
             seen.add(c)
     return bench, extra
+
+
+def adversarial_cells(results: dict) -> dict[tuple, dict[str, list[tuple[float, dict]]]]:
+    """``{(model, context, head): {attack: [(eps, row), ...]}}`` of the adversarial cells, by
+    increasing eps (severity ``i`` is budget ``data.attacks[attack].eps[i - 1]``)."""
+    eps_of = {name: a.get("eps") or [] for name, a in (results["data"].get("attacks") or {}).items()}
+    out: dict[tuple, dict[str, list[tuple[float, dict]]]] = {}
+    for r in results["rows"]:
+        if r.get("group") != "adversarial":
+            continue
+        budgets = eps_of.get(r["corruption"], [])
+        eps = budgets[r["severity"] - 1] if 0 < r["severity"] <= len(budgets) else float("nan")
+        out.setdefault((r["model"], r["context"], r["head"]), {}).setdefault(r["corruption"], []).append((eps, r))
+    for per in out.values():
+        for cells in per.values():
+            cells.sort(key=lambda t: t[0])
+    return out
 
 
 def cell_index(results: dict) -> dict[tuple, dict[tuple, dict]]:

@@ -246,7 +246,16 @@ def format_summary(results: dict) -> str:
     title = (f"{results.get('name')}: {d.get('dataset')}, {len(d.get('corruptions') or [])} corruptions x severities "
              f"{d.get('severities')} ({d.get('corruption_source')}); accuracy, ECE (top-label) and MAP in %, "
              f"drop in points = mean ± std over corruptions")
-    return "\n".join([title, line(head), line(["-" * w for w in widths]), *(line(r) for r in body)])
+    lines = [title, line(head), line(["-" * w for w in widths]), *(line(r) for r in body)]
+    adv = P.adversarial_cells(results)
+    if adv:
+        lines.append("adversarial shift: accuracy / ECE (top-label) in % at each eps")
+        for (model, ctx, head_name), per in adv.items():
+            for attack, pts in per.items():
+                cells = ", ".join(f"{eps:.4g}: {_fmt(r.get('accuracy'))} / {_fmt(r.get('ece_top_label'))}"
+                                  for eps, r in pts)
+                lines.append(f"  {model} {ctx} {head_name} {attack}: {cells}")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- files
@@ -477,6 +486,34 @@ def _per_severity_table(results: dict, metric: str) -> str:
     return _table(head, body)
 
 
+def _adversarial_section(results: dict) -> str:
+    """Accuracy, top-label ECE, NLL and R-AUROC of every head under each attack and budget
+    ([NED, Sec. 5]); empty without attacks."""
+    cells = P.adversarial_cells(results)
+    if not cells:
+        return ""
+    index = cell_index(results)
+    metrics = (("accuracy", "acc (%)", 100.0, 1), ("ece_top_label", "ECE (%)", 100.0, 1), ("nll", "NLL", 1.0, 3),
+               ("r_auroc", "R-AUROC", 1.0, 3))
+    head = ["model", "context", "head", "attack", "eps", *(label for _, label, _, _ in metrics)]
+    body = []
+    for key, per in cells.items():
+        clean = index.get(key, {}).get((CLEAN, 0))
+        if clean is not None:
+            body.append([*map(str, key), "none (clean)", "0",
+                         *(_fmt(clean.get(m), sc, nd) for m, _, sc, nd in metrics)])
+        for attack, pts in per.items():
+            for eps, r in pts:
+                body.append([*map(str, key), attack, f"{eps:.4g}",
+                             *(_fmt(r.get(m), sc, nd) for m, _, sc, nd in metrics)])
+    attacks = results["data"].get("attacks") or {}
+    desc = "; ".join(f"{_e(n)}: {_e(a.get('steps'))} steps" if a.get("attack") != "fgsm" else f"{_e(n)}: one step"
+                     for n, a in attacks.items())
+    return ("<h2>Adversarial shift</h2><p class='small'>White-box attacks on each model in each context (eps in "
+            f"pixel units of images in [0, 1]; {desc}); every head is scored on the same adversarial images. "
+            "Not part of any corruption mean.</p>" + _table(head, body, left=5))
+
+
 def _robustness_section(results: dict) -> str:
     rob = results.get("robustness") or []
     if not rob:
@@ -661,6 +698,7 @@ def render_html(results: dict, plots: dict[str, Path], source: Optional[str] = N
 {_per_corruption_table(results)}
 {sev_tables}
 {_robustness_section(results)}
+{_adversarial_section(results)}
 {_intervals_table(results)}
 {_skipped_section(results)}
 {_training_section(results)}
@@ -676,6 +714,8 @@ _PROTOCOL = (("dataset", lambda r: r["data"].get("dataset")), ("suite", lambda r
              ("severities", lambda r: sorted(r["data"].get("severities") or [])),
              ("n_test", lambda r: r["data"].get("n_test")),
              ("corruption_source", lambda r: r["data"].get("corruption_source")),
+             ("attacks", lambda r: sorted((n, tuple(a.get("eps") or []), a.get("steps"))
+                                         for n, a in (r["data"].get("attacks") or {}).items())),
              ("seed", lambda r: r.get("seed")))
 
 

@@ -116,6 +116,13 @@ class EvalConfig:
     max_support: int = 0
     #: bootstrap resamples of the 95% intervals of the headline numbers (over test images).
     n_boot: int = 1000
+    #: adversarial shift beside the corruptions: untargeted attack names ("fgsm", "bim", "pgd",
+    #: "pgd-l2", ...; ``shiftguard.adversarial.AttackSpec.parse``), [] = none.
+    attacks: list = field(default_factory=list)
+    #: the attack budgets, in pixel units of images in [0, 1]; severities 1.. of each attack.
+    attack_eps: list = field(default_factory=lambda: [1 / 255, 2 / 255, 4 / 255, 8 / 255])
+    #: steps of BIM / PGD.
+    attack_steps: int = 10
 
 
 @dataclass
@@ -267,6 +274,15 @@ def _int_list(lo: int, hi: Optional[int], what: str, why: str = ""):
     return rule
 
 
+def _eps_list(v):
+    """Distinct finite attack budgets > 0."""
+    if not isinstance(v, list) or not v or any(not _is_real(e) or not math.isfinite(e) or e <= 0 for e in v):
+        return "be a non-empty list of finite budgets > 0 (pixel units of images in [0, 1]; eps 0 is the clean set)"
+    dup = sorted({e for e in v if v.count(e) > 1})
+    if dup:
+        return f"list each budget once ({', '.join(map(repr, dup))} repeated)"
+
+
 def _name_list(what: str, why: str = ""):
     """A list of distinct non-empty strings."""
     def rule(v):
@@ -323,6 +339,9 @@ _RULES: dict[str, dict[str, Any]] = {
         "ece_bins": _ints(1, _MAX_ECE_BINS),
         "max_support": _ints(0, why=" (0 = all training embeddings)"),
         "n_boot": _ints(10, _MAX_BOOT),
+        "attacks": _name_list("attacks", " (an attack would be reported twice)"),
+        "attack_eps": _eps_list,
+        "attack_steps": _ints(1),
     },
     "models": {
         "name": _text(empty_ok=True),
@@ -428,6 +447,13 @@ def _check_values(cfg: RunConfig, src: str) -> None:
     for sec in _SECTIONS:
         obj = getattr(cfg, sec)
         apply(rules[sec], {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, f"{sec}.")
+    if e.attacks:
+        from shiftguard.evaluation.adversarial import attack_specs
+
+        try:
+            attack_specs(e.attacks, e.attack_steps)
+        except ValueError as exc:
+            raise ValueError(f"{src}: key eval.{exc}") from None
     if not cfg.models:
         raise ValueError(f"{src}: no [[models]] given; add at least one model table")
 

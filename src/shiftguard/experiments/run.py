@@ -252,7 +252,9 @@ def _with_embedding_dim(model, example: torch.Tensor, m: C.ModelConfig):
 
 def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, device, resume: bool, progress: bool,
                 distributed: bool = False):
-    """Train one model (or load it when a finished run dir already has it); return (model, summary).
+    """Train one model (or load it when a finished run dir already has it); return ``(model, summary,
+    loss)``, ``loss`` the trained loss module of an embedding loss (its learnt proxies or temperatures
+    saved beside the weights as ``loss.pt``; the attacks of adversarial cells ascend it), else None.
 
     ``distributed``: every process of a torch.distributed job trains (DistributedTrainer); rank 0 writes."""
     from shiftguard.models import build_model
@@ -294,7 +296,14 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
             summary = json.loads(summary_path.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{summary_path}: damaged training summary ({exc}); {hint}") from None
-        return model.to(device), {**summary, "loaded_from_run_dir": True}
+        loss_file = mdir / "loss.pt"
+        if isinstance(loss, torch.nn.Module) and loss_file.is_file():
+            try:
+                loss.load_state_dict(torch.load(loss_file, map_location="cpu", weights_only=True))
+            except Exception as exc:  # as for the weights
+                raise ValueError(f"{loss_file}: damaged loss state ({type(exc).__name__}); {hint}") from None
+        trained_loss = loss.to(device) if isinstance(loss, torch.nn.Module) and loss_on == "embeddings" else None
+        return model.to(device), {**summary, "loaded_from_run_dir": True}, trained_loss
     t = cfg.model_train_config(m)
     trainer = (DistributedTrainer if distributed else Trainer)(
         model, loss, loss_on=loss_on, epochs=t.epochs, batch_size=t.batch_size, lr=t.lr,
@@ -314,12 +323,16 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         step = cfg.eval.batch_size
         fit_covariance(to_model_input(train_x[i : i + step], device) for i in range(0, len(train_x), step))
     summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": trainer.loss_on})
+    # the module the trainer optimised (moved in place by .to; a distributed wrapper holds it)
+    trained_loss = loss if isinstance(loss, torch.nn.Module) and loss_on == "embeddings" else None
     if is_main_process():
+        if trained_loss is not None and trained_loss.state_dict():
+            atomic_write(mdir / "loss.pt", lambda fh: torch.save(trained_loss.state_dict(), fh))
         atomic_write(final, lambda fh: torch.save(model.state_dict(), fh))
         write_checksum(final)
         atomic_write_json(summary_path, summary)
     barrier()
-    return model, summary
+    return model, summary, trained_loss
 
 
 def preflight(cfg: C.RunConfig) -> None:
@@ -493,6 +506,7 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     share of the grid (``run_grid(distributed=True)``: the same results as one process) on rank
     0's weights; rank 0 alone writes the results and the report, the others return ``{}`` after
     waiting for it at a barrier (docs/distributed.md)."""
+    from shiftguard.evaluation.adversarial import AttackSuite, attack_specs
     from shiftguard.evaluation.evaluate import build_cells, build_results
     from shiftguard.evaluation.grid import run_grid
     from shiftguard.evaluation.outputs import ModelOutputs
@@ -519,9 +533,11 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     trained: list[dict] = []
     timings: dict[str, Any] = {"compile_s": compile_s, "train_s": {}, "evaluate_s": 0.0}
     training = {}
+    attack_losses: dict[str, Any] = {}
     for m in cfg.models:
         t0 = time.perf_counter()
-        model, summary = train_model(cfg, m, data, run_dir, device, resume, progress, distributed)
+        model, summary, trained_loss = train_model(cfg, m, data, run_dir, device, resume, progress, distributed)
+        attack_losses[m.name] = trained_loss
         timings["train_s"][m.name] = time.perf_counter() - t0
         training[m.name] = summary
         log(f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
@@ -538,18 +554,23 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     support = data["train"]
     if e.max_support and support[1].numel() > e.max_support:
         support = (support[0][: e.max_support], support[1][: e.max_support])
+    attacks = None
+    if e.attacks:
+        attacks = AttackSuite(attack_specs(e.attacks, e.attack_steps), e.attack_eps, data["test"], attack_losses,
+                              seed=cfg.seed, batch_size=e.batch_size, device=device)
+        cells = cells + attacks.cells()
     grid = run_grid(
         models=trained, test=data["test"], cells=cells, shifted=shifted, num_classes=data["num_classes"],
         support=support, validation=data["val"], cache_root=run_dir / "cache", batch_size=e.batch_size,
         device=device, contexts=contexts, k=e.k, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
-        progress=progress, distributed=distributed,
+        progress=progress, distributed=distributed, attacks=attacks,
     )
     if not is_main_process():
         barrier()  # rank 0 aggregates and writes the report
         return {}
     results = build_results(
         name=run_dir.name, grid=grid, models=trained, cells=cells, seed=cfg.seed, device=device,
-        ece_bins=e.ece_bins, n_boot=e.n_boot, kind="run",
+        ece_bins=e.ece_bins, n_boot=e.n_boot, kind="run", attacks=attacks,
         data={"dataset": data["name"], "suite": cfg.data.suite, "n_train": len(support[1]),
               "n_val": len(data["val"][1]), "n_test": len(data["test"][1]), "num_classes": data["num_classes"],
               "corruption_source": source},

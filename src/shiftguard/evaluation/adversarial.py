@@ -1,0 +1,148 @@
+"""Adversarial shift as an axis of the evaluation grid, beside the corruptions ([NED, Sec. 5]).
+
+An attack (``shiftguard.adversarial.AttackSpec``: FGSM, BIM or PGD, L-inf or L2) at budget
+``eps`` is a cell ``(attack name, i, "adversarial")`` of the grid, ``i = 1..len(eps)`` indexing
+the budgets (``results["data"]["attacks"][name]["eps"][i - 1]``). Unlike a corruption, the shifted
+images depend on the model: each (model, context) is attacked white-box, in the context it is
+scored in (a QACT model in the batch context is attacked with the evaluation batch as its
+context), and every head of that model is scored on the same adversarial images. The attack
+ascends the loss of the model's outputs:
+
+- a model with logits: cross-entropy on the logits (log-probabilities of an estimator work as
+  logits);
+- an embedding model: ``loss(embeddings, labels)`` given per model (``run``: the model's trained
+  embedding loss, as [NED, Sec. 5] attacks its metric-learning models through their training
+  loss; ``evaluate``: ``attack_loss=``).
+
+Adversarial cells never enter the corruption means (mCA, mCE, the bootstrap intervals, the pooled
+reliability diagrams); the report shows them in a table of their own.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from shiftguard.adversarial import AttackSpec
+
+__all__ = ["ADVERSARIAL", "AttackSuite", "attack_specs"]
+
+#: The ``group`` of adversarial cells.
+ADVERSARIAL = "adversarial"
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attack_specs(attacks: Sequence[Union[str, AttackSpec]], steps: Optional[int] = None) -> list[AttackSpec]:
+    """``attacks`` as specs: names are parsed (``AttackSpec.parse``, with ``steps`` when given);
+    duplicates and targeted attacks (a grid has no target classes) are errors naming ``attacks``."""
+    if isinstance(attacks, (str, AttackSpec)):
+        raise TypeError("attacks: expected a list of attack names or AttackSpecs, got a single one")
+    specs = []
+    for a in attacks:
+        if isinstance(a, AttackSpec):
+            spec = a
+        elif isinstance(a, str):
+            try:
+                spec = AttackSpec.parse(a, **({"steps": steps} if steps is not None else {}))
+            except ValueError as exc:
+                raise ValueError(f"attacks: {exc}") from None
+        else:
+            raise TypeError(f"attacks: expected attack names or AttackSpecs, got {type(a).__name__}")
+        if spec.targeted:
+            raise ValueError(f"attacks: {spec.name!r} is targeted; the evaluation grid attacks untargeted")
+        specs.append(spec)
+    names = [s.name for s in specs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"attacks: {', '.join(dup)} given twice (one spec per attack name)")
+    return specs
+
+
+def _check_eps(eps: Sequence[float]) -> list[float]:
+    if isinstance(eps, (int, float)):
+        raise TypeError("attack_eps: expected a list of budgets, got a single number")
+    out = []
+    for e in eps:
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not 0.0 < float(e) < float("inf"):
+            raise ValueError(f"attack_eps: expected finite budgets > 0 (eps 0 is the clean set), got {e!r}")
+        out.append(float(e))
+    if not out:
+        raise ValueError("attack_eps: at least one budget is needed when attacks are given")
+    if len(set(out)) != len(out):
+        raise ValueError(f"attack_eps: a budget is given twice in {out}")
+    return sorted(out)
+
+
+class _Embedder(nn.Module):
+    """``model.embed`` as a module, so that an attack can differentiate the embedding."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self._embed: Callable[[torch.Tensor], torch.Tensor] = getattr(model, "embed")  # noqa: B009
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._embed(x)
+
+
+class AttackSuite:
+    """The adversarial cells of a grid and the images of each, per (model, context).
+
+    Args:
+        specs: untargeted attacks (:func:`attack_specs`).
+        eps: the budgets, in pixel units of images in [0, 1] (``2 / 255`` is two grey levels).
+        test: ``(images, labels)`` of the clean test set (uint8 or float pixels).
+        losses: per model name, the loss the attack ascends on that model's EMBEDDINGS, or None
+            to attack its logits with cross-entropy (a model without logits needs one).
+        seed: seed of PGD's random start (the same for every cell).
+        batch_size: images per attack batch (the context of QACT models in the batch context).
+    """
+
+    def __init__(self, specs: Sequence[AttackSpec], eps: Sequence[float], test: tuple[torch.Tensor, torch.Tensor],
+                 losses: Optional[Mapping[str, Optional[LossFn]]] = None, seed: int = 0, batch_size: int = 500,
+                 device: Union[str, torch.device] = "cpu"):
+        self.specs = {s.name: s for s in specs}
+        self.eps = _check_eps(eps)
+        self.test_x, self.test_y = test
+        self.losses = dict(losses or {})
+        self.seed = seed
+        self.batch_size = batch_size
+        self.device = torch.device(device)
+
+    def cells(self) -> list[tuple[str, int, str]]:
+        """``(attack name, i, "adversarial")`` for every attack and budget index ``i`` (1-based)."""
+        return [(name, i, ADVERSARIAL) for name in self.specs for i in range(1, len(self.eps) + 1)]
+
+    def key(self, name: str, index: int) -> str:
+        """The output-cache key of a cell: every parameter that changes its images."""
+        s = self.specs[name].with_eps(self.eps[index - 1])
+        return (f"{name}-eps{s.eps:.6g}-steps{s.steps}-step{s.step_size if s.step_size is not None else 'auto'}"
+                f"-start{int(bool(s.random_start))}-seed{self.seed}")
+
+    def describe(self) -> dict:
+        """The protocol of each attack, for ``results["data"]["attacks"]``."""
+        return {name: {"attack": s.attack, "norm": s.norm, "eps": list(self.eps), "steps": s.steps,
+                       "step_size": s.step_size, "random_start": bool(s.random_start), "seed": self.seed}
+                for name, s in self.specs.items()}
+
+    def check_models(self, entries: Sequence[dict]) -> None:
+        """Every model can be attacked: it has logits, or a loss on its embeddings is given."""
+        for m in entries:
+            if self.losses.get(m["name"]) is None and not m["outputs"].has_logits:
+                raise ValueError(f"attack_loss: model {m['name']!r} returns embeddings; attacking it needs a loss on "
+                                 "its embeddings (e.g. its training loss), none was given")
+
+    def __call__(self, entry: dict, context: str, name: str, index: int) -> torch.Tensor:
+        """Adversarial test images of cell ``(name, index)`` for model ``entry`` (same dtype as the
+        test images); call it inside the model's QACT context."""
+        outs = entry["outputs"]
+        loss = self.losses.get(entry["name"])
+        model = entry["model"]
+        if loss is not None and outs.output == "logits":
+            model = _Embedder(model) if callable(getattr(model, "embed", None)) else model
+        spec = self.specs[name].with_eps(self.eps[index - 1])
+        return spec.run(model, self.test_x, self.test_y, preprocess=outs.preprocess, loss_fn=loss, seed=self.seed,
+                        batch_size=self.batch_size, device=self.device)

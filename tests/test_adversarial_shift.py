@@ -1,0 +1,162 @@
+"""Adversarial shift as an axis of the evaluation grid: ``evaluate(..., attacks=)`` and
+``[eval] attacks`` of a run config score every head under FGSM / BIM / PGD at each budget, in the
+same rows, tables and report as the corruptions, and never inside the corruption means."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import shiftguard
+from shiftguard.adversarial import AttackSpec
+from shiftguard.cli import main as cli
+from shiftguard.experiments import config as C
+
+
+def _data(n=60, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.arange(n) % 3
+    x = torch.randint(0, 40, (n, 1, 28, 28), generator=g)
+    for c in range(3):  # class c brightens one horizontal band: learnable in a few steps
+        x[y == c, :, 9 * c : 9 * c + 9, :] += 150
+    return x.clamp(0, 255).to(torch.uint8), y
+
+
+def _trained_net(x, y):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
+    for _ in range(60):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x.float() / 255), y).backward()
+        opt.step()
+    return net
+
+
+@pytest.fixture(scope="module")
+def attacked():
+    x, y = _data()
+    net = _trained_net(x, y)
+    res = shiftguard.evaluate(net, (x, y), support=(x, y), corruptions=["fog"], severities=[3],
+                              heads=["softmax", "knn"], k=3, n_boot=10, attacks=["fgsm", "pgd-l2"],
+                              attack_eps=[0.05, 0.3], attack_steps=5)
+    return net, x, y, res
+
+
+def test_attack_cells_are_rows_of_their_own_group(attacked):
+    _, _, _, res = attacked
+    adv = [r for r in res.rows if r["group"] == "adversarial"]
+    assert {(r["corruption"], r["severity"]) for r in adv} == {("fgsm-linf", 1), ("fgsm-linf", 2),
+                                                              ("pgd-l2", 1), ("pgd-l2", 2)}
+    assert {r["head"] for r in adv} == {"softmax", "knn"}
+    attacks = res.results["data"]["attacks"]
+    assert attacks["fgsm-linf"]["eps"] == [0.05, 0.3] and attacks["pgd-l2"]["steps"] == 5
+    assert res.results["data"]["severities"] == [3]  # the budgets are not corruption severities
+
+
+def test_softmax_row_is_the_accuracy_on_the_attacked_images(attacked):
+    net, x, y, res = attacked
+    adv_x = AttackSpec.parse("fgsm", eps=0.3).run(net, x, y, preprocess=lambda t: t, batch_size=500)
+    acc = float((net(adv_x.float() / 255).argmax(1) == y).float().mean())
+    row = next(r for r in res.rows if r["corruption"] == "fgsm-linf" and r["severity"] == 2
+               and r["head"] == "softmax")
+    assert row["accuracy"] == pytest.approx(acc)
+    clean = next(r for r in res.rows if r["corruption"] == "clean" and r["head"] == "softmax")
+    assert row["accuracy"] < clean["accuracy"]  # the attack works on a trained net
+
+
+def test_adversarial_cells_stay_out_of_the_corruption_means(attacked):
+    _, _, _, res = attacked
+    d = res.results
+    fog = {r["head"]: r["accuracy"] for r in res.rows if r["corruption"] == "fog"}
+    for rob in d["robustness"]:
+        assert rob["mca"] == pytest.approx(fog[rob["head"]])
+    assert {a["severity"] for a in d["aggregates"]} == {0, 3}
+    assert "Adversarial shift" in _html(res) and "adversarial shift" in res.summary()
+
+
+def _html(res):
+    from shiftguard.evaluation.report import render_html
+
+    return render_html(res.results, {})
+
+
+def test_embedding_models_need_a_loss_to_be_attacked():
+    x, y = _data(30)
+    emb = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8))
+    with pytest.raises(ValueError, match="attack_loss: model 'Sequential' returns embeddings"):
+        shiftguard.evaluate(emb, (x, y), support=(x, y), output="embedding", heads=["knn"], k=3,
+                            corruptions=["fog"], severities=[1], n_boot=10, attacks=["fgsm"])
+    from shiftguard.losses import build_loss
+
+    res = shiftguard.evaluate(emb, (x, y), support=(x, y), output="embedding", heads=["knn"], k=3,
+                              corruptions=["fog"], severities=[1], n_boot=10, attacks=["fgsm"],
+                              attack_eps=[0.1], attack_loss=build_loss("triplet"))
+    assert any(r["group"] == "adversarial" for r in res.rows)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"attacks": "fgsm"}, "attacks: expected a list"),
+    ({"attacks": ["fgsm", "FGSM"]}, "fgsm-linf given twice"),
+    ({"attacks": ["fgsm-targeted"]}, "targeted"),
+    ({"attacks": ["cw"]}, "attacks: name: expected"),
+    ({"attacks": ["fgsm"], "attack_eps": [0.0]}, "attack_eps: expected finite budgets > 0"),
+    ({"attack_loss": nn.MSELoss()}, "attack_loss: given without attacks"),
+])
+def test_bad_attack_arguments_are_named(kw, message):
+    x, y = _data(20)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 3))
+    with pytest.raises((ValueError, TypeError), match=message):
+        shiftguard.evaluate(net, (x, y), heads=["softmax"], corruptions=["fog"], severities=[1], n_boot=10, **kw)
+
+
+def test_run_config_attacks_every_model_including_embedding_losses(tmp_path):
+    toml = """
+name = "adv"
+[data]
+dataset = "mnist-default"
+train_subset = 300
+test_subset = 60
+corruptions = ["shot_noise"]
+severities = [2]
+[train]
+epochs = 1
+batch_size = 64
+[eval]
+batch_size = 60
+k = 5
+n_boot = 10
+attacks = ["fgsm", "pgd"]
+attack_eps = [0.05]
+attack_steps = 3
+[[models]]
+arch = "lenet"
+model_kwargs = {width = 1}
+heads = ["softmax", "ned"]
+[[models]]
+arch = "lenet"
+activation = "qact"
+loss = "proxydr"
+model_kwargs = {width = 1}
+heads = ["knn"]
+"""
+    p = tmp_path / "adv.toml"
+    p.write_text(toml)
+    assert cli(["run", "--config", str(p), "--out", str(tmp_path), "--no-progress"]) == 0
+    res = json.loads((tmp_path / "adv" / "results.json").read_text())
+    adv = {(r["model"], r["context"], r["head"], r["corruption"]) for r in res["rows"] if r["group"] == "adversarial"}
+    assert ("lenet-qact-proxydr", "frozen", "knn", "pgd-linf") in adv  # attacked through its ProxyDR loss
+    assert ("lenet-qact-proxydr", "batch", "knn", "fgsm-linf") in adv
+    assert ("lenet-relu-crossentropy", "none", "ned", "fgsm-linf") in adv
+    assert (tmp_path / "adv" / "models" / "lenet-qact-proxydr" / "loss.pt").is_file()  # the learnt proxies
+    assert "Adversarial shift" in (tmp_path / "adv" / "report.html").read_text()
+
+
+def test_run_config_names_a_bad_attack():
+    with pytest.raises(ValueError, match="key eval.attacks: name: expected"):
+        C.config_from_dict({"eval": {"attacks": ["deepfool"]}, "models": [{"arch": "lenet"}]})
+    with pytest.raises(ValueError, match="key eval.attack_eps must be a non-empty list of finite budgets"):
+        C.config_from_dict({"eval": {"attacks": ["fgsm"], "attack_eps": [-1]}, "models": [{"arch": "lenet"}]})
