@@ -7,7 +7,8 @@ subset shipped inside the package (offline, < 1 s). ``make_loader`` builds a Dat
 shuffle depends only on its seed. ``as_tensors(data)`` turns a user's Dataset, DataLoader or
 ``(images, labels)`` arrays into checked pixel tensors. ``Augment`` and ``two_views`` are seeded,
 batched torch-only augmentations (crops, flips, brightness/contrast) for contrastive training.
-See ``docs/data.md`` for every name, format and error.
+See ``docs/data.md`` for every name, format and error. ``ClassHierarchy`` and the shipped class
+hierarchies: ``docs/hierarchy.md``.
 """
 
 from shiftguard.data import toy  # two-Gaussians failure-mode toy [QACT, Fig. 1]
@@ -27,6 +28,12 @@ from shiftguard.data.corrupted_sets import (
     corruption_names,
 )
 from shiftguard.data.embedded import load_default
+from shiftguard.data.hierarchy import (
+    ClassHierarchy,
+    cifar10_hierarchy,
+    cifar100_hierarchy,
+    fashion_mnist_hierarchy,
+)
 from shiftguard.data.registry import describe, load, names
 
 __all__ = [
@@ -42,6 +49,10 @@ __all__ = [
     "MNIST_C_CORRUPTIONS",
     "TINYIMAGENET_C_CORRUPTIONS",
     "toy",
+    "ClassHierarchy",
+    "fashion_mnist_hierarchy",
+    "cifar10_hierarchy",
+    "cifar100_hierarchy",
     "Augment",
     "random_resized_crop",
     "random_horizontal_flip",

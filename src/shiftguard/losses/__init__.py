@@ -5,7 +5,7 @@ name (build_loss)   class                                                       
 ==================  ==========================================================  =========================
 watershed           :class:`WatershedLoss`                                      [QACT, App. D, eq. (11)]
 dr                  :class:`DRLoss` (prototypes; ``mode="proxies"`` too)        [Kim, Art. II, eq. (5)]
-proxydr             :class:`ProxyDRLoss` (``dynamic=True`` for adaptive scale)   [Kim, Art. III, eq. (8)]
+proxydr             :class:`ProxyDRLoss` (``dynamic=True`` for adaptive scale)   [Kim, Art. IV, eq. (8)]
 recall_at_k         :class:`RecallAtKSurrogate` (``simix=True`` for SiMix)      [Patel, Ch. 5, eq. (5.5)-(5.10)]
 smooth_ap           :class:`SmoothAPLoss`                                       Brown et al. 2020 ([Patel] baseline)
 mcinfonce           :class:`MCInfoNCELoss`                                      [Kirchhof, App. B, eq. (7)]
@@ -15,6 +15,8 @@ spce                :class:`SPCELoss` (``fit`` + ``posterior``, eq. (6.8))      
 tightness           :class:`TightnessLoss` (``base=`` representation loss)       [Patel, Ch. 6, eq. (6.9)-(6.11)]
 esupcon             :class:`ESupConLoss` (prototypes, ``posterior``)             [Patel, Ch. 6, eq. (6.12)-(6.15)]
 infonce             :class:`InfoNCELoss` (NT-Xent on instance ids)               [Kirchhof, URL App. B.2]
+corr                :class:`CORRLoss` (fixed proxies from a ``hierarchy=``)       [Kim, Art. IV, eq. (11)]
+normalized_softmax  :class:`NormFaceLoss` (``dynamic``/AdaCos, ``ema_alpha``)    [Kim, Art. IV, eq. (5), (9)-(10)]
 cross_entropy, triplet, proxy_nca, proxy_nca_pp, proxy_anchor, normface, supcon   pytorch-metric-learning wrappers
 ==================  ==========================================================  =========================
 
@@ -38,6 +40,7 @@ from shiftguard.losses.contrastive import (
     TightnessLoss,
 )
 from shiftguard.losses.distance_ratio import DRLoss, ProxyDRLoss, dr_log_probs, sd_softmax_log_probs
+from shiftguard.losses.hierarchy import CORRLoss, EMAProxies, NormFaceLoss, hierarchy_proxies
 from shiftguard.losses.infonce import InfoNCELoss
 from shiftguard.losses.pml import PML_LOSSES, CrossEntropyLoss, PMLLoss, make_pml_loss
 from shiftguard.losses.probabilistic import ELKLoss, HIBLoss, MCInfoNCELoss, NivMFProxyLoss
@@ -51,6 +54,7 @@ __all__ = [
     "MCInfoNCELoss", "HIBLoss", "ELKLoss", "NivMFProxyLoss", "PMLLoss", "CrossEntropyLoss", "dr_log_probs",
     "sd_softmax_log_probs", "build_loss", "LOSS_NAMES", "LOSS_REGISTRY", "SPCELoss", "TightnessLoss",
     "MomentumMeanClassifier", "ESupConLoss", "ESupConTerms", "InfoNCELoss",
+    "CORRLoss", "NormFaceLoss", "EMAProxies", "hierarchy_proxies",
 ]
 
 #: The losses :func:`build_loss` builds by name: ``name -> builder(embedding_dim, num_classes, **kw)``.
@@ -97,6 +101,18 @@ def _esupcon(embedding_dim, num_classes, **kw):
     return ESupConLoss(num_classes, embedding_dim, **kw)
 
 
+def _corr(embedding_dim, num_classes, **kw):
+    """``hierarchy=`` places the proxies; without it, a flat hierarchy of ``num_classes`` classes."""
+    if kw.get("hierarchy") is None:
+        _need_dims("corr", embedding_dim, num_classes)
+    return CORRLoss(num_classes=num_classes, embedding_dim=embedding_dim, **kw)
+
+
+def _normalized_softmax(embedding_dim, num_classes, **kw):
+    _need_dims("normalized_softmax", embedding_dim, num_classes)
+    return NormFaceLoss(num_classes, embedding_dim, **kw)
+
+
 def _without_dims(cls: type) -> Callable[..., nn.Module]:
     """A builder for a loss without per-class parameters: the dimensions are not passed on."""
     def build(embedding_dim, num_classes, **kw):
@@ -118,6 +134,8 @@ LOSS_REGISTRY.register("spce", _spce)
 LOSS_REGISTRY.register("tightness", _tightness)
 LOSS_REGISTRY.register("esupcon", _esupcon)
 LOSS_REGISTRY.register("infonce", _without_dims(InfoNCELoss))
+LOSS_REGISTRY.register("corr", _corr)
+LOSS_REGISTRY.register("normalized_softmax", _normalized_softmax)
 for _name in PML_LOSSES:
     LOSS_REGISTRY.register(_name, functools.partial(make_pml_loss, _name))
 del _name

@@ -1,9 +1,9 @@
-"""Distance-ratio (DR) softmax losses: prototypical DR loss [Kim, Art. II] and ProxyDR [Kim, Art. III].
+"""Distance-ratio (DR) softmax losses: prototypical DR loss [Kim, Art. II] and ProxyDR [Kim, Art. IV].
 
 Formulas (Kim, "On the Significance of Distance in Machine Learning" [Kim]; "Art." = the article of the thesis):
 
 * SD softmax [Kim, Art. II, eq. (4)]:  p(c|x) = exp(-d_c^2) / sum_y exp(-d_y^2).
-* DR formulation [Kim, Art. II, eq. (5); Art. III, eq. (8)]:  p(c|x) = d_c^{-rho} / sum_y d_y^{-rho},
+* DR formulation [Kim, Art. II, eq. (5); Art. IV, eq. (8)]:  p(c|x) = d_c^{-rho} / sum_y d_y^{-rho},
   i.e. a softmax over the logits ``-rho * ln(d_c)``.  rho > 0 is learnable and parametrised as
   ``rho = exp(log_rho)`` with initial ``log_rho = 2.0`` [Kim, Art. II, Sec. 3.1].
 * The loss is the mean cross-entropy of the query points [Kim, Art. II, eq. (3)].
@@ -31,6 +31,7 @@ from torch import nn
 from shiftguard._validation import check_positive
 from shiftguard.functional.scaling import distance_scale_exponent, normalize_rows
 from shiftguard.losses.base import DIST_EPS, EmbeddingLoss, safe_euclidean, zero_loss
+from shiftguard.losses.hierarchy import ema_proxy_update_
 
 __all__ = [
     "dr_log_probs",
@@ -216,12 +217,12 @@ class DRLoss(EmbeddingLoss):
 
 
 def _psi_proxydr(s: float, b: float, theta: float) -> float:
-    """psi_ProxyDR(s, theta) = B (s + 1) theta^s - s + 1 [Kim, Art. III, S1 App.]."""
+    """psi_ProxyDR(s, theta) = B (s + 1) theta^s - s + 1 [Kim, Art. IV, S1 App.]."""
     return b * (s + 1.0) * theta**s - s + 1.0
 
 
 def proxydr_initial_scale(num_classes: int) -> float:
-    """Initial dynamic scale: the root of psi_ProxyDR with B = (C-1)(pi/2)^{-s}, theta = pi/4 [Kim, Art. III, S1].
+    """Initial dynamic scale: the root of psi_ProxyDR with B = (C-1)(pi/2)^{-s}, theta = pi/4 [Kim, Art. IV, S1].
 
     Solved by bisection on ``s in (1, 1000]`` (psi > 0 near s = 1 and < 0 for large s).
     """
@@ -241,21 +242,24 @@ def proxydr_initial_scale(num_classes: int) -> float:
 
 
 class ProxyDRLoss(EmbeddingLoss):
-    """ProxyDR [Kim, Art. III, "Methods" + eq. (8)]: DR softmax on the unit hypersphere with learnable proxies.
+    """ProxyDR [Kim, Art. IV, "Methods" + eq. (8)]: DR softmax on the unit hypersphere with learnable proxies.
 
     ``f~ = f / ||f||``, ``W~_y = W_y / ||W_y||``, ``d_{x,y} = ||f~(x) - W~_y||`` and
-    ``p(c|x) = d_c^{-s} / sum_y d_y^{-s}``, trained with cross-entropy [Kim, Art. III, eq. (3)].
+    ``p(c|x) = d_c^{-s} / sum_y d_y^{-s}``, trained with cross-entropy [Kim, Art. IV, eq. (3)].
 
     Args:
         num_classes, embedding_dim: proxy table shape.
-        scale: the fixed scale factor ``s``; 10.0 in [Kim, Art. III, "Training settings"].
-        dynamic: use the dynamic scale of [Kim, Art. III, S1 App.]: ``s`` is initialised at the root of
+        scale: the fixed scale factor ``s``; 10.0 in [Kim, Art. IV, "Training settings"].
+        dynamic: use the dynamic scale of [Kim, Art. IV, S1 App.]: ``s`` is initialised at the root of
             ``psi_ProxyDR`` with ``B = (C-1)(pi/2)^{-s}`` and ``theta = pi/4``, and during training (module in
             ``train()`` mode) each forward pass takes one Adam step on ``psi_ProxyDR(s, theta_med)^2`` with
             ``B = B_avg`` (batch mean of ``B_x = sum_{y != c} d_{x,y}^{-s}``, treated as a constant for the
             step, as AdaCos does) and ``theta_med`` the batch median angle to the true proxy, clipped to
             ``[0, pi/4]`` (AdaCos).  ``s`` is never trained by the main loss gradient.
         dynamic_lr: Adam step size for ``s`` (not given in the thesis; 0.01 here).
+        ema_alpha: if given, the proxies are a buffer updated after every training batch by the
+            normalised EMA of [Kim, Art. IV, eq. (12)] (``ema_proxy_update_``), not by gradients; the
+            article uses 0.001. ``None`` (default): proxies are learned by the loss gradient.
 
     Zero-norm embeddings normalise to the zero vector (``F.normalize``), which is at distance 1 from
     every proxy: uniform probabilities, finite gradients.
@@ -270,17 +274,24 @@ class ProxyDRLoss(EmbeddingLoss):
         scale: float = 10.0,
         dynamic: bool = False,
         dynamic_lr: float = 0.01,
+        ema_alpha: Optional[float] = None,
     ):
         super().__init__()
         check_positive(num_classes, "num_classes", integer=True)
         check_positive(embedding_dim, "embedding_dim", integer=True)
         check_positive(scale, "scale")
         check_positive(dynamic_lr, "dynamic_lr")
+        if ema_alpha is not None and not (check_positive(ema_alpha, "ema_alpha") < 1):
+            raise ValueError(f"ema_alpha: expected 0 < ema_alpha < 1, got {ema_alpha}")
+        self.ema_alpha = None if ema_alpha is None else float(ema_alpha)
         if dynamic and num_classes < 2:
             raise ValueError(f"num_classes: the dynamic scale needs at least 2 classes, got {num_classes}")
         self.dynamic = bool(dynamic)
         self.dynamic_lr = float(dynamic_lr)
-        self.proxies = nn.Parameter(torch.randn(num_classes, embedding_dim))
+        if self.ema_alpha is None:
+            self.proxies = nn.Parameter(torch.randn(num_classes, embedding_dim))
+        else:
+            self.register_buffer("proxies", F.normalize(torch.randn(num_classes, embedding_dim), dim=1))
         s0 = proxydr_initial_scale(num_classes) if dynamic else float(scale)
         self.register_buffer("scale", torch.tensor(s0, dtype=torch.float64))
         # Adam state for the dynamic scale (first/second moments, step count).
@@ -311,6 +322,8 @@ class ProxyDRLoss(EmbeddingLoss):
         loss = -logp.gather(1, labels.unsqueeze(1)).mean()
         if self.dynamic and self.training:
             self._update_scale(dist.detach(), embeddings.detach(), labels)
+        if self.ema_alpha is not None and self.training:
+            ema_proxy_update_(self.proxies, embeddings.detach(), labels, self.ema_alpha)
         return loss
 
     @torch.no_grad()
