@@ -122,7 +122,7 @@ def test_gradcheck_dr_proxies():
     assert torch.autograd.gradcheck(lambda e, p: functional_call(loss, {"proxies": p}, (e, y)), (emb, prox))
 
 
-# ---------------------------------------------------------------- ProxyDR [Kim, Art. III]
+# ---------------------------------------------------------------- ProxyDR [Kim, Art. IV]
 
 def test_proxydr_matches_reference_with_normalised_chord_distance():
     emb, y = _batch()
@@ -133,7 +133,7 @@ def test_proxydr_matches_reference_with_normalised_chord_distance():
     logits = -10.0 * d.log()
     ref = F.cross_entropy(logits, y)
     assert torch.allclose(loss(emb, y), ref, atol=1e-12)
-    assert float(loss.scale) == 10.0  # fixed scale factor of [Kim, Art. III]
+    assert float(loss.scale) == 10.0  # fixed scale factor of [Kim, Art. IV]
 
 
 def test_proxydr_is_invariant_to_embedding_and_proxy_norms():
