@@ -51,8 +51,8 @@ def test_r_auroc_scores_the_uncertainty_against_one_nn_misses():
     d.fill_diagonal_(float("inf"))
     wrong = y[d.argmin(1)] != y
     u = torch.rand(200, generator=g, dtype=torch.float64)
-    assert r_auroc(x, y, u) == pytest.approx(auroc_error(u, wrong))
-    assert r_auroc(x, y, wrong.double() + 0.01 * u) == pytest.approx(1.0)
+    assert r_auroc(x, y, u, metric="euclidean") == pytest.approx(auroc_error(u, wrong))
+    assert r_auroc(x, y, wrong.double() + 0.01 * u, metric="euclidean") == pytest.approx(1.0)
 
 
 def reference_aurc(u, e, n_perm=2000, seed=0):

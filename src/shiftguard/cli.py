@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "toy": ("shiftguard.experiments.toy", "the two-Gaussians failure-mode toy of the QACT paper [QACT, Fig. 1]"),
     "corrupt": ("shiftguard.experiments.corrupt", "write a corrupted copy of a dataset (MNIST-C / CIFAR-10-C layout)"),
     "gallery": ("shiftguard.experiments.gallery", "save a PNG grid: corruptions x severities 0-5"),
+    "transfer": ("shiftguard.experiments.transfer", "the URL transfer benchmark on MNIST / Fashion-MNIST [Kirchhof]"),
 }
 
 # Errors a user can cause (bad names, missing files, bad configs, a run directory another process

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from shiftguard._validation import check_labels, check_same_length, check_tensor
+from shiftguard.functional.scaling import normalize_rows
 from shiftguard.neighbors import knn_search
 
 __all__ = ["auroc_error", "r_auroc", "aurc"]
@@ -49,15 +50,33 @@ def auroc_error(uncertainty, is_error) -> float:
     return (rank_sum - n_err * (n_err + 1) / 2.0) / (n_err * (n - n_err))
 
 
-def r_auroc(embeddings, labels, uncertainty, backend: str = "torch") -> float:
+def r_auroc(embeddings, labels, uncertainty, backend: str = "torch", metric: str = "cosine") -> float:
     """R-AUROC [Kirchhof, URL Sec. 3.1, Alg. 1]: AUROC of ``uncertainty`` for predicting that a
     sample's nearest other embedding (1-NN, itself excluded) has a different class (a Recall@1 miss).
+
+    Args:
+        embeddings: ``(N, D)`` float; labels: ``(N,)`` int; uncertainty: ``(N,)`` float, higher = more
+            uncertain.
+        backend: the ``shiftguard.neighbors.knn_search`` back end.
+        metric: how the nearest neighbour is found. ``"cosine"`` (default): largest cosine similarity,
+            i.e. the 1-NN of the L2-normalised embeddings, as the URL benchmark computes its Recall@1
+            ([Kirchhof, URL Sec. 3.1]; its code normalises the embeddings before the search); a zero
+            row normalises to zero (cosine 0 to every row). ``"euclidean"``: the 1-NN in Euclidean
+            distance of the raw embeddings.
+
+    Raises ``ValueError`` naming ``metric`` for another value, and as :func:`auroc_error` when the
+    1-NN is always right or always wrong.
     """
+    if metric not in ("cosine", "euclidean"):
+        raise ValueError(f"metric: expected 'cosine' or 'euclidean', got {metric!r}")
     emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
     y = check_labels(labels, "labels")
     u = check_tensor(uncertainty, "uncertainty", ndim=1, finite=True)
     check_same_length([("embeddings", emb), ("labels", y), ("uncertainty", u)])
     y = y.to(emb.device)
+    if metric == "cosine":
+        # Squared Euclidean distance between unit vectors is 2 - 2 cos: the same 1-NN as the largest cosine.
+        emb = normalize_rows(emb)
     _, idx = knn_search(emb, emb, 1, backend=backend, exclude_self=True)
     wrong = y[idx[:, 0]] != y
     return auroc_error(u, wrong)
