@@ -769,6 +769,17 @@ def across_splits(summary: dict) -> dict:
     return out
 
 
+def _table_lines(name: str, note: str, header: list[str], rows: list[list[str]], markdown: bool) -> list[str]:
+    """One table titled ``name`` as Markdown (``**name** (note)`` then a pipe table) or as aligned
+    text (``== name`` then columns padded to their widest cell), followed by an empty line."""
+    if markdown:
+        return [f"**{name}**" + (f" ({note})" if note else "") + "\n", "| " + " | ".join(header) + " |",
+                "|" + "|".join("---" for _ in header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    return [f"== {name}", "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+            *("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows), ""]
+
+
 def format_table(summary: dict, markdown: bool = False) -> str:
     """The summary as one table per split (default uncertainty of each method), ``mean +- std`` over
     seeds, and with several splits a last table of :func:`across_splits`."""
@@ -787,32 +798,14 @@ def format_table(summary: dict, markdown: bool = False) -> str:
                 else:
                     row.append(f"{v['mean']:.3f} ± {v['std']:.3f}" if v["std"] is not None else f"{v['mean']:.3f}")
             rows.append(row)
-        if markdown:
-            lines.append(f"**{split}** ({SPLITS[split].description if split in SPLITS else split})\n")
-            lines.append("| " + " | ".join(header) + " |")
-            lines.append("|" + "|".join("---" for _ in header) + "|")
-            lines += ["| " + " | ".join(r) + " |" for r in rows]
-        else:
-            widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-            lines.append(f"== {split}")
-            lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-            lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append("")
+        lines += _table_lines(split, SPLITS[split].description if split in SPLITS else split, header, rows,
+                              markdown)
     if len(summary) > 1:
         header = ["method"] + [h for _, h in ACROSS_KEYS]
         rows = [[m] + ["-" if r[k] is None else f"{r[k]:.3f}" for k, _ in ACROSS_KEYS]
                 for m, r in across_splits(summary).items()]
-        if markdown:
-            lines.append(f"**mean over the {len(summary)} splits** (of the per-split means)\n")
-            lines.append("| " + " | ".join(header) + " |")
-            lines.append("|" + "|".join("---" for _ in header) + "|")
-            lines += ["| " + " | ".join(r) + " |" for r in rows]
-        else:
-            widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-            lines.append(f"== mean over the {len(summary)} splits")
-            lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)))
-            lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append("")
+        lines += _table_lines(f"mean over the {len(summary)} splits", "of the per-split means", header, rows,
+                              markdown)
     return "\n".join(lines)
 
 

@@ -20,6 +20,8 @@ Bad-input policy (the same for every loss, tested in ``tests/test_losses_bad_inp
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -31,6 +33,7 @@ __all__ = [
     "zero_loss",
     "safe_euclidean",
     "pair_masks",
+    "adam_scale_step_",
 ]
 
 #: Added to squared Euclidean distances before the square root ([Kim, Art. II, Sec. 3.1]: "we add a small
@@ -104,3 +107,22 @@ class EmbeddingLoss(nn.Module):
 
     def compute(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
+
+
+def adam_scale_step_(loss: nn.Module, grad: float, lr: float) -> None:
+    """One Adam step (beta1 0.9, beta2 0.999, eps 1e-8; Kingma & Ba 2015) of a dynamic scale on
+    ``grad = d psi^2 / d s``: the float64 buffers ``scale``, ``_adam_m``, ``_adam_v``, ``_adam_t``
+    of ``loss`` are updated in place with step ``lr``, ``s`` kept >= 1e-3. A
+    non-finite ``grad`` leaves everything as it was."""
+    if not math.isfinite(grad):
+        return
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    m, v, t, scale = loss._adam_m, loss._adam_v, loss._adam_t, loss.scale
+    assert isinstance(m, torch.Tensor) and isinstance(v, torch.Tensor) and isinstance(t, torch.Tensor)
+    assert isinstance(scale, torch.Tensor)
+    t += 1
+    m.mul_(beta1).add_((1 - beta1) * grad)
+    v.mul_(beta2).add_((1 - beta2) * grad * grad)
+    m_hat = m / (1 - beta1**t)
+    v_hat = v / (1 - beta2**t)
+    scale.copy_((scale - lr * m_hat / (v_hat.sqrt() + eps)).clamp_min(1e-3))

@@ -30,7 +30,7 @@ from torch import nn
 
 from shiftguard._validation import check_positive
 from shiftguard.functional.scaling import distance_scale_exponent, normalize_rows
-from shiftguard.losses.base import DIST_EPS, EmbeddingLoss, safe_euclidean, zero_loss
+from shiftguard.losses.base import DIST_EPS, EmbeddingLoss, adam_scale_step_, safe_euclidean, zero_loss
 from shiftguard.losses.hierarchy import ema_proxy_update_
 
 __all__ = [
@@ -338,14 +338,4 @@ class ProxyDRLoss(EmbeddingLoss):
         psi = _psi_proxydr(s, b_avg, theta)
         # d psi / d s with B held fixed
         dpsi = b_avg * theta**s * (1.0 + (s + 1.0) * math.log(theta)) - 1.0
-        grad = 2.0 * psi * dpsi
-        if not math.isfinite(grad):
-            return
-        beta1, beta2, eps = 0.9, 0.999, 1e-8
-        self._adam_t += 1
-        self._adam_m.mul_(beta1).add_((1 - beta1) * grad)
-        self._adam_v.mul_(beta2).add_((1 - beta2) * grad * grad)
-        m_hat = self._adam_m / (1 - beta1 ** self._adam_t)
-        v_hat = self._adam_v / (1 - beta2 ** self._adam_t)
-        new_s = self.scale - self.dynamic_lr * m_hat / (v_hat.sqrt() + eps)
-        self.scale.copy_(new_s.clamp_min(1e-3))
+        adam_scale_step_(self, 2.0 * psi * dpsi, self.dynamic_lr)

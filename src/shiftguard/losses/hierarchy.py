@@ -46,7 +46,7 @@ from torch import nn
 from shiftguard._validation import check_labels, check_positive, check_tensor
 from shiftguard.data.hierarchy import ClassHierarchy, transformed_distance
 from shiftguard.functional.scaling import normalize_rows
-from shiftguard.losses.base import EmbeddingLoss
+from shiftguard.losses.base import EmbeddingLoss, adam_scale_step_
 
 __all__ = [
     "hierarchy_proxies",
@@ -381,13 +381,4 @@ class NormFaceLoss(EmbeddingLoss):
             if b_avg > 1.0:  # ln(B_avg) > 0: a positive scale exists
                 self.scale.fill_(math.log(b_avg) / math.cos(theta))
             return
-        grad = 2.0 * normface_psi(s, b_avg, theta) * _dpsi_ds(s, b_avg, theta)
-        if not math.isfinite(grad):
-            return
-        beta1, beta2, eps = 0.9, 0.999, 1e-8
-        self._adam_t += 1
-        self._adam_m.mul_(beta1).add_((1 - beta1) * grad)
-        self._adam_v.mul_(beta2).add_((1 - beta2) * grad * grad)
-        m_hat = self._adam_m / (1 - beta1 ** self._adam_t)
-        v_hat = self._adam_v / (1 - beta2 ** self._adam_t)
-        self.scale.copy_((self.scale - self.dynamic_lr * m_hat / (v_hat.sqrt() + eps)).clamp_min(1e-3))
+        adam_scale_step_(self, 2.0 * normface_psi(s, b_avg, theta) * _dpsi_ds(s, b_avg, theta), self.dynamic_lr)

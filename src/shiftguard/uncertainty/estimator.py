@@ -218,6 +218,19 @@ class UncertaintyEstimator(nn.Module):
     def _uncertainty(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def _adopt_backbone(self, spec: Backbone, seed) -> nn.Linear:
+        """Keep ``spec``'s backbone and sizes; return its linear classifier, or a new one initialised
+        under ``seed`` for a backbone without one. Raises ``TypeError`` naming ``seed`` for a non-int."""
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+        self.backbone = spec.module
+        self.embedding_dim = spec.embedding_dim
+        self.num_classes = spec.num_classes
+        if spec.classifier is not None:
+            return spec.classifier
+        with seeded(seed):
+            return nn.Linear(spec.embedding_dim, spec.num_classes)
+
     def _check_input(self, x) -> torch.Tensor:
         return check_tensor(x, "x", floating=True, min_ndim=2, nonempty=True)
 

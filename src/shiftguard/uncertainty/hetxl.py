@@ -156,15 +156,7 @@ class HETXL(UncertaintyEstimator):
         check_positive(rank, "rank", integer=True)
         check_positive(num_samples, "num_samples", integer=True)
         check_positive(temperature, "temperature")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
-        self.backbone = spec.module
-        self.embedding_dim = spec.embedding_dim
-        self.num_classes = spec.num_classes
-        linear = spec.classifier
-        if linear is None:
-            with seeded(seed):
-                linear = nn.Linear(spec.embedding_dim, spec.num_classes)
+        linear = self._adopt_backbone(spec, seed)
         self.classifier = HETXLHead(linear, rank, num_samples, float(temperature), seed)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:

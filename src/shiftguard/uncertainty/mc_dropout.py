@@ -32,7 +32,6 @@ from shiftguard.uncertainty.estimator import (
     _log_mean_exp,
     backbone_embed,
     resolve_backbone,
-    seeded,
 )
 
 __all__ = ["MCDropout", "MCDropoutHead"]
@@ -109,15 +108,7 @@ class MCDropout(UncertaintyEstimator):
         spec = resolve_backbone(backbone, embedding_dim, num_classes)
         rate = _check_rate(rate)
         check_positive(num_samples, "num_samples", integer=True)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
-        self.backbone = spec.module
-        self.embedding_dim = spec.embedding_dim
-        self.num_classes = spec.num_classes
-        linear = spec.classifier
-        if linear is None:
-            with seeded(seed):
-                linear = nn.Linear(spec.embedding_dim, spec.num_classes)
+        linear = self._adopt_backbone(spec, seed)
         self.classifier = MCDropoutHead(linear, rate, num_samples, seed)
 
     @property
