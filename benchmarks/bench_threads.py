@@ -6,7 +6,8 @@ Each case runs the command in a fresh process (kernels already compiled: one war
 
     python benchmarks/bench_threads.py [--repeats 3] [--job quick|default]
 
-Writes ``benchmarks/results/bench_threads.json``.
+Writes ``benchmarks/results/bench_threads.json`` (``--job quick``) or
+``benchmarks/results/bench_threads_default.json`` (``--job default``).
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ def main() -> int:
             if busy is not None:
                 stop.set()
                 busy.join()
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"job": args.job, "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    out = OUT if args.job == "quick" else OUT.with_name(f"bench_threads_{args.job}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"job": args.job, "cpus": os.cpu_count(), "rows": rows}, indent=1))
     return 0
 
 
