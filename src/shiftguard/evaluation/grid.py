@@ -28,7 +28,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from shiftguard.functional.scaling import distance_scale_exponent
 from shiftguard.heads import build_head, head_input
+from shiftguard.neighbors import knn_search
 from shiftguard.nn import has_qact, qact_context
 
 from .adversarial import ADVERSARIAL, AttackSuite
@@ -292,6 +294,39 @@ def _exchange(fn: Callable[[], object], world: int, what: str) -> list:
     return all_gather_results(fn, what)
 
 
+def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor]) -> dict[int, tuple]:
+    """One kNN search for every group of heads that would run the same one (NED, kNN, weighted kNN
+    on the same support with the same ``k`` and back end: ``shares_search_with``), so a cell costs
+    one search per group instead of one per head. ``{id(head): (squared distances, support
+    indices)}`` for the heads of groups of two or more; the search is the one each head's
+    ``predict_proba`` runs, so the probabilities are the same. Heads whose distances need
+    rescaling (``distance_scale_exponent`` != 0) keep their own path."""
+    if embeddings is None:
+        return {}
+    groups: list[list] = []
+    for head in heads:
+        if not callable(getattr(head, "shares_search_with", None)):
+            continue
+        for g in groups:
+            if g[0].shares_search_with(head) and head.shares_search_with(g[0]):
+                g.append(head)
+                break
+        else:
+            groups.append([head])
+    out: dict[int, tuple] = {}
+    for g in groups:
+        support = g[0].support_embeddings_
+        if len(g) < 2 or embeddings.dtype != support.dtype or embeddings.device != support.device:
+            continue
+        if embeddings.ndim != 2 or embeddings.shape[1] != support.shape[1] or not torch.isfinite(embeddings).all():
+            continue  # each head's own call raises the error that names the problem
+        if distance_scale_exponent(embeddings, support):
+            continue
+        found = knn_search(embeddings, support, g[0].k, backend=g[0].backend)
+        out.update({id(head): found for head in g})
+    return out
+
+
 def _score_unit(out: dict, fitted: dict, name: str, ctx: str, heads: Sequence[str], cell: Cell,
                 test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool) -> dict:
     """Rows of every head of one (model, context) on one cell; with ``keep``, also each head's
@@ -301,13 +336,17 @@ def _score_unit(out: dict, fitted: dict, name: str, ctx: str, heads: Sequence[st
         retrieval, miss = score_retrieval(out["embeddings"], test_y, retrieval_ks)
     else:
         retrieval, miss = {}, None
+    neighbors = _shared_neighbors([fitted[name, ctx, h] for h in heads], out["embeddings"])
     rows, kept = [], []
     for h in heads:
         head = fitted[name, ctx, h]
         x = out["logits"] if head_input(h) == "logits" else out["embeddings"]
         ovr = None
         with _seeded():
-            probs = torch.as_tensor(head.predict_proba(x))
+            if id(head) in neighbors:
+                probs = head.probabilities_from_neighbors(*neighbors[id(head)])
+            else:
+                probs = torch.as_tensor(head.predict_proba(x))
             if hasattr(head, "predict_one_vs_rest"):
                 ovr = torch.as_tensor(head.predict_one_vs_rest(x))
         norm, calib = calibration_view(probs, ovr)

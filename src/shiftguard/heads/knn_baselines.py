@@ -74,9 +74,25 @@ class KNNHeadBase(EmbeddingHead):
     def _neighbour_weights(self, sq_dist: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def shares_search_with(self, other) -> bool:
+        """Whether ``other``'s :meth:`kneighbors` would run this head's exact search (the same
+        support tensor, ``k`` and back end), so one search can serve both
+        (:meth:`probabilities_from_neighbors`)."""
+        return (isinstance(other, KNNHeadBase) and other.support_embeddings_ is self.support_embeddings_
+                and other.k == self.k and other.backend == self.backend)
+
+    def probabilities_from_neighbors(self, sq_dist: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """:meth:`predict_proba` given the query's ``k`` nearest support rows: squared distances
+        ``(N, k)`` ascending and support indices ``(N, k)``, as
+        ``knn_search(embeddings, support_embeddings_, k, backend=backend)`` returns them."""
+        self._check_is_fitted()
+        return self._probabilities(sq_dist, self.support_labels_[idx])
+
     def predict_proba(self, embeddings) -> torch.Tensor:
         """Class probabilities ``(N, C)`` from the weighted labels of the k nearest neighbours."""
-        sq_dist, nbr_labels = self.kneighbors(embeddings)
+        return self._probabilities(*self.kneighbors(embeddings))
+
+    def _probabilities(self, sq_dist: torch.Tensor, nbr_labels: torch.Tensor) -> torch.Tensor:
         w = self._neighbour_weights(sq_dist)
         w = w / w.sum(dim=1, keepdim=True)
         probs = torch.zeros(sq_dist.shape[0], self.num_classes_, dtype=w.dtype, device=w.device)

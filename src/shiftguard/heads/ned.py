@@ -208,6 +208,20 @@ class NED(KNNHeadBase):
         dist, idx = knn_search(emb, support, k or self.k, backend="pruned", index=index)
         return dist, self.support_labels_[idx]
 
+    def _probabilities(self, sq_dist: torch.Tensor, nbr_labels: torch.Tensor) -> torch.Tensor:
+        return ned_probabilities(sq_dist, nbr_labels, self.temperature_, self.num_classes_)
+
+    def shares_search_with(self, other) -> bool:
+        """As ``KNNHeadBase.shares_search_with``; never with a pruned index of its own (its search
+        is that index's)."""
+        return getattr(self, "knn_index_", None) is None and super().shares_search_with(other)
+
+    def probabilities_from_neighbors(self, sq_dist: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """As ``KNNHeadBase.probabilities_from_neighbors``, for neighbours found without rescaling:
+        the caller checks ``distance_scale_exponent(embeddings, support_embeddings_) == 0`` (else
+        :meth:`predict_proba` searches a rescaled copy)."""
+        return super().probabilities_from_neighbors(sq_dist, idx)
+
     def predict_proba(self, embeddings) -> torch.Tensor:
         """[NED, eq. (3)] with the fitted temperature, ``(N, C)`` in the dtype of ``embeddings``.
 
@@ -220,8 +234,7 @@ class NED(KNNHeadBase):
         emb = self._check_query(embeddings, support.shape[1])
         e = distance_scale_exponent(emb, support.to(emb.dtype) if emb.dtype != support.dtype else support)
         if not e:
-            sq_dist, nbr_labels = self.kneighbors(emb)
-            return ned_probabilities(sq_dist, nbr_labels, self.temperature_, self.num_classes_)
+            return self._probabilities(*self.kneighbors(emb))
         if support.device != emb.device:
             raise ValueError(f"embeddings: on {emb.device} but the head was fitted on {support.device}")
         # The support is scaled in its own dtype before any cast, so no value overflows on the way.
