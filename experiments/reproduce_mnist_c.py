@@ -19,7 +19,7 @@ existing complete run directories are reused.
 
 writes experiments/results/reproduce_mnist_c.{json,md} (and the per-seed summary tables).
 ``--runs DIR [DIR ...] --tag NAME`` tabulates finished runs of any config with the same two model
-names instead (e.g. the full-MNIST run of ``experiments/configs/mnist-c-lenet-full.toml``) into
+names instead (e.g. the full-MNIST runs of the shipped ``mnist-c-lenet`` config) into
 experiments/results/NAME.{json,md}.
 """
 
