@@ -84,7 +84,9 @@ class KNNHeadBase(EmbeddingHead):
     def probabilities_from_neighbors(self, sq_dist: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """:meth:`predict_proba` given the query's ``k`` nearest support rows: squared distances
         ``(N, k)`` ascending and support indices ``(N, k)``, as
-        ``knn_search(embeddings, support_embeddings_, k, backend=backend)`` returns them."""
+        ``knn_search(embeddings, support_embeddings_, k, backend=backend)`` returns them. (NED's
+        ``predict_proba`` equals this only where ``distance_scale_exponent(embeddings,
+        support_embeddings_) == 0``; elsewhere it searches a rescaled copy.)"""
         self._check_is_fitted()
         return self._probabilities(sq_dist, self.support_labels_[idx])
 

@@ -216,12 +216,6 @@ class NED(KNNHeadBase):
         is that index's)."""
         return getattr(self, "knn_index_", None) is None and super().shares_search_with(other)
 
-    def probabilities_from_neighbors(self, sq_dist: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """As ``KNNHeadBase.probabilities_from_neighbors``, for neighbours found without rescaling:
-        the caller checks ``distance_scale_exponent(embeddings, support_embeddings_) == 0`` (else
-        :meth:`predict_proba` searches a rescaled copy)."""
-        return super().probabilities_from_neighbors(sq_dist, idx)
-
     def predict_proba(self, embeddings) -> torch.Tensor:
         """[NED, eq. (3)] with the fitted temperature, ``(N, C)`` in the dtype of ``embeddings``.
 
