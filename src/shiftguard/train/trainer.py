@@ -245,8 +245,8 @@ class Trainer:
                 bar.update(1, {"loss": f"{total_loss / n_seen:.4f}"})
                 continue
             if self.two_views:
-                emb = self._two_view_embeddings(images[idx], epoch)
-                loss = self.loss_fn(emb, torch.arange(y.numel(), device=self.device).repeat(2))
+                emb, ids = self._two_view_embeddings(images[idx], epoch)
+                loss = self.loss_fn(emb, ids)
                 self._accumulate_means(emb[: y.numel()].detach().float(), y, num_classes)
             elif self.loss_on == "logits":
                 out = self.model(x)  # shiftguard's models: forward = classifier(embed(x))
@@ -271,18 +271,19 @@ class Trainer:
             bar.update(1, post)
         return total_loss, n_seen, n_correct
 
-    def _two_view_embeddings(self, pixels: torch.Tensor, epoch: int) -> torch.Tensor:
-        """Embeddings ``(2N, D)`` of two augmented views of ``pixels`` (rows ``i`` and ``N + i`` are
-        views of image ``i``; ``shiftguard.data.two_views``), drawn from a generator seeded with
-        ``(seed, epoch, batch)`` so that a resumed run draws the same views."""
+    def _two_view_embeddings(self, pixels: torch.Tensor, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings ``(2N, D)`` of two augmented views of ``pixels`` and their instance ids
+        (rows ``i`` and ``N + i`` are views of image ``i``; ``shiftguard.data.two_views``), drawn
+        from one generator per epoch, seeded with ``(seed, epoch)``, so that a resumed run (which
+        restarts at an epoch boundary) draws the same views."""
         from shiftguard.data import two_views
 
         if self._views_gen is None or self._views_epoch != epoch:
             self._views_gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             self._views_epoch = epoch
         x = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
-        views, _ = two_views(x, self._views_gen)
-        return self.model.embed(to_model_input(views, self.device))
+        views, ids = two_views(x, self._views_gen)
+        return self.model.embed(to_model_input(views, self.device)), ids.to(self.device)
 
     def _multistage_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One multistage step on batch ``(x, y)``; the DDP trainer overrides it (train/distributed.py)."""
