@@ -58,11 +58,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
-from shiftguard.functional.scaling import normalize_rows
 from shiftguard.io import atomic_write_text
-from shiftguard.metrics import aurc, auroc_error
+from shiftguard.metrics import auroc_error, excess_aurc, one_nn_misses
 from shiftguard.models import build_model
-from shiftguard.neighbors import knn_search
+from shiftguard.uncertainty import entropy_from_log_probs
 
 __all__ = [
     "SPLITS",
@@ -252,46 +251,10 @@ def load_split(name: str, root: Optional[str] = None, train_subset: Optional[int
 # ---------------------------------------------------------------------------------------------- metrics
 
 
-def one_nn_misses(embeddings, labels, metric: str = "cosine") -> torch.Tensor:
-    """``(N,)`` bool: whether each sample's nearest OTHER embedding has another label (a Recall@1 miss).
-
-    ``metric="cosine"`` (URL's Recall@1, [Kirchhof, URL Sec. 3.1]): the 1-NN of the L2-normalised rows;
-    ``"euclidean"``: of the raw rows. ``embeddings (N, D)`` float, ``N >= 2``; ``labels (N,)`` int.
-    Raises ``ValueError`` / ``TypeError`` naming the argument.
-    """
-    if metric not in ("cosine", "euclidean"):
-        raise ValueError(f"metric: expected 'cosine' or 'euclidean', got {metric!r}")
-    emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
-    y = check_labels(labels, "labels")
-    check_same_length([("embeddings", emb), ("labels", y)])
-    if emb.shape[0] < 2:
-        raise ValueError("embeddings: Recall@1 needs at least 2 samples")
-    if metric == "cosine":
-        emb = normalize_rows(emb)
-    _, idx = knn_search(emb, emb, 1, exclude_self=True)
-    y = y.to(emb.device)
-    return y[idx[:, 0]] != y
-
-
 def recall_at_one(embeddings, labels, metric: str = "cosine") -> float:
     """Recall@1 [Kirchhof, URL Sec. 3.1]: the fraction of samples whose 1-NN (itself excluded) shares
     its label; arguments and errors as :func:`one_nn_misses`."""
     return 1.0 - float(one_nn_misses(embeddings, labels, metric).double().mean())
-
-
-def excess_aurc(uncertainty, is_error) -> float:
-    """E-AURC (Geifman et al. 2019): ``AURC(uncertainty) - AURC(oracle)``, where the oracle accepts
-    every correct prediction before any error; 0 for a perfect ordering, larger is worse.
-
-    AURC as ``shiftguard.metrics.aurc`` (Geifman & El-Yaniv 2017; ties accepted as a group). Arguments
-    and errors as there: ``uncertainty (N,)`` float, ``is_error (N,)`` bool or 0/1.
-    """
-    e = check_tensor(is_error, "is_error", ndim=1)
-    if e.dtype != torch.bool:
-        if not bool(((e == 0) | (e == 1)).all()):
-            raise ValueError("is_error: expected booleans or 0/1 values")
-        e = e.bool()
-    return aurc(uncertainty, e) - aurc(e.double(), e)
 
 
 def _auroc_or_none(u: torch.Tensor, target: torch.Tensor) -> Optional[float]:
@@ -360,10 +323,6 @@ def evaluate_transfer(up_emb, up_y, down_emb, down_y, up_unc: dict, down_unc: di
 # ---------------------------------------------------------------------------------------------- methods
 
 
-def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
-    return -(log_probs.exp() * log_probs).nan_to_num(0.0).sum(1)
-
-
 class TransferModel(nn.Module):
     """What the benchmark needs of a method: an objective, embeddings, uncertainties, a classifier.
 
@@ -406,7 +365,7 @@ class _CrossEntropy(TransferModel):
     def outputs(self, x):
         e = self.backbone.embed(x)
         lp = F.log_softmax(self.backbone.classifier(e), dim=1)
-        return e, lp, {"entropy": _entropy(lp)}
+        return e, lp, {"entropy": entropy_from_log_probs(lp)}
 
 
 class _EmbeddingObjective(TransferModel):
@@ -491,7 +450,7 @@ class _PrototypeClassifier(TransferModel):
     def outputs(self, x):
         e = self.backbone.embed(x)
         lp = F.log_softmax(self.loss.logits(e), dim=1)
-        return e, lp, {"entropy": _entropy(lp)}
+        return e, lp, {"entropy": entropy_from_log_probs(lp)}
 
 
 @dataclass(frozen=True)

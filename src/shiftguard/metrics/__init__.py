@@ -20,7 +20,7 @@ from shiftguard.metrics.hierarchy import (
 from shiftguard.metrics.reliability import ReliabilityData, reliability_diagram
 from shiftguard.metrics.retrieval import retrieval_metrics
 from shiftguard.metrics.robustness import corruption_errors, mean_corruption_accuracy
-from shiftguard.metrics.uncertainty import aurc, auroc_error, r_auroc
+from shiftguard.metrics.uncertainty import aurc, auroc_error, excess_aurc, one_nn_misses, r_auroc
 
 __all__ = [
     "average_hierarchical_distance",
@@ -43,6 +43,8 @@ __all__ = [
     "auroc_error",
     "r_auroc",
     "aurc",
+    "excess_aurc",
+    "one_nn_misses",
     "mean_corruption_accuracy",
     "corruption_errors",
     "bootstrap_ci",

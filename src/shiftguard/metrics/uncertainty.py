@@ -11,7 +11,7 @@ from shiftguard._validation import check_labels, check_same_length, check_tensor
 from shiftguard.functional.scaling import normalize_rows
 from shiftguard.neighbors import knn_search
 
-__all__ = ["auroc_error", "r_auroc", "aurc"]
+__all__ = ["auroc_error", "r_auroc", "aurc", "excess_aurc", "one_nn_misses"]
 
 
 def _check_scores_errors(uncertainty, is_error):
@@ -73,13 +73,30 @@ def r_auroc(embeddings, labels, uncertainty, backend: str = "torch", metric: str
     y = check_labels(labels, "labels")
     u = check_tensor(uncertainty, "uncertainty", ndim=1, finite=True)
     check_same_length([("embeddings", emb), ("labels", y), ("uncertainty", u)])
+    return auroc_error(u, _one_nn_misses(emb, y, metric, backend))
+
+
+def _one_nn_misses(emb: torch.Tensor, y: torch.Tensor, metric: str, backend: str) -> torch.Tensor:
     y = y.to(emb.device)
     if metric == "cosine":
         # Squared Euclidean distance between unit vectors is 2 - 2 cos: the same 1-NN as the largest cosine.
         emb = normalize_rows(emb)
     _, idx = knn_search(emb, emb, 1, backend=backend, exclude_self=True)
-    wrong = y[idx[:, 0]] != y
-    return auroc_error(u, wrong)
+    return y[idx[:, 0]] != y
+
+
+def one_nn_misses(embeddings, labels, metric: str = "cosine", backend: str = "torch") -> torch.Tensor:
+    """``(N,)`` bool: whether each sample's nearest OTHER embedding has another label (a Recall@1
+    miss, the event :func:`r_auroc` scores); ``metric`` as there. ``embeddings (N, D)`` float,
+    ``N >= 2``; ``labels (N,)`` int. Raises ``ValueError`` / ``TypeError`` naming the argument."""
+    if metric not in ("cosine", "euclidean"):
+        raise ValueError(f"metric: expected 'cosine' or 'euclidean', got {metric!r}")
+    emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+    y = check_labels(labels, "labels")
+    check_same_length([("embeddings", emb), ("labels", y)])
+    if emb.shape[0] < 2:
+        raise ValueError("embeddings: Recall@1 needs at least 2 samples")
+    return _one_nn_misses(emb, y, metric, backend)
 
 
 def aurc(uncertainty, is_error) -> float:
@@ -103,3 +120,11 @@ def aurc(uncertainty, is_error) -> float:
     within = pos - start[inverse].double()                               # 1..size inside the group
     expected_err = err_before[inverse] + group_err[inverse] * within / counts[inverse].double()
     return float((expected_err / pos).mean())
+
+
+def excess_aurc(uncertainty, is_error) -> float:
+    """E-AURC (Geifman et al. 2019): ``aurc(uncertainty) - aurc(oracle)``, where the oracle accepts
+    every correct prediction before any error; 0 for a perfect ordering, larger is worse. Arguments
+    and errors as :func:`aurc`."""
+    _, e = _check_scores_errors(uncertainty, is_error)
+    return aurc(uncertainty, e) - aurc(e.double(), e)
