@@ -153,6 +153,8 @@ heads = ["knn"]
     assert ("lenet-relu-crossentropy", "none", "ned", "fgsm-linf") in adv
     assert (tmp_path / "adv" / "models" / "lenet-qact-proxydr" / "loss.pt").is_file()  # the learnt proxies
     assert "Adversarial shift" in (tmp_path / "adv" / "report.html").read_text()
+    for png in ("accuracy_vs_attack_eps.png", "ece_vs_attack_eps.png"):  # beside the corruption figures
+        assert (tmp_path / "adv" / "plots" / png).stat().st_size > 1000
 
 
 def test_run_config_names_a_bad_attack():

@@ -34,6 +34,7 @@ __all__ = [
     "pyplot", "save_png", "metric_vs_severity", "drop_heatmap", "reliability_diagrams", "corruption_gallery",
     "compare_runs", "primary_keys", "cell_index", "severity_curve", "benchmark_corruptions", "as_number",
     "is_rate", "metric_label", "mean_std", "severities", "per_corruption_drops", "run_labels", "CLEAN",
+    "adversarial_cells", "metric_vs_eps",
 ]
 
 #: The corruption name of the clean test set's cell (severity 0).
@@ -262,6 +263,47 @@ def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle(f"{metric_label(metric)} vs corruption severity", fontsize=10)
+    return save_png(fig, path)
+
+
+def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
+    """``metric`` against the attack budget per (model, context) panel, one line per (head, attack),
+    from the clean cell (eps 0) through every budget of the adversarial cells
+    (:func:`adversarial_cells`)."""
+    plt = pyplot()
+    rate = is_rate(metric)
+    scale = 100.0 if rate else 1.0
+    cells = adversarial_cells(results)
+    index = cell_index(results)
+    panels = list(dict.fromkeys((m, c) for m, c, _ in cells)) or [("", "none")]
+    ncol = min(3, len(panels))
+    nrow = (len(panels) + ncol - 1) // ncol
+    fig, axes = plt.subplots(nrow, ncol, figsize=(4.6 * ncol, 3.4 * nrow), squeeze=False, sharey=True)
+    for ax, (model, ctx) in zip(axes.flat, panels):
+        for (m, c, head), per in cells.items():
+            if (m, c) != (model, ctx):
+                continue
+            clean = as_number(index.get((m, c, head), {}).get((CLEAN, 0), {}).get(metric))
+            for attack, pts in per.items():
+                xs = ([0.0] if clean is not None else []) + [eps for eps, _ in pts]
+                ys = ([clean] if clean is not None else []) + [as_number(r.get(metric)) for _, r in pts]
+                keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
+                if keep:
+                    ax.plot([x for x, _ in keep], [y * scale for _, y in keep], marker="o", ms=3,
+                            label=_text(f"{head} / {attack}"))
+        ax.set_title(_label(model, ctx), fontsize=9)
+        ax.set_xlabel("attack budget eps (0 = clean)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=6)
+    if rate:
+        axes[0, 0].set_ylim(0, 100)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(metric_label(metric) + (" (%)" if rate else ""), fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(f"{metric_label(metric)} vs attack budget", fontsize=10)
+    fig.tight_layout()  # a second row's titles clear the first row's axis labels
     return save_png(fig, path)
 
 

@@ -291,6 +291,9 @@ def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> 
     if "brier" in metrics:
         out["brier"] = P.metric_vs_severity(results, "brier", d / "brier_vs_severity.png")
     out["drop_heatmap"] = P.drop_heatmap(results, d / "accuracy_drop_heatmap.png")
+    if P.adversarial_cells(results):
+        out["adversarial_accuracy"] = P.metric_vs_eps(results, "accuracy", d / "accuracy_vs_attack_eps.png")
+        out["adversarial_ece"] = P.metric_vs_eps(results, "ece_top_label", d / "ece_vs_attack_eps.png")
     if results.get("reliability"):
         out["reliability"] = P.reliability_diagrams(results, d / "reliability_diagrams.png")
     target = d / "corruption_gallery.png"
@@ -663,6 +666,9 @@ _CAPTIONS = {
     "reliability": "Reliability diagrams, clean vs highest severity pooled over corruptions; below each, the number "
                    "of images per confidence bin (log scale). An empty bin has no bar.",
     "gallery": "The corruptions at each severity on one test image.",
+    "adversarial_accuracy": "Accuracy (%) under each attack vs its budget eps (pixel units of [0, 1] images), "
+                            "one line per head and attack; eps 0 = clean test set.",
+    "adversarial_ece": "Top-label ECE (%) under each attack vs its budget eps.",
 }
 
 
