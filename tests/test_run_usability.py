@@ -356,24 +356,30 @@ def _cfg(activation, source="auto", suite="mnist-c"):
 def test_compile_step_is_announced_with_its_duration_when_slow(monkeypatch, capsys):
     import shiftguard.corruptions as K
     import shiftguard.functional as F
+    import shiftguard.neighbors as NB
 
     monkeypatch.setattr(F, "warm_up", lambda: (time.sleep(1.3), 1.3)[1])
     monkeypatch.setattr(K, "warm_up", lambda **kw: 0.25)
-    assert R.compile_kernels(_cfg("qact"), "cpu") == 1.55
+    monkeypatch.setattr(NB, "warm_up", lambda: 0.05)
+    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(1.6)
     assert capsys.readouterr().out == "compiling kernels (first use) ... 1.6 s\n"
 
 
 def test_compile_step_warms_what_the_run_calls_and_is_silent_when_fast(monkeypatch, capsys):
     import shiftguard.corruptions as K
     import shiftguard.functional as F
+    import shiftguard.neighbors as NB
 
-    qact, corrupt = [], []
+    qact, corrupt, search = [], [], []
     monkeypatch.setattr(F, "warm_up", lambda: qact.append(1) or 0.01)
     monkeypatch.setattr(K, "warm_up", lambda **kw: corrupt.append(kw) or 0.02)
-    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(0.03)
-    assert R.compile_kernels(_cfg("relu", suite="cifar-c"), "cpu") == 0.02  # no QACT: the corruptions only
-    assert R.compile_kernels(_cfg("relu", source="official"), "cpu") == 0.0  # read from disk: nothing
-    assert qact == [1]
+    monkeypatch.setattr(NB, "warm_up", lambda: search.append(1) or 0.004)
+    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(0.034)
+    # no QACT: the corruptions and the search only
+    assert R.compile_kernels(_cfg("relu", suite="cifar-c"), "cpu") == pytest.approx(0.024)
+    # corrupted sets read from disk: the search only
+    assert R.compile_kernels(_cfg("relu", source="official"), "cpu") == pytest.approx(0.004)
+    assert qact == [1] and search == [1, 1, 1]
     assert corrupt == [{"dtypes": (torch.uint8,), "suites": ("mnist-c",)},
                        {"dtypes": (torch.uint8,), "suites": ("cifar-c",)}]
     assert capsys.readouterr().out == ""

@@ -653,13 +653,15 @@ def main(args) -> int:
 
 def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
     """Compile the CPU kernels the run will call before any training; return the seconds it took
-    (0.0 when none is needed; a fraction of a second once numba's on-disk cache holds them):
+    (a fraction of a second once numba's on-disk cache holds them):
 
     - QACT's (:func:`shiftguard.functional.warm_up`) when a model of ``cfg`` has
       ``activation = "qact"`` and ``device`` is the CPU;
     - the corruption engine's for ``cfg.data.suite`` on uint8 images
       (:func:`shiftguard.corruptions.warm_up`), unless ``data.corrupted_source = "official"`` (the
-      corrupted test sets are then read from disk, not generated).
+      corrupted test sets are then read from disk, not generated);
+    - the kNN search's selection step (:func:`shiftguard.neighbors.warm_up`): every evaluation
+      searches the float32 embeddings on the CPU (kNN heads, retrieval scores).
 
     With ``announce``, a step that lasts over a second prints ``compiling kernels (first use) ...``
     when that second has passed and its duration when done, on one line of stdout."""
@@ -672,8 +674,9 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
         from shiftguard import corruptions as K
 
         steps.append(lambda: K.warm_up(dtypes=(torch.uint8,), suites=(cfg.data.suite,)))
-    if not steps:
-        return 0.0
+    from shiftguard import neighbors as NB
+
+    steps.append(NB.warm_up)
 
     def warm_up() -> float:
         return sum(step() for step in steps)

@@ -7,6 +7,8 @@ uncertainty scores).
 - :class:`PrunedKNNIndex` -- the cluster-pruned index of ``backend="pruned"``, reusable via ``index=``
 - :func:`default_chunk_size`, :data:`DEFAULT_MEMORY_BUDGET_BYTES` -- the memory bound of a search
 - :func:`exact_sq_dist`, :func:`check_backend`, :data:`BACKENDS`
+- :func:`smallest_k` -- the k smallest entries of each row (the back ends' selection step);
+  :func:`warm_up` compiles it ahead of use
 
 See ``docs/heads_metrics.md`` ("kNN search").
 """
@@ -14,6 +16,7 @@ See ``docs/heads_metrics.md`` ("kNN search").
 from shiftguard.neighbors.exact import DEFAULT_MEMORY_BUDGET_BYTES, default_chunk_size, exact_sq_dist
 from shiftguard.neighbors.pruned import PrunedKNNIndex
 from shiftguard.neighbors.search import BACKENDS, KNNIndex, check_backend, knn_search
+from shiftguard.neighbors.select import smallest_k, warm_up
 
 __all__ = [
     "BACKENDS",
@@ -24,4 +27,6 @@ __all__ = [
     "default_chunk_size",
     "exact_sq_dist",
     "knn_search",
+    "smallest_k",
+    "warm_up",
 ]

@@ -1,4 +1,4 @@
-"""The brute-force exact back end: chunked ``||s||^2 - 2 q.s`` ranking, ``topk``, exact distances.
+"""The brute-force exact back end: chunked ``||s||^2 - 2 q.s`` ranking, selection, exact distances.
 
 Every back end of :func:`shiftguard.neighbors.knn_search` ranks by the expansion on rows centred at
 the support's mean (:func:`key_centre`): distances do not change under a common shift, but the
@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from shiftguard.neighbors.select import smallest_k
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
@@ -118,7 +120,7 @@ def torch_knn(query: torch.Tensor, support: torch.Tensor, k: int, self_index: Op
         if self_index is not None:
             rows = torch.arange(q.shape[0], device=q.device)
             block[rows, self_index[start:start + chunk_size]] = float("inf")
-        _, idx = torch.topk(block, k, dim=1, largest=False, sorted=True)
+        _, idx = smallest_k(block, k)
         del block
         d = exact_sq_dist(q, support, idx)
         d, idx = resort(d, idx)

@@ -55,7 +55,7 @@ Search, per query block (queries with the same home, at most ``block_rows``):
   until every query has ``k`` candidates besides its own row; then, in groups of at most
   ``group_cols`` rows (and within ``memory_budget_bytes``), the clusters that at least
   ``core_fraction`` of the block still needs under the tightened k-th keys: block x cluster
-  ``addmm`` + ``topk`` merged into the running top k;
+  ``addmm`` + selection of the k smallest merged into the running top k;
 - phase B (all blocks done): the (query, cluster) pairs some query still needs, one ``addmm`` per
   cluster over just those queries, each re-checked against the query's current k-th key. This
   keeps a block from paying for clusters that only a few of its queries need.
@@ -85,6 +85,7 @@ from typing import Optional
 import torch
 
 from shiftguard.neighbors.exact import DEFAULT_MEMORY_BUDGET_BYTES, exact_sq_dist, key_rows, resort, torch_knn
+from shiftguard.neighbors.select import scan_applies, smallest_k
 
 __all__ = ["PrunedKNNIndex"]
 
@@ -95,9 +96,13 @@ def _topk_smallest(key: torch.Tensor, k: int, group: int = 64):
     The row's columns are cut into groups of ``group``; the k smallest entries lie in the k groups
     with the smallest minima (a group outside them has k group minima below its own minimum, i.e.
     k entries smaller than any of its entries; exact ties aside), so only those k groups (and the
-    < ``group`` tail columns) go through ``topk``. Returns ``(values, column indices)``.
+    < ``group`` tail columns) go through ``topk``. Where the compiled scan applies
+    (:func:`~shiftguard.neighbors.select.smallest_k`) it is used instead: one pass over the row.
+    Returns ``(values, column indices)`` of the ``min(k, columns)`` smallest.
     """
     b, n = key.shape
+    if scan_applies(key, min(k, n)):
+        return smallest_k(key, min(k, n))
     n_groups = n // group
     if n_groups <= 2 * k:
         return torch.topk(key, min(k, n), dim=1, largest=False, sorted=False)
@@ -379,7 +384,7 @@ class PrunedKNNIndex:
                 hit = torch.nonzero((sp >= a) & (sp < e)).squeeze(1)
                 key[hit, sp[hit] - a] = math.inf
             v, j = _topk_smallest(key, k)
-            val, jj = torch.topk(torch.cat([best_key[r], v], dim=1), k, dim=1, largest=False, sorted=True)
+            val, jj = smallest_k(torch.cat([best_key[r], v], dim=1), k)
             best_pos[r] = torch.cat([best_pos[r], j + a], dim=1).gather(1, jj)
             best_key[r] = val
         return rows.numel() * (e - a)
@@ -445,7 +450,7 @@ class PrunedKNNIndex:
             v, j = _topk_smallest(key, k)
             vals.append(v)
             poss.append(j + a)
-        val, j = torch.topk(torch.cat(vals, dim=1), k, dim=1, largest=False, sorted=True)
+        val, j = smallest_k(torch.cat(vals, dim=1), k)
         return val, torch.cat(poss, dim=1).gather(1, j)
 
 
