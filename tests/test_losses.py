@@ -214,6 +214,28 @@ def test_watershed_propagation_equals_prim_minimum_spanning_forest():
         assert torch.equal(got, _prim_watershed(dist, seeds, y[seeds]))
 
 
+def test_watershed_propagation_without_numba_grows_the_same_forest(monkeypatch):
+    from shiftguard import _numba
+
+    g = torch.Generator().manual_seed(2)
+    cases = []
+    for trial in range(4):
+        x = torch.randn(60, 5, generator=g, dtype=D64)
+        y = torch.randint(0, 5, (60,), generator=g)
+        seeds = watershed_seeds(y, 1 + trial % 2, torch.Generator().manual_seed(trial))
+        cases.append((torch.cdist(x, x), seeds, y[seeds]))
+    compiled = [watershed_propagate(*c) for c in cases]
+    monkeypatch.setattr(_numba, "AVAILABLE", False)
+    for c, want in zip(cases, compiled):
+        assert torch.equal(watershed_propagate(*c), want)
+
+
+def test_watershed_propagation_refuses_non_finite_distances():
+    dist = torch.tensor([[0.0, float("inf")], [float("inf"), 0.0]])
+    with pytest.raises(ValueError, match="dist"):
+        watershed_propagate(dist, torch.tensor([0]), torch.tensor([1]))
+
+
 def test_watershed_propagation_recovers_well_separated_clusters():
     g = torch.Generator().manual_seed(0)
     y = torch.arange(4).repeat_interleave(10)

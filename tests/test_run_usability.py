@@ -348,8 +348,8 @@ def test_trainer_log_callable_receives_the_epoch_lines(capsys):
 
 
 # --------------------------------------------------------------------------- kernel compile step
-def _cfg(activation, source="auto", suite="mnist-c"):
-    return C.config_from_dict({"models": [{"arch": "lenet", "activation": activation}],
+def _cfg(activation, source="auto", suite="mnist-c", loss="cross_entropy"):
+    return C.config_from_dict({"models": [{"arch": "lenet", "activation": activation, "loss": loss}],
                                "data": {"corrupted_source": source, "suite": suite}})
 
 
@@ -368,6 +368,7 @@ def test_compile_step_is_announced_with_its_duration_when_slow(monkeypatch, caps
 def test_compile_step_warms_what_the_run_calls_and_is_silent_when_fast(monkeypatch, capsys):
     import shiftguard.corruptions as K
     import shiftguard.functional as F
+    import shiftguard.losses.watershed as W
     import shiftguard.neighbors as NB
 
     qact, corrupt, search = [], [], []
@@ -380,8 +381,13 @@ def test_compile_step_warms_what_the_run_calls_and_is_silent_when_fast(monkeypat
     # corrupted sets read from disk: the search only
     assert R.compile_kernels(_cfg("relu", source="official"), "cpu") == pytest.approx(0.004)
     assert qact == [1] and search == [1, 1, 1]
+    forest = []
+    monkeypatch.setattr(W, "warm_up", lambda: forest.append(1) or 0.001)
+    assert R.compile_kernels(_cfg("qact", loss="watershed"), "cpu") == pytest.approx(0.035)
+    assert forest == [1] and qact == [1, 1]
     assert corrupt == [{"dtypes": (torch.uint8,), "suites": ("mnist-c",)},
-                       {"dtypes": (torch.uint8,), "suites": ("cifar-c",)}]
+                       {"dtypes": (torch.uint8,), "suites": ("cifar-c",)},
+                       {"dtypes": (torch.uint8,), "suites": ("mnist-c",)}]
     assert capsys.readouterr().out == ""
 
 

@@ -661,7 +661,9 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
       (:func:`shiftguard.corruptions.warm_up`), unless ``data.corrupted_source = "official"`` (the
       corrupted test sets are then read from disk, not generated);
     - the kNN search's selection step (:func:`shiftguard.neighbors.warm_up`): every evaluation
-      searches the float32 embeddings on the CPU (kNN heads, retrieval scores).
+      searches the float32 embeddings on the CPU (kNN heads, retrieval scores);
+    - the watershed loss's forest growing (:func:`shiftguard.losses.watershed.warm_up`) when a model
+      trains with ``loss = "watershed"``.
 
     With ``announce``, a step that lasts over a second prints ``compiling kernels (first use) ...``
     when that second has passed and its duration when done, on one line of stdout."""
@@ -677,6 +679,10 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
     from shiftguard import neighbors as NB
 
     steps.append(NB.warm_up)
+    if any(m.loss.lower() == "watershed" for m in cfg.models):
+        from shiftguard.losses import watershed
+
+        steps.append(watershed.warm_up)
 
     def warm_up() -> float:
         return sum(step() for step in steps)
