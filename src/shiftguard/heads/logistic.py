@@ -65,14 +65,24 @@ class LogisticRegressionHead(EmbeddingHead):
         x = (x - self.mean_) / self.scale_
         n, d = x.shape
 
-        def objective(theta: torch.Tensor) -> torch.Tensor:
+        onehot = F.one_hot(y, num_classes).to(x.dtype)
+
+        def objective(theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # sklearn's objective divided by C * n, so the scale is O(1) for the tolerances:
+            # f = mean_i [logsumexp(z_i) - z_{i, y_i}] + ||W||^2 / (2 C n),  z = x W^T + b,
+            # with its gradient df/dW = (softmax(z) - onehot(y))^T x / n + W / (C n), df/db = column sums / n.
             w = theta[: num_classes * d].view(num_classes, d)
             b = theta[num_classes * d:]
-            # sklearn's objective divided by C * n, so the scale is O(1) for the tolerances.
-            return F.cross_entropy(x @ w.t() + b, y) + 0.5 * (w * w).sum() / (self.C * n)
+            z = torch.addmm(b, x, w.t())
+            lse = torch.logsumexp(z, dim=1)
+            loss = (lse.sum() - z.gather(1, y.unsqueeze(1)).sum()) / n + 0.5 * (w * w).sum() / (self.C * n)
+            g = torch.exp(z - lse.unsqueeze(1)).sub_(onehot).div_(n)
+            grad_w = g.t() @ x + w / (self.C * n)
+            return loss, torch.cat([grad_w.reshape(-1), g.sum(0)])
 
         theta0 = torch.zeros(num_classes * (d + 1), dtype=torch.float64, device=x.device)
-        theta, _, self.n_iter_ = minimize_lbfgs(objective, theta0, max_iter=self.max_iter, gtol=self.tol)
+        theta, _, self.n_iter_ = minimize_lbfgs(objective, theta0, max_iter=self.max_iter, gtol=self.tol,
+                                                with_grad=True)
         self.coef_ = theta[: num_classes * d].view(num_classes, d).clone()
         self.intercept_ = theta[num_classes * d:].clone()
         self.num_classes_ = num_classes
