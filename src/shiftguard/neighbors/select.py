@@ -50,9 +50,10 @@ def _after(a, b):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _insert(vals, cols, v, j, k):  # pragma: no cover - compiled
-    """Put ``v`` (column ``j``, later than every buffered column) into the sorted buffer of ``k``."""
-    p = k - 1
+def _insert(vals, cols, v, j, last):  # pragma: no cover - compiled
+    """Put ``v`` (column ``j``, later than every buffered column) into the sorted buffer
+    ``vals[:last + 1]``, dropping what was at ``last``."""
+    p = last
     while p > 0 and _after(vals[p - 1], v):
         vals[p] = vals[p - 1]
         cols[p] = cols[p - 1]
@@ -77,14 +78,7 @@ def _select_rows(block, k, lo, hi, out_v, out_i):  # pragma: no cover - compiled
         vals = out_v[r]
         cols = out_i[r]
         for j in range(k):  # the first k columns, insertion-sorted
-            v = row[j]
-            p = j
-            while p > 0 and _after(vals[p - 1], v):
-                vals[p] = vals[p - 1]
-                cols[p] = cols[p - 1]
-                p -= 1
-            vals[p] = v
-            cols[p] = j
+            _insert(vals, cols, row[j], j, j)
         worst = vals[k - 1]
         j = k
         while j < n:
@@ -97,7 +91,7 @@ def _select_rows(block, k, lo, hi, out_v, out_i):  # pragma: no cover - compiled
                 for t in range(j, end):
                     v = row[t]
                     if v < worst or (worst != worst and v == v):
-                        _insert(vals, cols, v, t, k)
+                        _insert(vals, cols, v, t, k - 1)
                         worst = vals[k - 1]
             j = end
 
