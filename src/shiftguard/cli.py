@@ -15,6 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from shiftguard._lock import DirectoryInUseError
+from shiftguard._malloc import reuse_large_blocks
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -94,6 +95,7 @@ def _passive_openmp_waiting() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     _passive_openmp_waiting()
+    reuse_large_blocks()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     if debug:
