@@ -4,12 +4,9 @@ Why (the constraint): glibc's ``malloc`` serves a block above its mmap threshold
 from the kernel and gives them back when the block is freed; the threshold rises by itself as such
 blocks are freed (to at most 32 MiB), but free heap memory above the trim threshold (twice the
 mmap threshold) is handed back on every ``free``. An evaluation batch of 1,000 MNIST images makes
-an 18.8 MB output in LeNet's first convolution; batch after batch those blocks went back to the
-kernel and came again as fresh pages, and faulting in (zero-filling) every 4 KiB page cost more than
-the convolution itself: 17.8 ms per 1,000 images against 4.0 ms with the blocks kept. Whole
-evaluation passes of LeNet over 10,000 images: ReLU 0.48 -> 0.24 s, QACT in batch context
-0.96 -> 0.76 s, frozen 0.69 -> 0.40 s; a LeNet-QACT training step at batch 256 42.5 -> 36.5 ms
-(2 cores; ``docs/performance.md``).
+an 18.8 MB output in LeNet's first convolution; when such blocks go back to the kernel, the next
+batch faults in (zero-fills) every 4 KiB page again, which can cost more than the convolution
+itself (the measurements: ``docs/performance.md``, "Memory allocator").
 
 :func:`reuse_large_blocks` sets both thresholds once for the process (``mallopt``): blocks up to
 :data:`MMAP_THRESHOLD` come from the heap, and up to :data:`TRIM_THRESHOLD` of free heap stays
