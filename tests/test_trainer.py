@@ -123,10 +123,10 @@ def test_loss_model_trains_with_the_models_own_objective():
     assert m.calls == 3 * tr.num_batches(train_val_split(len(data[1]))[0])
     assert out["best_val_acc"] > 0.9  # validated on the argmax of model(x)
     # the penalty was optimised (Adam moves the parameter by ~lr per step); plain CE leaves it alone
-    assert float(m.extra) < 1.0 - 0.01
+    assert float(m.extra.detach()) < 1.0 - 0.01
     plain = _OwnObjective()
     fit(make_trainer(plain, epochs=3), data)
-    assert float(plain.extra) == 1.0
+    assert float(plain.extra.detach()) == 1.0
 
 
 def test_loss_model_needs_a_training_loss_method():
