@@ -101,7 +101,7 @@ def _topk_smallest(key: torch.Tensor, k: int, group: int = 64):
     Returns ``(values, column indices)`` of the ``min(k, columns)`` smallest.
     """
     b, n = key.shape
-    if scan_applies(key, min(k, n)):
+    if n and scan_applies(key, min(k, n)):
         return smallest_k(key, min(k, n))
     n_groups = n // group
     if n_groups <= 2 * k:
