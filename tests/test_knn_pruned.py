@@ -224,3 +224,11 @@ def test_grouped_topk_equals_torch_topk(b, n, k):
     order = torch.argsort(val, dim=1)
     assert torch.equal(val.gather(1, order), ref_val)
     assert torch.equal(col.gather(1, order), ref_col)
+
+
+@pytest.mark.parametrize("n", [0, 3])
+def test_grouped_topk_of_a_run_narrower_than_k_returns_what_there_is(n):
+    key = torch.randn(4, n, generator=torch.Generator().manual_seed(1))
+    val, col = _topk_smallest(key, 5)
+    assert val.shape == col.shape == (4, n)
+    assert torch.equal(val, key.sort(dim=1).values) and torch.equal(key.gather(1, col), val)
