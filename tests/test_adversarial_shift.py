@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from _adversarial_helpers import band_data, trained_band_mlp
 from torch import nn
 
 import shiftguard
@@ -16,30 +16,10 @@ from shiftguard.cli import main as cli
 from shiftguard.experiments import config as C
 
 
-def _data(n=60, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % 3
-    x = torch.randint(0, 40, (n, 1, 28, 28), generator=g)
-    for c in range(3):  # class c brightens one horizontal band: learnable in a few steps
-        x[y == c, :, 9 * c : 9 * c + 9, :] += 150
-    return x.clamp(0, 255).to(torch.uint8), y
-
-
-def _trained_net(x, y):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 16), nn.ReLU(), nn.Linear(16, 3))
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(60):
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x.float() / 255), y).backward()
-        opt.step()
-    return net
-
-
 @pytest.fixture(scope="module")
 def attacked():
-    x, y = _data()
-    net = _trained_net(x, y)
+    x, y = band_data()
+    net = trained_band_mlp(x, y)
     res = shiftguard.evaluate(net, (x, y), support=(x, y), corruptions=["fog"], severities=[3],
                               heads=["softmax", "knn"], k=3, n_boot=10, attacks=["fgsm", "pgd-l2"],
                               attack_eps=[0.05, 0.3], attack_steps=5)
@@ -85,7 +65,7 @@ def _html(res):
 
 
 def test_embedding_models_need_a_loss_to_be_attacked():
-    x, y = _data(30)
+    x, y = band_data(30)
     emb = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8))
     with pytest.raises(ValueError, match="attack_loss: model 'Sequential' returns embeddings"):
         shiftguard.evaluate(emb, (x, y), support=(x, y), output="embedding", heads=["knn"], k=3,
@@ -107,7 +87,7 @@ def test_embedding_models_need_a_loss_to_be_attacked():
     ({"attack_loss": nn.MSELoss()}, "attack_loss: given without attacks"),
 ])
 def test_bad_attack_arguments_are_named(kw, message):
-    x, y = _data(20)
+    x, y = band_data(20)
     net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 3))
     with pytest.raises((ValueError, TypeError), match=message):
         shiftguard.evaluate(net, (x, y), heads=["softmax"], corruptions=["fog"], severities=[1], n_boot=10, **kw)

@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from _adversarial_helpers import OneNN, band_data, trained_band_mlp
 from torch import nn
 
 import shiftguard
@@ -209,29 +210,9 @@ def test_pgd_random_start_is_the_same_on_both_devices():
     assert float((on_cpu - x).abs().mean()) > 1e-3  # the start is random, not the clean image
 
 
-def _band_data(n=120, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % 3
-    x = torch.randint(0, 40, (n, 1, 28, 28), generator=g)
-    for c in range(3):  # class c brightens one horizontal band: learnable in a few steps
-        x[y == c, :, 9 * c : 9 * c + 9, :] += 150
-    return x.clamp(0, 255).to(torch.uint8), y
-
-
-def _trained_mlp(x, y):
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 16), nn.ReLU(), nn.Linear(16, 3))
-    opt = torch.optim.Adam(net.parameters(), lr=1e-2)
-    for _ in range(60):
-        opt.zero_grad()
-        nn.functional.cross_entropy(net(x.float() / 255), y).backward()
-        opt.step()
-    return net
-
-
 def test_evaluate_with_attacks_on_cuda_matches_cpu():
-    x, y = _band_data()
-    net = _trained_mlp(x, y)
+    x, y = band_data(120)
+    net = trained_band_mlp(x, y)
     kw = dict(support=(x, y), corruptions=["fog"], severities=[3], heads=["softmax", "knn"], k=3, n_boot=10,
               attacks=["fgsm", "pgd-l2"], attack_eps=[0.05, 0.3], attack_steps=5)
     cpu = shiftguard.evaluate(net, (x, y), **kw)
@@ -250,20 +231,6 @@ def test_evaluate_with_attacks_on_cuda_matches_cpu():
     strong = next(r for r in adversarial if r["corruption"] == "fgsm-linf" and r["severity"] == 2
                   and r["head"] == "softmax")
     assert strong["accuracy"] < clean["accuracy"]  # the attack works on the device
-
-
-class _OneNN(nn.Module):
-    """1-NN as logits: class score = minus the squared distance to the nearest point of that class."""
-
-    def __init__(self, ref, labels, classes):
-        super().__init__()
-        self.register_buffer("ref", ref)
-        self.register_buffer("labels", labels)
-        self.classes = classes
-
-    def forward(self, z):
-        d = -(z.unsqueeze(1) - self.ref.unsqueeze(0)).pow(2).sum(-1)
-        return torch.stack([d[:, self.labels == c].max(1).values for c in range(self.classes)], 1)
 
 
 def test_voronoi_project_on_cuda_equals_cpu_and_stays_in_the_cell():
@@ -292,7 +259,7 @@ def test_voronoi_theorem_1_holds_on_cuda():
     g = torch.Generator().manual_seed(0)
     x = torch.rand(16, 3, generator=g)
     y = (x[:, 0] + 0.2 * torch.randn(16, generator=g) > 0.5).long()
-    model = _OneNN(x, y, 2).to(CUDA)
+    model = OneNN(x, y, 2).to(CUDA)
     vaa = voronoi_adversarial_accuracy(model, x, y, x, [0.05, 0.3, math.inf], steps=4)
     assert vaa == {0.05: 1.0, 0.3: 1.0, math.inf: 1.0}
     assert global_voronoi_robustness(model, x, y, x, steps=4) == 1.0

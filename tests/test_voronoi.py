@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _adversarial_helpers import OneNN
 from torch import nn
 
 from shiftguard.adversarial import (
@@ -39,21 +40,6 @@ def _in_region(z, x, ref, self_index, eps, margin=0.0):
     d_self = (z64 - x64).norm(dim=1)
     return (bool((d_self < d_other.min(1).values).all()) and float(d_self.max()) <= eps * (1 + 1e-6) + 1e-7
             and float(z.min()) >= 0.0 and float(z.max()) <= 1.0)
-
-
-class OneNN(nn.Module):
-    """1-NN as logits: class score = minus the squared distance to the nearest point of that class
-    (differentiable almost everywhere; its argmax is exactly the 1-NN prediction)."""
-
-    def __init__(self, ref, labels, classes):
-        super().__init__()
-        self.register_buffer("ref", ref)
-        self.register_buffer("labels", labels)
-        self.classes = classes
-
-    def forward(self, z):
-        d = -(z.unsqueeze(1) - self.ref.unsqueeze(0)).pow(2).sum(-1)
-        return torch.stack([d[:, self.labels == c].max(1).values for c in range(self.classes)], 1)
 
 
 def _mlp(x, y, seed=0):
