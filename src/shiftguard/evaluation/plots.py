@@ -231,6 +231,25 @@ def _band(ax, s, m, sd, rate: bool, **kw):
 
 
 # --------------------------------------------------------------------------- figures
+def _panel_grid(plt, n_panels: int):
+    """``(fig, axes)``: a grid of ``n_panels`` (model, context) panels, three to a row, one y axis."""
+    ncol = min(3, n_panels)
+    nrow = (n_panels + ncol - 1) // ncol
+    return plt.subplots(nrow, ncol, figsize=(4.6 * ncol, 3.4 * nrow), squeeze=False, sharey=True)
+
+
+def _finish_panels(fig, axes, n_panels: int, rate: bool, ylabel: str, title: str) -> None:
+    """The shared y range of a rate (0-100 %), the y labels of the first column, the unused panels
+    hidden, the figure's title."""
+    if rate:
+        axes[0, 0].set_ylim(0, 100)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel, fontsize=8)
+    for ax in list(axes.flat)[n_panels:]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
+
+
 def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
     """``metric`` against severity per (model, context) panel, one line per head, +/- std over the
     benchmark corruptions as a band clipped to the metric's range."""
@@ -239,9 +258,7 @@ def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
     scale = 100.0 if rate else 1.0
     index = cell_index(results)
     panels = _panels(results) or [("", "none")]
-    ncol = min(3, len(panels))
-    nrow = (len(panels) + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.6 * ncol, 3.4 * nrow), squeeze=False, sharey=True)
+    fig, axes = _panel_grid(plt, len(panels))
     for ax, (model, ctx) in zip(axes.flat, panels):
         for head in dict.fromkeys(h for (m, c, h) in index if (m, c) == (model, ctx)):
             pts = severity_curve(results, (model, ctx, head), metric, index)
@@ -256,13 +273,9 @@ def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    if rate:
-        axes[0, 0].set_ylim(0, 100)
-    for ax in axes[:, 0]:
-        ax.set_ylabel(metric_label(metric) + (" (%)" if rate else "") + "\nmean ± std over corruptions", fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(f"{metric_label(metric)} vs corruption severity", fontsize=10)
+    _finish_panels(fig, axes, len(panels), rate,
+                   metric_label(metric) + (" (%)" if rate else "") + "\nmean ± std over corruptions",
+                   f"{metric_label(metric)} vs corruption severity")
     return save_png(fig, path)
 
 
@@ -276,9 +289,7 @@ def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
     cells = adversarial_cells(results)
     index = cell_index(results)
     panels = list(dict.fromkeys((m, c) for m, c, _ in cells)) or [("", "none")]
-    ncol = min(3, len(panels))
-    nrow = (len(panels) + ncol - 1) // ncol
-    fig, axes = plt.subplots(nrow, ncol, figsize=(4.6 * ncol, 3.4 * nrow), squeeze=False, sharey=True)
+    fig, axes = _panel_grid(plt, len(panels))
     for ax, (model, ctx) in zip(axes.flat, panels):
         for (m, c, head), per in cells.items():
             if (m, c) != (model, ctx):
@@ -296,13 +307,8 @@ def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=6)
-    if rate:
-        axes[0, 0].set_ylim(0, 100)
-    for ax in axes[:, 0]:
-        ax.set_ylabel(metric_label(metric) + (" (%)" if rate else ""), fontsize=8)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.axis("off")
-    fig.suptitle(f"{metric_label(metric)} vs attack budget", fontsize=10)
+    _finish_panels(fig, axes, len(panels), rate, metric_label(metric) + (" (%)" if rate else ""),
+                   f"{metric_label(metric)} vs attack budget")
     fig.tight_layout()  # a second row's titles clear the first row's axis labels
     return save_png(fig, path)
 
