@@ -356,34 +356,40 @@ def _cfg(activation, source="auto", suite="mnist-c", loss="cross_entropy"):
 def test_compile_step_is_announced_with_its_duration_when_slow(monkeypatch, capsys):
     import shiftguard.corruptions as K
     import shiftguard.functional as F
+    import shiftguard.functional.pool as P
     import shiftguard.neighbors as NB
 
     monkeypatch.setattr(F, "warm_up", lambda: (time.sleep(1.3), 1.3)[1])
     monkeypatch.setattr(K, "warm_up", lambda **kw: 0.25)
     monkeypatch.setattr(NB, "warm_up", lambda: 0.05)
-    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(1.6)
-    assert capsys.readouterr().out == "compiling kernels (first use) ... 1.6 s\n"
+    monkeypatch.setattr(P, "warm_up", lambda: 0.1)
+    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(1.7)
+    assert capsys.readouterr().out == "compiling kernels (first use) ... 1.7 s\n"
 
 
 def test_compile_step_warms_what_the_run_calls_and_is_silent_when_fast(monkeypatch, capsys):
     import shiftguard.corruptions as K
     import shiftguard.functional as F
+    import shiftguard.functional.pool as P
     import shiftguard.losses.watershed as W
     import shiftguard.neighbors as NB
 
-    qact, corrupt, search = [], [], []
+    qact, corrupt, search, pools = [], [], [], []
     monkeypatch.setattr(F, "warm_up", lambda: qact.append(1) or 0.01)
     monkeypatch.setattr(K, "warm_up", lambda **kw: corrupt.append(kw) or 0.02)
     monkeypatch.setattr(NB, "warm_up", lambda: search.append(1) or 0.004)
-    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(0.034)
-    # no QACT: the corruptions and the search only
-    assert R.compile_kernels(_cfg("relu", suite="cifar-c"), "cpu") == pytest.approx(0.024)
-    # corrupted sets read from disk: the search only
-    assert R.compile_kernels(_cfg("relu", source="official"), "cpu") == pytest.approx(0.004)
-    assert qact == [1] and search == [1, 1, 1]
+    monkeypatch.setattr(P, "warm_up", lambda: pools.append(1) or 0.0005)
+    assert R.compile_kernels(_cfg("qact"), "cpu") == pytest.approx(0.0345)
+    # no QACT: the corruptions, the search and the pooling only
+    assert R.compile_kernels(_cfg("relu", suite="cifar-c"), "cpu") == pytest.approx(0.0245)
+    # corrupted sets read from disk: the search and the pooling only
+    assert R.compile_kernels(_cfg("relu", source="official"), "cpu") == pytest.approx(0.0045)
+    # on a GPU the pooling is torch's: its CPU pass is not compiled
+    assert R.compile_kernels(_cfg("relu", source="official"), "cuda") == pytest.approx(0.004)
+    assert qact == [1] and search == [1, 1, 1, 1] and pools == [1, 1, 1]
     forest = []
     monkeypatch.setattr(W, "warm_up", lambda: forest.append(1) or 0.001)
-    assert R.compile_kernels(_cfg("qact", loss="watershed"), "cpu") == pytest.approx(0.035)
+    assert R.compile_kernels(_cfg("qact", loss="watershed"), "cpu") == pytest.approx(0.0355)
     assert forest == [1] and qact == [1, 1]
     assert corrupt == [{"dtypes": (torch.uint8,), "suites": ("mnist-c",)},
                        {"dtypes": (torch.uint8,), "suites": ("cifar-c",)},

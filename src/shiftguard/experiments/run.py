@@ -663,7 +663,9 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
     - the kNN search's selection step (:func:`shiftguard.neighbors.warm_up`): every evaluation
       searches the float32 embeddings on the CPU (kNN heads, retrieval scores);
     - the watershed loss's forest growing (:func:`shiftguard.losses.watershed.warm_up`) when a model
-      trains with ``loss = "watershed"``.
+      trains with ``loss = "watershed"``;
+    - the 2 x 2 max pooling's pass for training (:func:`shiftguard.functional.pool.warm_up`) on the
+      CPU: the shipped LeNet and VGG pool with it.
 
     With ``announce``, a step that lasts over a second prints ``compiling kernels (first use) ...``
     when that second has passed and its duration when done, on one line of stdout."""
@@ -679,6 +681,10 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
     from shiftguard import neighbors as NB
 
     steps.append(NB.warm_up)
+    if torch.device(device).type == "cpu":
+        from shiftguard.functional import pool
+
+        steps.append(pool.warm_up)
     if any(m.loss.lower() == "watershed" for m in cfg.models):
         from shiftguard.losses import watershed
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from shiftguard.nn import AdaptiveAvgPool2d, MaxPool2d
+
 from ._base import EmbeddingClassifier, check_activation, check_channels, norm_activation
 
 __all__ = ["VGG", "CONFIGS", "vgg11", "vgg16"]
@@ -37,11 +39,11 @@ class VGG(EmbeddingClassifier):
         c = in_channels
         for v in CONFIGS[depth]:
             if v == "M":
-                layers.append(nn.MaxPool2d(2, ceil_mode=True))
+                layers.append(MaxPool2d(2, ceil_mode=True))
             else:
                 layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), norm_activation(self.activation, v)]
                 c = v
-        self.features = nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.features = nn.Sequential(*layers, AdaptiveAvgPool2d(1), nn.Flatten())
         self.projection, self.embedding_dim = self._projection(c, embedding_dim)
         self.classifier = nn.Linear(self.embedding_dim, num_classes)
 

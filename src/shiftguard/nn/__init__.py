@@ -6,6 +6,8 @@
 - :class:`QuantileClassifier` -- Linear -> QACT -> one-vs-rest probabilities [QACT, Sec. 3]
 - :class:`SyncQuantileActivation`, :func:`convert_sync_qact` -- QACT whose context is the global
   batch of a torch.distributed job (docs/distributed.md)
+- :class:`MaxPool2d`, :class:`AdaptiveAvgPool2d` -- torch's pooling modules with faster paths
+  where the result is the same (2 x 2 max pooling on the CPU; an adaptive pool to the input's size)
 - :func:`convert_activations` -- put QACT (or relu/prelu/selu) into any model in place of its
   activation modules; :func:`has_qact`, :func:`set_context`, :func:`qact_context`,
   :func:`fit_context` -- manage the QACT context of a whole model (docs/qact.md)
@@ -20,15 +22,18 @@ from shiftguard.nn.convert import (
     qact_context,
     set_context,
 )
+from shiftguard.nn.pool import AdaptiveAvgPool2d, MaxPool2d
 from shiftguard.nn.qact import ACTIVATION_NAMES, CONTEXT_MODES, QACTBlock, QuantileActivation, make_activation
 from shiftguard.nn.quantile_classifier import QuantileClassifier, quantile_classifier_loss
 from shiftguard.nn.sync_qact import SyncQuantileActivation, convert_sync_qact
 
 __all__ = [
     "ACTIVATION_NAMES",
+    "AdaptiveAvgPool2d",
     "CONTEXT_MODES",
     "ConvertedActivation",
     "DEFAULT_ACTIVATION_TYPES",
+    "MaxPool2d",
     "QACTBlock",
     "QuantileActivation",
     "QuantileClassifier",
