@@ -77,6 +77,8 @@ HOSTILE = [
     ({"eval.k": 401}, "eval.k"),  # the support is 500 - 100 validation images
     ({"eval.k": 60, "eval.max_support": 50}, "eval.k"),
     ({"eval.k": 0}, "eval.k"),
+    ({"eval.knn_backend": "annoy"}, "eval.knn_backend"),
+    ({"eval.knn_backend": 1}, "eval.knn_backend"),
     ({"data.test_subset": 1}, "data.test_subset"),
     ({"data.test_subset": 5}, "data.test_subset"),  # max(retrieval_ks) = 5 needs 5 others
     ({"data.test_subset": -1}, "data.test_subset"),

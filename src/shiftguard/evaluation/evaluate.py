@@ -21,6 +21,7 @@ from torch import nn
 
 from shiftguard import corruptions as K
 from shiftguard.heads import HEAD_NAMES
+from shiftguard.neighbors import check_backend
 
 from . import aggregate as A
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
@@ -218,6 +219,7 @@ def evaluate(
     device: Union[str, torch.device] = "cpu",
     seed: int = 0,
     k: int = 10,
+    knn_backend: str = "pruned",
     retrieval_ks: Sequence[int] = (1, 5),
     ece_bins: int = 15,
     baseline=None,
@@ -260,6 +262,11 @@ def evaluate(
         batch_size: evaluation batch = the context of QACT models [QACT, Sec. 3]; models with QACT
             are evaluated in each of ``contexts`` ("batch" and "frozen" by default).
         seed: seed of the corruption engine and of the bootstrap intervals.
+        k: neighbours of the NED / kNN heads. knn_backend: their exact kNN search
+            (``shiftguard.neighbors.BACKENDS``): ``"pruned"`` (default) skips the support clusters
+            a lower bound rules out and finds the same neighbours as ``"torch"``, which computes
+            every distance, except where keys at the k-th place tie within float rounding
+            (``shiftguard.neighbors.PrunedKNNIndex``).
         baseline: an ``EvaluationResult`` (or results dict / results.json path) whose
             ``baseline_key`` ("model/context/head"; default: its first model's protocol head)
             normalises CE / mCE (Hendrycks & Dietterich 2019).
@@ -320,6 +327,7 @@ def evaluate(
         raise ValueError(f"n_boot: expected an integer >= 10, got {n_boot!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: expected a positive integer, got {k!r}")
+    check_backend(knn_backend, "knn_backend")
     ks = list(retrieval_ks)
     if not ks or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ks):
         raise ValueError(f"retrieval_ks: expected positive integers, got {retrieval_ks!r}")
@@ -400,14 +408,15 @@ def evaluate(
     grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
                     support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
                     contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
-                    distributed=distributed, attacks=suite_attacks)
+                    distributed=distributed, attacks=suite_attacks, knn_backend=knn_backend)
     data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
             "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
             "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}
     results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
                             ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name,
                             attacks=suite_attacks)
-    results["config"] = {"batch_size": batch_size, "contexts": contexts, "k": k, "retrieval_ks": ks,
+    results["config"] = {"batch_size": batch_size, "contexts": contexts, "k": k, "knn_backend": knn_backend,
+                         "retrieval_ks": ks,
                          "ece_bins": ece_bins, "preprocess": _describe(preprocess), "layout": layout, "output": output}
     results["timings"]["evaluate_s"] = time.perf_counter() - t_start
     results["timings"]["total_s"] = results["timings"]["evaluate_s"]

@@ -30,7 +30,7 @@ import torch
 
 from shiftguard.functional.scaling import distance_scale_exponent
 from shiftguard.heads import build_head, head_input
-from shiftguard.neighbors import knn_search
+from shiftguard.neighbors import KNNIndex, check_backend, knn_search
 from shiftguard.nn import has_qact, qact_context
 
 from .adversarial import ADVERSARIAL, AttackSuite
@@ -100,6 +100,7 @@ def run_grid(
     progress: bool = False,
     distributed: bool = False,
     attacks: Optional[AttackSuite] = None,
+    knn_backend: str = "torch",
 ) -> dict:
     """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads", "timings"}``.
 
@@ -110,6 +111,8 @@ def run_grid(
     ``attacks`` (:mod:`.adversarial`) instead.
     ``per_image[(model, context, head)]`` keeps each test image's correctness and confidence on
     the clean set and on the benchmark corrupted cells, for bootstrap intervals.
+    ``knn_backend``: the kNN search of the NED / kNN heads (``build_head(..., backend=)``); each
+    support is prepared for it once and searched for every cell.
 
     ``distributed``: when a ``torch.distributed`` process group of several processes is up, every
     process must call ``run_grid`` with the same arguments (the same models and data); the work is
@@ -127,6 +130,7 @@ def run_grid(
     from shiftguard._progress import progress as make_progress
     from shiftguard.train.distributed import get_rank, get_world_size, is_distributed
 
+    check_backend(knn_backend, "knn_backend")
     test_x, test_y = test
     support_x, support_y = support if support is not None else (None, None)
     validation_x, validation_y = validation if validation is not None else (None, None)
@@ -167,7 +171,7 @@ def run_grid(
             val = outputs_of(m, ctx, "validation", lambda: validation_x) if needs_val else None
             t0 = time.perf_counter()
             for h in heads:
-                head = build_head(h, num_classes, k=k)
+                head = build_head(h, num_classes, k=k, backend=knn_backend)
                 field = "logits" if head_input(h) == "logits" else "embeddings"
                 val_x = val[field] if val is not None else None
                 val_y = validation_y if val is not None else None
@@ -199,6 +203,7 @@ def run_grid(
     def score_units() -> dict:
         results: dict[int, dict] = {}
         images: dict = {}
+        indexes: dict = {}
         for u in unit_share:
             c, j = divmod(u, len(jobs))
             corruption, severity, group = all_cells[c]
@@ -222,7 +227,7 @@ def run_grid(
             out = outputs_of(m, ctx, key, make_images)
             t0 = time.perf_counter()
             results[u] = _score_unit(out, fitted, m["name"], ctx, heads, all_cells[c], test_y, retrieval_ks,
-                                     ece_bins, keep=severity == 0 or group == "benchmark")
+                                     ece_bins, keep=severity == 0 or group == "benchmark", indexes=indexes)
             timings["score_s"] += time.perf_counter() - t0
         bar.close()
         return {"units": results, "timings": timings}
@@ -294,13 +299,21 @@ def _exchange(fn: Callable[[], object], world: int, what: str) -> list:
     return all_gather_results(fn, what)
 
 
-def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor]) -> dict[int, tuple]:
+def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor],
+                      indexes: Optional[dict] = None) -> dict[int, tuple]:
     """One kNN search for every group of heads that would run the same one (NED, kNN, weighted kNN
     on the same support with the same ``k`` and back end: ``shares_search_with``), so a cell costs
     one search per group instead of one per head. ``{id(head): (squared distances, support
-    indices)}`` for the heads of groups of two or more; the search is the one each head's
+    indices)}`` for the heads of groups of two or more (of every group, with ``indexes``); the
+    search is the one each head's
     ``predict_proba`` runs, so the probabilities are the same. Heads whose distances need
-    rescaling (``distance_scale_exponent`` != 0) keep their own path."""
+    rescaling (``distance_scale_exponent`` != 0) keep their own path.
+
+    ``indexes``: a dict kept across calls (one grid run), in which each support's
+    :class:`~shiftguard.neighbors.KNNIndex` per back end is built once: the centred key rows, or
+    the pruned index, are then prepared once per (model, context) instead of once per cell. An
+    index is built from the support alone, so a fresh one searches exactly like the one a head
+    builds for itself (NED's pruned index included)."""
     if embeddings is None:
         return {}
     groups: list[list] = []
@@ -316,27 +329,35 @@ def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor]) -> di
     out: dict[int, tuple] = {}
     for g in groups:
         support = g[0].support_embeddings_
-        if len(g) < 2 or embeddings.dtype != support.dtype or embeddings.device != support.device:
+        if (len(g) < 2 and indexes is None) or embeddings.dtype != support.dtype or embeddings.device != support.device:
             continue
         if embeddings.ndim != 2 or embeddings.shape[1] != support.shape[1] or not torch.isfinite(embeddings).all():
             continue  # each head's own call raises the error that names the problem
         if distance_scale_exponent(embeddings, support):
             continue
-        found = knn_search(embeddings, support, g[0].k, backend=g[0].backend)
+        if indexes is None:
+            found = knn_search(embeddings, support, g[0].k, backend=g[0].backend)
+        else:
+            key = (id(support), g[0].backend)
+            if key not in indexes:
+                indexes[key] = KNNIndex(support, backend=g[0].backend)
+            found = indexes[key].search(embeddings, g[0].k)
         out.update({id(head): found for head in g})
     return out
 
 
 def _score_unit(out: dict, fitted: dict, name: str, ctx: str, heads: Sequence[str], cell: Cell,
-                test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool) -> dict:
+                test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool,
+                indexes: Optional[dict] = None) -> dict:
     """Rows of every head of one (model, context) on one cell; with ``keep``, also each head's
-    per-image ``(correct, confidence, hit)``, for the intervals and reliability pools."""
+    per-image ``(correct, confidence, hit)``, for the intervals and reliability pools. ``indexes``:
+    the search indexes kept across units (:func:`_shared_neighbors`)."""
     corruption, severity, group = cell
     if out["embeddings"] is not None:
         retrieval, miss = score_retrieval(out["embeddings"], test_y, retrieval_ks)
     else:
         retrieval, miss = {}, None
-    neighbors = _shared_neighbors([fitted[name, ctx, h] for h in heads], out["embeddings"])
+    neighbors = _shared_neighbors([fitted[name, ctx, h] for h in heads], out["embeddings"], indexes)
     rows, kept = [], []
     for h in heads:
         head = fitted[name, ctx, h]

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
 from shiftguard.heads.registry import HEAD_NAMES  # the heads [[models]].heads may name
+from shiftguard.neighbors import BACKENDS  # eval.knn_backend
 from shiftguard.uncertainty.registry import ESTIMATOR_NAMES, ESTIMATOR_REGISTRY  # [[models]].estimator
 
 if sys.version_info >= (3, 11):
@@ -108,6 +109,9 @@ class EvalConfig:
     frozen_context: bool = True
     #: neighbours used by NED / kNN heads.
     k: int = 10
+    #: their exact kNN search (``shiftguard.neighbors.BACKENDS``): "pruned" skips the support
+    #: clusters a lower bound rules out; "torch" computes every distance; "faiss" needs faiss-cpu.
+    knn_backend: str = "pruned"
     #: ks of the retrieval metrics (MAP@K, Recall@K).
     retrieval_ks: list = field(default_factory=lambda: [1, 5])
     #: bins of the expected calibration error.
@@ -335,6 +339,7 @@ _RULES: dict[str, dict[str, Any]] = {
         "batch_size": _ints(2, why=" (QACT needs a context of 2 images)"),
         "frozen_context": None,
         "k": _ints(1),
+        "knn_backend": _text(BACKENDS),
         "retrieval_ks": _int_list(1, None, "cut-offs", " (a repeated cut-off would be reported twice)"),
         "ece_bins": _ints(1, _MAX_ECE_BINS),
         "max_support": _ints(0, why=" (0 = all training embeddings)"),

@@ -563,7 +563,7 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
         models=trained, test=data["test"], cells=cells, shifted=shifted, num_classes=data["num_classes"],
         support=support, validation=data["val"], cache_root=run_dir / "cache", batch_size=e.batch_size,
         device=device, contexts=contexts, k=e.k, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
-        progress=progress, distributed=distributed, attacks=attacks,
+        progress=progress, distributed=distributed, attacks=attacks, knn_backend=e.knn_backend,
     )
     if not is_main_process():
         barrier()  # rank 0 aggregates and writes the report

@@ -211,10 +211,6 @@ class NED(KNNHeadBase):
     def _probabilities(self, sq_dist: torch.Tensor, nbr_labels: torch.Tensor) -> torch.Tensor:
         return ned_probabilities(sq_dist, nbr_labels, self.temperature_, self.num_classes_)
 
-    def shares_search_with(self, other) -> bool:
-        """As ``KNNHeadBase.shares_search_with``; never with a pruned index of its own (its search
-        is that index's)."""
-        return getattr(self, "knn_index_", None) is None and super().shares_search_with(other)
 
     def predict_proba(self, embeddings) -> torch.Tensor:
         """[NED, eq. (3)] with the fitted temperature, ``(N, C)`` in the dtype of ``embeddings``.

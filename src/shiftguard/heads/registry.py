@@ -11,12 +11,13 @@ from typing import Callable
 
 from shiftguard.heads.base import EmbeddingHead
 from shiftguard.heads.distance_ratio import DistanceRatioHead
-from shiftguard.heads.knn_baselines import KNNVote, OneNN, WeightedKNN
+from shiftguard.heads.knn_baselines import KNNHeadBase, KNNVote, OneNN, WeightedKNN
 from shiftguard.heads.logistic import LogisticRegressionHead
 from shiftguard.heads.ned import NED
 from shiftguard.heads.quantile import QuantileClassifierHead
 from shiftguard.heads.softmax import SoftmaxHead
 from shiftguard.heads.temperature import TemperatureScaling
+from shiftguard.neighbors import check_backend
 from shiftguard.registry import Registry
 
 __all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "build_head", "head_input"]
@@ -52,14 +53,20 @@ def head_input(name: str) -> str:
     return "logits" if HEAD_REGISTRY.canonical(name) in LOGIT_HEADS else "embeddings"
 
 
-def build_head(name: str, num_classes: int, k: int = 10) -> EmbeddingHead:
-    """A fresh head ``name`` for ``num_classes`` classes; ``k`` neighbours for the kNN family.
+def build_head(name: str, num_classes: int, k: int = 10, backend: str = "torch") -> EmbeddingHead:
+    """A fresh head ``name`` for ``num_classes`` classes; ``k`` neighbours and the kNN search's
+    ``backend`` (``shiftguard.neighbors.BACKENDS``) for the kNN family (ned, knn, wknn, 1nn).
 
     ``temperature``: T fitted on the validation logits (Guo et al. 2017). ``ned``: T fitted on the
     validation embeddings against the support when a validation set is given, on a held-out 20%
     of the support otherwise [NED, Sec. 2].
 
     Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head: the message lists
-    :data:`HEAD_NAMES` sorted and suggests the closest), naming ``heads``.
+    :data:`HEAD_NAMES` sorted and suggests the closest), naming ``heads``; ``ValueError`` naming
+    ``backend`` for an unknown back end.
     """
-    return HEAD_REGISTRY.get(name)(num_classes, k)
+    check_backend(backend)
+    head = HEAD_REGISTRY.get(name)(num_classes, k)
+    if isinstance(head, KNNHeadBase):
+        head.backend = backend
+    return head

@@ -37,10 +37,10 @@ __all__ = ["BACKENDS", "KNNIndex", "check_backend", "knn_search"]
 BACKENDS = ("torch", "faiss", "pruned", "auto")
 
 
-def check_backend(backend: str) -> str:
-    """``backend`` if it is one of :data:`BACKENDS`, else ``ValueError`` naming ``backend``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+def check_backend(backend: str, argument: str = "backend") -> str:
+    """``backend`` if it is one of :data:`BACKENDS`, else ``ValueError`` naming ``argument``."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"{argument}: expected one of {BACKENDS}, got {backend!r}")
     return backend
 
 
