@@ -102,9 +102,20 @@ def test_strided_and_channels_last_inputs():
         assert torch.equal(a.grad, b.grad)
 
 
-def test_gradcheck_float64():
+def test_gradcheck_and_gradgradcheck_float64():
     x = torch.randn(2, 2, 6, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(max_pool2x2, (x,))
+    assert torch.autograd.gradgradcheck(max_pool2x2, (x,))
+
+
+def test_second_derivative_equals_max_pool2ds():
+    x = inputs("ties", (2, 3, 6, 6), torch.float64)
+    grads = []
+    for fn in (max_pool2x2, lambda t: F.max_pool2d(t, 2)):
+        a = x.clone().requires_grad_()
+        g = torch.autograd.grad((fn(a) ** 2).sum(), a, create_graph=True)[0]
+        grads.append((g, torch.autograd.grad((g ** 3).sum(), a)[0]))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
 def test_without_numba_the_gradient_path_is_max_pool2d(monkeypatch):

@@ -416,8 +416,8 @@ def evaluate(
                             ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name,
                             attacks=suite_attacks)
     results["config"] = {"batch_size": batch_size, "contexts": contexts, "k": k, "knn_backend": knn_backend,
-                         "retrieval_ks": ks,
-                         "ece_bins": ece_bins, "preprocess": _describe(preprocess), "layout": layout, "output": output}
+                         "retrieval_ks": ks, "ece_bins": ece_bins, "preprocess": _describe(preprocess),
+                         "layout": layout, "output": output}
     results["timings"]["evaluate_s"] = time.perf_counter() - t_start
     results["timings"]["total_s"] = results["timings"]["evaluate_s"]
     results["timings"]["train_s"] = {}

@@ -305,9 +305,8 @@ def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor],
     on the same support with the same ``k`` and back end: ``shares_search_with``), so a cell costs
     one search per group instead of one per head. ``{id(head): (squared distances, support
     indices)}`` for the heads of groups of two or more (of every group, with ``indexes``); the
-    search is the one each head's
-    ``predict_proba`` runs, so the probabilities are the same. Heads whose distances need
-    rescaling (``distance_scale_exponent`` != 0) keep their own path.
+    search is the one each head's ``predict_proba`` runs, so the probabilities are the same.
+    Heads whose distances need rescaling (``distance_scale_exponent`` != 0) keep their own path.
 
     ``indexes``: a dict kept across calls (one grid run), in which each support's
     :class:`~shiftguard.neighbors.KNNIndex` per back end is built once: the centred key rows, or

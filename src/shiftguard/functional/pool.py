@@ -27,7 +27,6 @@ import time
 
 import numpy as np
 import torch
-from torch.autograd.function import once_differentiable
 
 from shiftguard import _numba
 from shiftguard._numba import njit
@@ -117,8 +116,9 @@ class _MaxPool2x2(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
+        # torch's own backward op, which autograd differentiates again (a second derivative, as
+        # max_pool2d has: the indices are constants)
         x, idx = ctx.saved_tensors
         return torch.ops.aten.max_pool2d_with_indices_backward(
             grad_out, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
@@ -132,8 +132,7 @@ def max_pool2x2(x: torch.Tensor) -> torch.Tensor:
             elementwise path; any other tensor is passed to ``torch.nn.functional.max_pool2d``.
 
     Returns:
-        ``(N, C, H // 2, W // 2)``. Differentiable once (no second derivative, as with any
-        ``once_differentiable`` function).
+        ``(N, C, H // 2, W // 2)``, differentiable twice as ``max_pool2d`` is.
 
     Examples:
         >>> x = torch.arange(16.0).reshape(1, 1, 4, 4)

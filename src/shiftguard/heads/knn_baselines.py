@@ -77,7 +77,8 @@ class KNNHeadBase(EmbeddingHead):
     def shares_search_with(self, other) -> bool:
         """Whether ``other``'s :meth:`kneighbors` would run this head's exact search (the same
         support tensor, ``k`` and back end), so one search can serve both
-        (:meth:`probabilities_from_neighbors`)."""
+        (:meth:`probabilities_from_neighbors`). A pruned index (NED's ``knn_index_`` included) is
+        built from the support alone, so any index of that support searches alike."""
         return (isinstance(other, KNNHeadBase) and other.support_embeddings_ is self.support_embeddings_
                 and other.k == self.k and other.backend == self.backend)
 

@@ -211,7 +211,6 @@ class NED(KNNHeadBase):
     def _probabilities(self, sq_dist: torch.Tensor, nbr_labels: torch.Tensor) -> torch.Tensor:
         return ned_probabilities(sq_dist, nbr_labels, self.temperature_, self.num_classes_)
 
-
     def predict_proba(self, embeddings) -> torch.Tensor:
         """[NED, eq. (3)] with the fitted temperature, ``(N, C)`` in the dtype of ``embeddings``.
 
