@@ -40,7 +40,23 @@ def test_grid_results_equal_each_head_searching_alone(monkeypatch, backend):
     alone = shiftguard.evaluate(net, (x, y), **kw)
     assert shared.rows == alone.rows
     assert shared.results["intervals"] == alone.results["intervals"]
-    assert shared.results["config"]["knn_backend"] == backend
+    assert shared.results["config"]["knn_backend"] == shared.results["knn_backend"] == backend
+
+
+def test_auto_takes_the_pruned_search_for_large_searches_only():
+    assert G.grid_knn_backend("auto", 48_000, 10_000) == "pruned"
+    assert G.grid_knn_backend("auto", 48_000, 1_000) == "pruned"
+    assert G.grid_knn_backend("auto", 48_000, 500) == "torch"       # too few distances per cell
+    assert G.grid_knn_backend("auto", 16_000, 100_000) == "torch"   # too small a support
+    assert G.grid_knn_backend("auto", 0, 10_000) == "torch"
+    assert G.grid_knn_backend("faiss", 10, 10) == "faiss"           # a named back end is kept
+    with pytest.raises(ValueError, match="knn_backend"):
+        G.grid_knn_backend("annoy", 10, 10)
+    x, y = _data()
+    net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, 3))
+    res = shiftguard.evaluate(net, (x, y), support=(x, y), corruptions=["fog"], severities=[2], heads=["knn"],
+                              n_boot=10)
+    assert res.results["config"]["knn_backend"] == "auto" and res.results["knn_backend"] == "torch"
 
 
 def test_ned_with_its_own_pruned_index_shares_the_search():

@@ -183,6 +183,7 @@ def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cell
                     "contexts": model_contexts(m["model"], m.get("contexts", ("batch", "frozen"))),
                     "embedding": m["outputs"].embedding_source} for m in models],
         "skipped_heads": grid["skipped_heads"],
+        "knn_backend": grid.get("knn_backend"),   # the search the kNN heads used ("auto" resolved)
         "rows": rows,
         "aggregates": A.aggregate(rows),
         "drops": A.accuracy_drops(rows),
@@ -219,7 +220,7 @@ def evaluate(
     device: Union[str, torch.device] = "cpu",
     seed: int = 0,
     k: int = 10,
-    knn_backend: str = "pruned",
+    knn_backend: str = "auto",
     retrieval_ks: Sequence[int] = (1, 5),
     ece_bins: int = 15,
     baseline=None,
@@ -263,10 +264,13 @@ def evaluate(
             are evaluated in each of ``contexts`` ("batch" and "frozen" by default).
         seed: seed of the corruption engine and of the bootstrap intervals.
         k: neighbours of the NED / kNN heads. knn_backend: their exact kNN search
-            (``shiftguard.neighbors.BACKENDS``): ``"pruned"`` (default) skips the support clusters
-            a lower bound rules out and finds the same neighbours as ``"torch"``, which computes
-            every distance, except where keys at the k-th place tie within float rounding
-            (``shiftguard.neighbors.PrunedKNNIndex``).
+            (``shiftguard.neighbors.BACKENDS``): ``"pruned"`` skips the support clusters a lower
+            bound rules out and finds the same neighbours as ``"torch"``, which computes every
+            distance, except where keys at the k-th place tie within float rounding
+            (``shiftguard.neighbors.PrunedKNNIndex``); ``"auto"`` (default) takes ``"pruned"`` for
+            large searches (at least 24,000 support rows and 4e7 distances per cell) and
+            ``"torch"`` otherwise (:func:`.grid.grid_knn_backend`); ``result.results["knn_backend"]``
+            records the one used.
         baseline: an ``EvaluationResult`` (or results dict / results.json path) whose
             ``baseline_key`` ("model/context/head"; default: its first model's protocol head)
             normalises CE / mCE (Hendrycks & Dietterich 2019).

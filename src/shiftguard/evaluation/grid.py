@@ -39,10 +39,30 @@ from .cache import OutputCache
 from .outputs import ModelOutputs, compute_outputs
 from .scoring import calibration_view, reliability_bins, score_cell, score_retrieval
 
-__all__ = ["Cell", "applicable_heads", "grid_shards", "model_contexts", "run_grid"]
+__all__ = ["Cell", "applicable_heads", "grid_knn_backend", "grid_shards", "model_contexts", "run_grid"]
 
 #: One cell of the grid: ``(corruption, severity, group)``; group is "benchmark" or "extra".
 Cell = tuple[str, int, str]
+
+
+#: ``knn_backend="auto"``: the pruned search where a support has at least this many rows and each
+#: cell's search at least :data:`PRUNED_MIN_PRODUCTS` query x support distances, the brute-force
+#: torch search below. Measured on LeNet embeddings (``docs/heads_metrics.md``): with smaller
+#: supports or fewer queries the pruned search's per-block work costs more than the products it skips.
+PRUNED_MIN_SUPPORT = 24_000
+PRUNED_MIN_PRODUCTS = 40_000_000
+
+
+def grid_knn_backend(knn_backend: str, n_support: int, n_queries: int) -> str:
+    """The back end the grid's NED / kNN heads search with: ``knn_backend`` itself, except
+    ``"auto"``: ``"pruned"`` for a support of ``n_support >= PRUNED_MIN_SUPPORT`` rows searched by
+    ``n_queries`` per cell with ``n_support * n_queries >= PRUNED_MIN_PRODUCTS``, else ``"torch"``
+    (the grid's embeddings are CPU tensors; ``"faiss"`` is used only when asked for)."""
+    check_backend(knn_backend, "knn_backend")
+    if knn_backend != "auto":
+        return knn_backend
+    large = n_support >= PRUNED_MIN_SUPPORT and n_support * n_queries >= PRUNED_MIN_PRODUCTS
+    return "pruned" if large else "torch"
 
 
 def model_contexts(model: torch.nn.Module, contexts: Sequence[str] = ("batch", "frozen")) -> list[str]:
@@ -100,9 +120,10 @@ def run_grid(
     progress: bool = False,
     distributed: bool = False,
     attacks: Optional[AttackSuite] = None,
-    knn_backend: str = "torch",
+    knn_backend: str = "auto",
 ) -> dict:
-    """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads", "timings"}``.
+    """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads", "timings",
+    "knn_backend"}``.
 
     ``models`` holds ``{"name", "model", "outputs": ModelOutputs, "heads": [names]}`` dicts.
     ``shifted(corruption, severity)`` returns the corrupted test images (same order and labels as
@@ -111,8 +132,9 @@ def run_grid(
     ``attacks`` (:mod:`.adversarial`) instead.
     ``per_image[(model, context, head)]`` keeps each test image's correctness and confidence on
     the clean set and on the benchmark corrupted cells, for bootstrap intervals.
-    ``knn_backend``: the kNN search of the NED / kNN heads (``build_head(..., backend=)``); each
-    support is prepared for it once and searched for every cell.
+    ``knn_backend``: the kNN search of the NED / kNN heads (``build_head(..., backend=)``),
+    ``"auto"`` resolved by :func:`grid_knn_backend` (the result's ``"knn_backend"`` says which);
+    each support is prepared for it once and searched for every cell.
 
     ``distributed``: when a ``torch.distributed`` process group of several processes is up, every
     process must call ``run_grid`` with the same arguments (the same models and data); the work is
@@ -130,9 +152,10 @@ def run_grid(
     from shiftguard._progress import progress as make_progress
     from shiftguard.train.distributed import get_rank, get_world_size, is_distributed
 
-    check_backend(knn_backend, "knn_backend")
     test_x, test_y = test
     support_x, support_y = support if support is not None else (None, None)
+    knn_backend = grid_knn_backend(knn_backend, 0 if support_y is None else int(support_y.numel()),
+                                   int(test_y.numel()))
     validation_x, validation_y = validation if validation is not None else (None, None)
     all_cells: list[Cell] = [(CLEAN, 0, "benchmark")] + list(cells)
     top = max((s for _, s, _ in cells), default=0)
@@ -271,7 +294,7 @@ def run_grid(
         reliability.append({"model": name, "context": ctx, "head": h, "severity": sev,
                             **reliability_bins(conf, correct, ece_bins)})
     return {"rows": rows, "reliability": reliability, "per_image": per_image, "skipped_heads": skipped_all,
-            "timings": {**total, "processes": world}}
+            "timings": {**total, "processes": world}, "knn_backend": knn_backend}
 
 
 def grid_shards(n_jobs: int, n_cells: int, rank: int = 0, world_size: int = 1) -> tuple[range, range]:

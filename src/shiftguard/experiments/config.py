@@ -110,8 +110,9 @@ class EvalConfig:
     #: neighbours used by NED / kNN heads.
     k: int = 10
     #: their exact kNN search (``shiftguard.neighbors.BACKENDS``): "pruned" skips the support
-    #: clusters a lower bound rules out; "torch" computes every distance; "faiss" needs faiss-cpu.
-    knn_backend: str = "pruned"
+    #: clusters a lower bound rules out; "torch" computes every distance; "faiss" needs faiss-cpu;
+    #: "auto": "pruned" for large searches, else "torch" (``evaluation.grid.grid_knn_backend``).
+    knn_backend: str = "auto"
     #: ks of the retrieval metrics (MAP@K, Recall@K).
     retrieval_ks: list = field(default_factory=lambda: [1, 5])
     #: bins of the expected calibration error.
