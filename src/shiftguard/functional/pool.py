@@ -30,12 +30,9 @@ import torch
 
 from shiftguard import _numba
 from shiftguard._numba import njit
-from shiftguard._parallel import parallel_parts
+from shiftguard.functional._qact_cpu.common import _run
 
 __all__ = ["max_pool2x2", "max_pool2x2_applies", "warm_up"]
-
-#: (image, channel) planes per parallel part of the compiled pass.
-_PLANES_PER_PART = 64
 
 _DTYPES = (torch.float32, torch.float64)
 
@@ -60,7 +57,7 @@ def _takes(v, m):  # pragma: no cover - compiled
 
 
 @njit(nogil=True, cache=True)
-def _pool_with_indices(x, out, idx, lo, hi):  # pragma: no cover - compiled
+def _pool_with_indices(lo, hi, x, out, idx):  # pragma: no cover - compiled
     """Planes ``lo:hi`` of ``x`` ``(P, H, W)``: each 2 x 2 window's maximum into ``out`` ``(P, h, w)``
     and its flat ``H * W`` index into ``idx``, the element ``max_pool2d`` records (:func:`_takes`
     over the window in row-major order)."""
@@ -94,16 +91,7 @@ def _with_indices(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     arr = x.detach().contiguous().numpy().reshape(planes, height, width)
     out = np.empty((planes, height // 2, width // 2), dtype=arr.dtype)
     idx = np.empty(out.shape, dtype=np.int64)
-    n_parts = max(1, -(-planes // _PLANES_PER_PART))
-
-    def part(i: int) -> None:
-        lo = i * _PLANES_PER_PART
-        _pool_with_indices(arr, out, idx, lo, min(planes, lo + _PLANES_PER_PART))
-
-    if n_parts == 1:
-        part(0)
-    else:
-        parallel_parts(part, n_parts, torch.get_num_threads())
+    _run(_pool_with_indices, planes, arr.size, arr, out, idx)  # plane ranges over torch's threads
     shape = (n, ch, height // 2, width // 2)
     return torch.from_numpy(out).view(shape), torch.from_numpy(idx).view(shape)
 

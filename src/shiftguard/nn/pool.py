@@ -28,7 +28,7 @@ class MaxPool2d(nn.MaxPool2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (not self.return_indices and _pair(self.kernel_size) == (2, 2)
-                and _pair(self.stride if self.stride is not None else self.kernel_size) == (2, 2)
+                and _pair(self.stride) == (2, 2)
                 and _pair(self.padding) == (0, 0) and _pair(self.dilation) == (1, 1)
                 and max_pool2x2_applies(x)
                 and (not self.ceil_mode or (x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0))):
