@@ -164,6 +164,31 @@ def test_logistic_regression_head_agrees_with_scikit_learn():
     assert (ours - theirs).abs().max() < 1e-4
 
 
+def test_lbfgs_runs_blas_on_one_thread_and_restores_the_setting_after():
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from shiftguard.heads._optim import minimize_lbfgs
+
+    def blas_threads():
+        return sorted({lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"})
+
+    if not blas_threads():
+        pytest.skip("numpy and SciPy report no BLAS library to threadpoolctl")
+    seen = []
+
+    def loss(p):
+        seen.append(blas_threads())
+        return ((p - 3.0) ** 2).sum()
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        before = blas_threads()
+        theta, value, _ = minimize_lbfgs(loss, torch.zeros(4, dtype=torch.float64))
+        after = blas_threads()
+    assert seen and all(s == [1] for s in seen)
+    assert before == after == [2]
+    assert torch.allclose(theta, torch.full((4,), 3.0, dtype=torch.float64)) and value < 1e-12
+
+
 def test_distance_ratio_head_matches_paper_ii_equation_5():
     x, y = blobs()
     head = DistanceRatioHead().fit(x, y)

@@ -2,6 +2,14 @@
 
 The heads fit at most a few thousand parameters; SciPy's L-BFGS-B is robust and its import is
 cheap (constructing the first ``torch.optim`` optimiser costs seconds of one-off import time).
+
+SciPy's optimiser runs on one BLAS thread (``threadpoolctl``, scikit-learn's own dependency, limits
+numpy's and SciPy's BLAS libraries for the duration of the call and restores them after). Its BLAS
+calls work on vectors and matrices of a few thousand entries, where a second thread costs more than
+it saves, and the BLAS threads then compete for the cores with torch's OpenMP workers, which keep
+spinning for a while after each operator of the objective: on 2 cores, fitting the logistic head
+on 8,000 x 84 embeddings took 123-166 ms with BLAS on two threads and 37 ms with one, torch on two
+threads whose workers spin 10,000 iterations (``docs/performance.md``, "Threads").
 """
 
 from __future__ import annotations
@@ -11,8 +19,19 @@ from typing import Callable
 import numpy as np
 import torch
 from scipy.optimize import minimize
+from threadpoolctl import ThreadpoolController
 
 __all__ = ["minimize_lbfgs"]
+
+# one controller for the process: finding the loaded BLAS libraries costs ~6 ms, a limit ~15 us
+_CONTROLLER: list[ThreadpoolController] = []
+
+
+def one_blas_thread():
+    """A context in which numpy's and SciPy's BLAS libraries run on one thread."""
+    if not _CONTROLLER:
+        _CONTROLLER.append(ThreadpoolController())
+    return _CONTROLLER[0].limit(limits=1, user_api="blas")
 
 
 def minimize_lbfgs(loss_fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, max_iter: int = 500,
@@ -32,6 +51,7 @@ def minimize_lbfgs(loss_fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Te
             (grad,) = torch.autograd.grad(loss, p)
         return float(loss.detach()), grad.detach().cpu().numpy().astype(np.float64)
 
-    res = minimize(fun, x0.detach().cpu().double().numpy(), jac=True, method="L-BFGS-B",
-                   options={"maxiter": max_iter, "gtol": gtol, "ftol": 1e-15})
+    with one_blas_thread():
+        res = minimize(fun, x0.detach().cpu().double().numpy(), jac=True, method="L-BFGS-B",
+                       options={"maxiter": max_iter, "gtol": gtol, "ftol": 1e-15})
     return torch.from_numpy(res.x).to(device), float(res.fun), int(res.nit)
