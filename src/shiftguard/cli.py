@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib
-import os
 import sys
 from typing import Optional, Sequence
 
 from shiftguard._lock import DirectoryInUseError
 from shiftguard._malloc import reuse_large_blocks
+from shiftguard._openmp import choose_waiting
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -81,20 +81,7 @@ def _top_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _passive_openmp_waiting() -> None:
-    """Let idle OpenMP threads sleep instead of spinning, unless the user chose otherwise.
-
-    libgomp's threads spin for a while after each parallel region; between the many small torch
-    ops of a training or evaluation step the spinning threads take the core the next op needs,
-    so two threads ran ``shiftguard run --quick`` slower than one (benchmarks/bench_threads.py,
-    docs/performance.md). The variable is read when the OpenMP runtime starts, so it is set
-    before torch is imported; a process that imported torch earlier keeps its setting."""
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    _passive_openmp_waiting()
     reuse_large_blocks()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -111,6 +98,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         top.print_help()
         return 0 if not argv else 2
     name, rest = argv[0], argv[1:]
+    # before the command's module imports torch, whose OpenMP runtime reads the setting once
+    choose_waiting()
     module = importlib.import_module(COMMANDS[name][0])
     parser = argparse.ArgumentParser(prog=f"shiftguard {name}", description=COMMANDS[name][1])
     module.add_arguments(parser)

@@ -59,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "evaluation from its cached embeddings")
     p.add_argument("--quick", action="store_true",
                    help="tiny smoke run (subsets, 1 epoch, 3 corruptions x 2 severities)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice); 1 is faster "
-                   "when other processes compete for the cores")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; "
+                   "docs/performance.md, \"Threads\")")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list-configs", action="store_true", help="list the shipped configs and exit")
     p.add_argument("--nproc", type=int, default=0, metavar="N",
