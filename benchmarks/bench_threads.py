@@ -2,7 +2,8 @@
 an idle machine and beside one competing busy process, measured in the same run.
 
 Each case runs the command in a fresh process (kernels already compiled: one warm-up run first),
-``--repeats`` times, and reports the median. The busy process is a pure-Python loop (one core).
+``--repeats`` times, the two thread settings alternating, and reports the median. The busy process
+is a pure-Python loop (one core).
 
     python benchmarks/bench_threads.py [--repeats 3] [--job quick|default]
 
@@ -58,12 +59,16 @@ def main() -> int:
         if busy is not None:
             busy.start()
         try:
-            for threads in (None, 1):
-                times = [run_once(args.job, threads) for _ in range(args.repeats)]
+            # the two settings alternate, so that a drift of the machine's speed hits both alike
+            times: dict = {None: [], 1: []}
+            for _ in range(args.repeats):
+                for threads in times:
+                    times[threads].append(run_once(args.job, threads))
+            for threads, runs in times.items():
                 rows.append({"load": load, "threads": "default" if threads is None else threads,
-                             "median_s": statistics.median(times), "runs_s": times})
+                             "median_s": statistics.median(runs), "runs_s": runs})
                 print(f"{args.job:7s} {load:17s} threads={rows[-1]['threads']!s:8s} "
-                      f"median {rows[-1]['median_s']:.1f} s  runs {', '.join(f'{t:.1f}' for t in times)}", flush=True)
+                      f"median {rows[-1]['median_s']:.1f} s  runs {', '.join(f'{t:.1f}' for t in runs)}", flush=True)
         finally:
             if busy is not None:
                 stop.set()
