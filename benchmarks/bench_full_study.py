@@ -5,9 +5,9 @@ validation / 10k test, 15 corruptions x 5 severities, every head) in a fresh pro
     python benchmarks/bench_full_study.py [--config mnist-c-lenet] [--root ../shared/data] [--threads N]
 
 Peak memory is the largest resident set of the run's process (``getrusage(RUSAGE_CHILDREN)``).
-The breakdown comes from the run's ``results.json``: the compile step, each model's training,
-and the evaluation split into embedding (model forward passes), fitting the heads, scoring the
-cells and corrupting. Writes ``benchmarks/results/bench_full_study.json``.
+The breakdown comes from the run's ``results.json``: the compile step, each model's training
+(and the epochs it ran), and the evaluation split into embedding (model forward passes), fitting
+the heads, scoring the cells and corrupting. Writes ``benchmarks/results/bench_full_study.json``.
 Target: end to end <= 10 minutes on 2 cores, peak memory <= 4 GB.
 """
 
@@ -55,15 +55,18 @@ def main() -> int:
     rows += [("evaluate", t["evaluate_s"])]
     rows += [(f"  {k[:-2]}", detail[k]) for k in ("embed_s", "fit_heads_s", "score_s", "corrupt_s", "attack_s")
              if k in detail]
+    # training time follows the epoch at which early stopping ends each model
+    epochs = {name: summary.get("epochs_run") for name, summary in results.get("training", {}).items()}
     print(f"{args.config}, seed {args.seed}, threads {args.threads or 'default'}, {os.cpu_count()} CPUs")
     for name, s in rows:
         print(f"{name:34s} {s:8.1f} s  ({s / 60:5.1f} min)")
     print(f"{'peak resident memory':34s} {peak_gb:8.2f} GB")
+    print(f"{'epochs run':34s} {', '.join(f'{k} {v}' for k, v in epochs.items())}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({
         "config": args.config, "seed": args.seed, "threads": args.threads, "cpus": os.cpu_count(),
         "platform": platform.platform(), "wall_s": wall, "peak_rss_gb": peak_gb,
-        "breakdown_s": dict(rows), "data": results["data"],
+        "breakdown_s": dict(rows), "epochs_run": epochs, "data": results["data"],
     }, indent=1) + "\n")
     return 0
 
