@@ -25,7 +25,6 @@ import difflib
 import json
 import platform
 import sys
-import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -690,34 +689,9 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
 
         steps.append(watershed.warm_up)
 
-    def warm_up() -> float:
-        return sum(step() for step in steps)
+    from shiftguard.evaluation.warmup import compile_announced
 
-    # state["open"]: the announcement line was started and awaits its duration; state["done"]: the
-    # step ended, so a timer firing late must not start the line.
-    lock, state = threading.Lock(), {"open": False, "done": False}
-
-    def begin():
-        with lock:
-            if not state["done"]:
-                print("compiling kernels (first use) ...", end="", flush=True)
-                state["open"] = True
-
-    timer = threading.Timer(1.0, begin) if announce else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
-    seconds = None
-    try:
-        seconds = warm_up()
-    finally:
-        if timer is not None:
-            timer.cancel()
-            with lock:
-                state["done"] = True
-            if state["open"]:
-                print(" failed" if seconds is None else f" {seconds:.1f} s", flush=True)
-    return seconds
+    return compile_announced(steps, announce)
 
 
 def relaunch_argv(args) -> list[str]:

@@ -21,7 +21,7 @@ from . import quantile as Q
 __all__ = ["warm_up"]
 
 
-def warm_up(dtype: torch.dtype = torch.float32) -> float:
+def warm_up(dtype: torch.dtype = torch.float32, evaluation_only: bool = False) -> float:
     """Compile (or load from numba's cache) every QACT CPU kernel for ``dtype``; return the seconds taken.
 
     Runs, on inputs ``(N, C)`` and ``(N, C, H, W)`` with short and with long context rows (the
@@ -29,8 +29,9 @@ def warm_up(dtype: torch.dtype = torch.float32) -> float:
     and compute them otherwise: two compiled variants), what :class:`shiftguard.nn.QuantileActivation`
     runs: the batch context in training (forward with running-statistics update, backward), the
     batch context without a gradient (evaluation), the frozen context with and without a gradient,
-    and the running-statistics update of the unfused path. Results are discarded; the global RNG
-    is not used (the draws come from a local generator). Returns 0.0 at once where the compiled path
+    and the running-statistics update of the unfused path; with ``evaluation_only``, only what an
+    evaluation runs (the batch and the frozen context without a gradient). Results are discarded;
+    the global RNG is not used (the draws come from a local generator). Returns 0.0 at once where the compiled path
     is off (numba missing, or ``shiftguard.functional.quantile.USE_COMPILED = False``): there is
     nothing to compile.
 
@@ -48,8 +49,13 @@ def warm_up(dtype: torch.dtype = torch.float32) -> float:
     long_row = _qact_cpu._BRACKETS_MAX_ROW + 1
     for shape in ((4, 3), (4, 3, 2, 2), (long_row, 2), (1, 2, 1, long_row)):
         x = torch.linspace(-2.0, 2.0, int(torch.Size(shape).numel()), dtype=dtype).reshape(shape)
-        x = x.requires_grad_(True)
         ch = shape[1]
+        if evaluation_only:
+            with torch.no_grad():
+                Q.quantile_activation(x, n_tau=n_tau, c=c, n_samples=n_samples, generator=gen)
+                Q.quantile_activation(x, *Q.default_statistics(ch, n_tau, n_samples, dtype), context="frozen")
+            continue
+        x = x.requires_grad_(True)
         # a layer's training step (the pass that moves the running statistics), then its backward
         rs = Q.default_statistics(ch, n_tau, n_samples, dtype)
         Q.quantile_activation(x, *rs, training=True, n_tau=n_tau, c=c, n_samples=n_samples,
