@@ -104,4 +104,3 @@ def evaluation_steps(models: Sequence[torch.nn.Module], device: torch.device,
         steps.append(corrupt_each)
     steps.append(NB.warm_up)
     return steps
-

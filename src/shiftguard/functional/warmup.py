@@ -31,9 +31,9 @@ def warm_up(dtype: torch.dtype = torch.float32, evaluation_only: bool = False) -
     batch context without a gradient (evaluation), the frozen context with and without a gradient,
     and the running-statistics update of the unfused path; with ``evaluation_only``, only what an
     evaluation runs (the batch and the frozen context without a gradient). Results are discarded;
-    the global RNG is not used (the draws come from a local generator). Returns 0.0 at once where the compiled path
-    is off (numba missing, or ``shiftguard.functional.quantile.USE_COMPILED = False``): there is
-    nothing to compile.
+    the global RNG is not used (the draws come from a local generator). Returns 0.0 at once where
+    the compiled path is off (numba missing, or ``shiftguard.functional.quantile.USE_COMPILED =
+    False``): there is nothing to compile.
 
     Raises:
         ValueError: ``dtype`` is not ``torch.float32`` or ``torch.float64`` (the kernels' dtypes).
