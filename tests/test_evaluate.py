@@ -230,7 +230,8 @@ def test_files_round_trip_and_report_is_written(model, tmp_path):
     back = EvaluationResult.load(tmp_path / "rep")
     assert back.rows == json.loads(res.to_json())["rows"]
     header = res.to_csv().splitlines()[0].split(",")
-    assert header[:7] == ["model", "context", "head", "corruption", "severity", "n", "group"] and "nll" in header
+    assert header[:8] == ["model", "context", "adaptation", "head", "corruption", "severity", "n", "group"]
+    assert "nll" in header
     assert "TinyCNN" in res.summary()
 
 

@@ -233,13 +233,15 @@ def test_old_results_without_the_new_keys_still_render(tmp_path):
 
 def test_primary_heads_come_from_models_then_config_then_rows():
     res = make_results()
-    assert P.primary_keys(res) == [("qact", "batch", "quantile"), ("relu", "none", "logistic")]
+    # (model, context, adaptation, head); results without adaptation arms read as the static arm
+    expected = [("qact", "batch", "none", "quantile"), ("relu", "none", "none", "logistic")]
+    assert P.primary_keys(res) == expected
     res["models"][0]["primary_head"] = "knn"
-    assert P.primary_keys(res)[0] == ("qact", "batch", "knn")
+    assert P.primary_keys(res)[0] == ("qact", "batch", "none", "knn")
     old = _old_results()
-    assert P.primary_keys(old) == [("qact", "batch", "quantile"), ("relu", "none", "logistic")]
+    assert P.primary_keys(old) == expected
     old["config"] = None  # `shiftguard evaluate` results have no config
-    assert P.primary_keys(old) == [("qact", "batch", "quantile"), ("relu", "none", "logistic")]
+    assert P.primary_keys(old) == expected
 
 
 # --------------------------------------------------------------------------- figures

@@ -1,6 +1,6 @@
 """From cells to the numbers robustness papers report.
 
-- :func:`aggregate`: mean and std over corruptions per (model, context, head, severity);
+- :func:`aggregate`: mean and std over corruptions per (model, context, adaptation, head, severity);
 - :func:`accuracy_drops`: ``Acc@Dist_i - Acc@Dist_j`` [QACT, App. C, Tables 1-2];
 - :func:`robustness_table`: mean corruption accuracy over the benchmark corruptions x severities
   (robustbench's convention), the corrupted accuracy / NLL / ECE means (uncertainty-baselines'
@@ -20,7 +20,8 @@ import numpy as np
 
 from shiftguard import metrics as M
 
-__all__ = ["CLEAN", "aggregate", "accuracy_drops", "robustness_table", "intervals", "INTERVAL_METRICS"]
+__all__ = ["CLEAN", "SERIES", "aggregate", "accuracy_drops", "robustness_table", "intervals", "INTERVAL_METRICS",
+           "series_key"]
 
 CLEAN = "clean"
 
@@ -33,13 +34,28 @@ INTERVAL_METRICS = {
     "ece_corrupted": "top-label ECE of the benchmark corrupted cells pooled (biased upward like the clean ECE)",
 }
 
-_KEY_FIELDS = ("model", "context", "head", "corruption", "severity", "n", "group")
+#: The fields that name one series of cells: a model, its QACT context ("none" without QACT), its
+#: test-time adaptation arm (:mod:`.adaptation`; "none" = static) and a head.
+SERIES = ("model", "context", "adaptation", "head")
+
+_KEY_FIELDS = (*SERIES, "corruption", "severity", "n", "group")
+
+
+def series_key(row: dict) -> tuple:
+    """``(model, context, adaptation, head)`` of a row, aggregate or interval; results written before
+    adaptation arms existed have no ``"adaptation"`` and read as the static arm, ``"none"``."""
+    return (row.get("model"), row.get("context"), row.get("adaptation", "none"), row.get("head"))
+
+
+def series_fields(key: tuple) -> dict:
+    """``{"model": ..., "context": ..., "adaptation": ..., "head": ...}`` of a :func:`series_key`."""
+    return dict(zip(SERIES, key))
 
 
 def _group(rows: list[dict]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["context"], r["head"]), []).append(r)
+        groups.setdefault(series_key(r), []).append(r)
     return groups
 
 
@@ -55,15 +71,14 @@ def _benchmark(rows: Iterable[dict]) -> list[dict]:
 
 
 def aggregate(rows: list[dict]) -> list[dict]:
-    """Mean and std over the benchmark corruptions per (model, context, head, severity);
+    """Mean and std over the benchmark corruptions per (model, context, adaptation, head, severity);
     severity 0 is the clean test set (``n_corruptions`` 0)."""
     out = []
-    for (model, ctx, head), rs in _group(_benchmark(rows)).items():
+    for key, rs in _group(_benchmark(rows)).items():
         metric_keys = [k for k in rs[0] if k not in _KEY_FIELDS]
         for sev in sorted({r["severity"] for r in rs}):
             sel = [r for r in rs if r["severity"] == sev]
-            row = {"model": model, "context": ctx, "head": head, "severity": sev,
-                   "n_corruptions": len(sel) if sev else 0}
+            row = {**series_fields(key), "severity": sev, "n_corruptions": len(sel) if sev else 0}
             for m in metric_keys:
                 row[f"{m}_mean"], row[f"{m}_std"] = _stats([r[m] for r in sel])
             out.append(row)
@@ -78,7 +93,7 @@ def accuracy_drops(rows: list[dict], pairs: Optional[list[tuple[int, int]]] = No
     lists them. Severity 0 is the clean test set, shared by every corruption.
     """
     out = []
-    for (model, ctx, head), rs in _group(_benchmark(rows)).items():
+    for key, rs in _group(_benchmark(rows)).items():
         acc: dict[int, dict[str, float]] = {}
         for r in rs:
             acc.setdefault(r["severity"], {})[r["corruption"]] = r["accuracy"]
@@ -95,7 +110,7 @@ def accuracy_drops(rows: list[dict], pairs: Optional[list[tuple[int, int]]] = No
             mean_i = float(np.mean(list(acc[i].values())))
             mean_j = float(np.mean(list(acc[j].values())))
             out.append({
-                "model": model, "context": ctx, "head": head, "from": i, "to": j,
+                **series_fields(key), "from": i, "to": j,
                 "drop_mean": 100.0 * (mean_i - mean_j),
                 "drop_std": float(np.std(list(per.values()))) if per else None,
                 "per_corruption": per,
@@ -110,7 +125,7 @@ def _mean(values: list) -> Optional[float]:
 
 def robustness_table(rows: list[dict], baseline_rows: Optional[list[dict]] = None,
                      baseline_name: Optional[str] = None) -> list[dict]:
-    """Per (model, context, head): ``mca`` (mean corruption accuracy), ``mca_extra``,
+    """Per (model, context, adaptation, head): ``mca`` (mean corruption accuracy), ``mca_extra``,
     ``corrupted_accuracy`` / ``corrupted_nll`` / ``corrupted_ece`` (means over the benchmark
     corrupted cells), and with ``baseline_rows`` (the cells of ONE baseline head, same corruptions
     and severities) ``ce`` per corruption, ``mce``, and ``relative_ce`` / ``relative_mce``
@@ -122,12 +137,12 @@ def robustness_table(rows: list[dict], baseline_rows: Optional[list[dict]] = Non
         clean = [r for r in baseline_rows if r["severity"] == 0]
         base_clean = 1.0 - clean[0]["accuracy"] if clean else None
     out = []
-    for (model, ctx, head), rs in _group(rows).items():
+    for key, rs in _group(rows).items():
         bench = [r for r in _benchmark(rs) if r["severity"] > 0]
         extra = [r for r in rs if r.get("group") == "extra" and r["severity"] > 0]
         clean = [r for r in rs if r["severity"] == 0]
         entry = {
-            "model": model, "context": ctx, "head": head,
+            **series_fields(key),
             "mca": M.mean_corruption_accuracy({(r["corruption"], r["severity"]): r["accuracy"] for r in bench})
             if bench else None,
             "mca_extra": _mean([r["accuracy"] for r in extra]) if extra else None,
@@ -149,16 +164,16 @@ def robustness_table(rows: list[dict], baseline_rows: Optional[list[dict]] = Non
 
 
 def intervals(per_image: dict, n_bins: int, n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> list[dict]:
-    """Bootstrap intervals of :data:`INTERVAL_METRICS` per (model, context, head).
+    """Bootstrap intervals of :data:`INTERVAL_METRICS` per (model, context, adaptation, head).
 
-    ``per_image[(model, context, head)]`` holds ``clean_correct`` / ``clean_conf`` / ``clean_hit``
+    ``per_image[(model, context, adaptation, head)]`` holds ``clean_correct`` / ``clean_conf`` / ``clean_hit``
     ``(N,)`` and ``corrupted_*`` ``(cells, N)`` (the benchmark corrupted cells of the same N test
     images, resampled jointly): ``correct`` is the prediction's correctness (accuracy), ``conf`` and
     ``hit`` the top-label confidence and whether that top label is right (ECE). Percentile
     bootstrap over the test images (Efron & Tibshirani 1993), ``n_boot`` resamples, seeded.
     """
     out = []
-    for (model, ctx, head), d in per_image.items():
+    for key, d in per_image.items():
         found = {
             "accuracy_clean": M.bootstrap_mean_ci(d["clean_correct"].double(), n_boot=n_boot, level=level, seed=seed),
             "ece_clean": M.bootstrap_ece_ci(d["clean_conf"], d["clean_hit"], n_bins=n_bins, n_boot=n_boot,
@@ -170,7 +185,7 @@ def intervals(per_image: dict, n_bins: int, n_boot: int = 1000, level: float = 0
             found["ece_corrupted"] = M.bootstrap_ece_ci(d["corrupted_conf"], d["corrupted_hit"], n_bins=n_bins,
                                                         n_boot=n_boot, level=level, seed=seed)
         for metric, (est, lo, hi) in found.items():
-            out.append({"model": model, "context": ctx, "head": head, "metric": metric,
+            out.append({**series_fields(key), "metric": metric,
                         "estimate": float(est), "lo": float(lo), "hi": float(hi)})
     return out
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import platform
 import time
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -24,6 +25,7 @@ from shiftguard.heads import HEAD_NAMES
 from shiftguard.neighbors import check_backend
 
 from . import aggregate as A
+from .adaptation import AdaptSpec, adapt_specs
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
 from .grid import Cell, model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs
@@ -128,6 +130,8 @@ def _labels_range(num_classes: int, labels: torch.Tensor, name: str) -> None:
 
 
 def _baseline_rows(baseline, key: Optional[str]) -> tuple[Optional[list[dict]], Optional[str]]:
+    """The cells of one series of ``baseline`` (``key`` = "model/context/head", the static arm, or
+    "model/context/adaptation/head"; default: its first model's protocol head, static) and its name."""
     if baseline is None:
         return None, None
     if isinstance(baseline, EvaluationResult):
@@ -148,11 +152,15 @@ def _baseline_rows(baseline, key: Optional[str]) -> tuple[Optional[list[dict]], 
         ctx = next(r["context"] for r in rows if r["model"] == m["name"])
         key = f"{m['name']}/{ctx}/{m.get('primary_head') or primary_head(m['heads'])}"
     parts = key.split("/")
-    if len(parts) != 3:
-        raise ValueError(f"baseline_key: expected 'model/context/head', got {key!r}")
-    sel = [r for r in rows if (r["model"], r["context"], r["head"]) == tuple(parts)]
+    if len(parts) == 3:
+        parts.insert(2, "none")
+    if len(parts) != 4:
+        raise ValueError(f"baseline_key: expected 'model/context/head' or 'model/context/adaptation/head', "
+                         f"got {key!r}")
+    sel = [r for r in rows if A.series_key(r) == tuple(parts)]
     if not sel:
-        have = sorted({f"{r['model']}/{r['context']}/{r['head']}" for r in rows})
+        have = sorted({"/".join(A.series_key(r)) if A.series_key(r)[2] != "none"
+                       else f"{r['model']}/{r['context']}/{r['head']}" for r in rows})
         raise ValueError(f"baseline_key: {key!r} is not in the baseline; it has {', '.join(have)}")
     return sel, f"{res.get('name', 'baseline')}: {key}"
 
@@ -160,12 +168,14 @@ def _baseline_rows(baseline, key: Optional[str]) -> tuple[Optional[list[dict]], 
 def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cells: list[Cell], seed: int,
                   device, ece_bins: int, n_boot: int, level: float = 0.95,
                   baseline_rows: Optional[list[dict]] = None, baseline_name: Optional[str] = None,
-                  kind: str = "evaluate", attacks: Optional[AttackSuite] = None) -> dict:
+                  kind: str = "evaluate", attacks: Optional[AttackSuite] = None,
+                  adapt: Sequence[AdaptSpec] = (AdaptSpec("none"),)) -> dict:
     """The JSON-able results dict shared by ``evaluate`` and ``shiftguard run`` (``results.json``)."""
     from shiftguard._version import __version__
 
     rows = grid["rows"]
     skipped = {(s["model"], s["head"]) for s in grid["skipped_heads"]}
+    skipped_arms = {(s["model"], s["adaptation"]) for s in grid.get("skipped_adaptations", [])}
     t0 = time.perf_counter()
     results = {
         "kind": kind,
@@ -182,8 +192,11 @@ def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cell
         "models": [{"name": m["name"], "heads": [h for h in m["heads"] if (m["name"], h) not in skipped],
                     "primary_head": None,
                     "contexts": model_contexts(m["model"], m.get("contexts", ("batch", "frozen"))),
+                    "adaptations": [a.label for a in adapt if (m["name"], a.label) not in skipped_arms],
                     "embedding": m["outputs"].embedding_source} for m in models],
+        "adaptation": [a.describe(int(data["n_test"])) for a in adapt],
         "skipped_heads": grid["skipped_heads"],
+        "skipped_adaptations": grid.get("skipped_adaptations", []),
         "knn_backend": grid.get("knn_backend"),   # the search the kNN heads used ("auto" resolved)
         "rows": rows,
         "aggregates": A.aggregate(rows),
@@ -218,6 +231,7 @@ def evaluate(
     layout: str = "nchw",
     batch_size: int = 500,
     contexts: Sequence[str] = ("batch", "frozen"),
+    adapt: Union[str, AdaptSpec, Sequence[Union[str, AdaptSpec]]] = ("none",),
     device: Union[str, torch.device] = "cpu",
     seed: int = 0,
     k: int = 10,
@@ -263,6 +277,14 @@ def evaluate(
             (e.g. mean/std normalisation).
         batch_size: evaluation batch = the context of QACT models [QACT, Sec. 3]; models with QACT
             are evaluated in each of ``contexts`` ("batch" and "frozen" by default).
+        adapt: test-time adaptation arms, each scored on every cell beside the others
+            (:mod:`.adaptation`, ``docs/evaluate.md``): ``"none"`` (the static model, the default),
+            ``"bn-batch"`` (BatchNorm on test-batch statistics), ``"bn"`` (BatchNorm statistics
+            re-estimated on each cell; ``"bn:prior=N"``), ``"tent"`` (TENT; ``"tent:lr=...,steps=...,
+            optimizer=sgd"``), ``"refresh"`` (the QACT reference protocol; ``"refresh:passes=N"``), or
+            :class:`~.adaptation.AdaptSpec` s. Rows name the arm in ``"adaptation"``; an arm a model
+            cannot use is skipped and listed with the reason (``skipped_adaptations``). Every arm
+            adapts a private copy of the model, reset to the trained state at every cell.
         seed: seed of the corruption engine and of the bootstrap intervals.
         k: neighbours of the NED / kNN heads. knn_backend: their exact kNN search
             (``shiftguard.neighbors.BACKENDS``): ``"pruned"`` skips the support clusters a lower
@@ -338,6 +360,7 @@ def evaluate(
         raise ValueError(f"retrieval_ks: expected positive integers, got {retrieval_ks!r}")
     if isinstance(ece_bins, bool) or not isinstance(ece_bins, int) or not 1 <= ece_bins <= 10_000:
         raise ValueError(f"ece_bins: expected an integer in 1..10000, got {ece_bins!r}")
+    arms = adapt_specs(adapt)
     contexts = list(contexts)
     if not contexts or any(c not in ("batch", "frozen") for c in contexts):
         raise ValueError(f"contexts: expected a non-empty subset of ('batch', 'frozen'), got {contexts!r}")
@@ -397,38 +420,40 @@ def evaluate(
             if group != ADVERSARIAL and c not in to_corrupt:
                 to_corrupt[c] = (c, s, "cifar-c-extra" if c in extras else suite)
 
-    entries: list[dict[str, Any]] = []
-    num_classes = None
-    for nm, mod in named.items():
-        outs = ModelOutputs(mod, embed=embed, output=output, preprocess=preprocess)
-        entries.append({"name": nm, "model": mod.to(dev), "outputs": outs, "heads": head_map[nm], "contexts": contexts})
-    # The kernels compile (or load from numba's cache) before any timed phase: a step of its own.
-    compile_s = compile_announced(evaluation_steps([e["model"] for e in entries], dev, list(to_corrupt.values()),
-                                                   test_x, seed), announce=progress)
-    # The number of classes: the logit width when there are logits, else the labels seen.
-    if entries[0]["outputs"].has_logits:
-        probe = compute_outputs(entries[0]["outputs"], test_x[:16], batch_size, dev)
-        num_classes = int(probe["logits"].shape[1])
-    else:
-        num_classes = int(max(int(y.max()) for y in [test_y] + [p[1] for p in (sup, val) if p is not None]) + 1)
-    for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val)):
-        if part is not None:
-            _labels_range(num_classes, part[1], nm)
-    base_rows, base_name = _baseline_rows(baseline, baseline_key)
-    if suite_attacks is not None:
-        suite_attacks.check_models(entries)
+    with _borrowed(list(named.values()), dev):
+        entries: list[dict[str, Any]] = []
+        num_classes = None
+        for nm, mod in named.items():
+            outs = ModelOutputs(mod, embed=embed, output=output, preprocess=preprocess)
+            entries.append({"name": nm, "model": mod, "outputs": outs, "heads": head_map[nm], "contexts": contexts})
+        # The kernels compile (or load from numba's cache) before any timed phase: a step of its own.
+        compile_s = compile_announced(evaluation_steps([e["model"] for e in entries], dev, list(to_corrupt.values()),
+                                                       test_x, seed), announce=progress)
+        # The number of classes: the logit width when there are logits, else the labels seen.
+        if entries[0]["outputs"].has_logits:
+            probe = compute_outputs(entries[0]["outputs"], test_x[:16], batch_size, dev)
+            num_classes = int(probe["logits"].shape[1])
+        else:
+            num_classes = int(max(int(y.max()) for y in [test_y] + [p[1] for p in (sup, val) if p is not None]) + 1)
+        for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val)):
+            if part is not None:
+                _labels_range(num_classes, part[1], nm)
+        base_rows, base_name = _baseline_rows(baseline, baseline_key)
+        if suite_attacks is not None:
+            suite_attacks.check_models(entries)
 
-    grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
-                    support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
-                    contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
-                    distributed=distributed, attacks=suite_attacks, knn_backend=knn_backend)
+        grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
+                        support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
+                        contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
+                        distributed=distributed, attacks=suite_attacks, knn_backend=knn_backend, adapt=arms, seed=seed)
     data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
             "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
             "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}
     results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
                             ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name,
-                            attacks=suite_attacks)
-    results["config"] = {"batch_size": batch_size, "contexts": contexts, "k": k, "knn_backend": knn_backend,
+                            attacks=suite_attacks, adapt=arms)
+    results["config"] = {"batch_size": batch_size, "contexts": contexts, "adapt": [a.label for a in arms],
+                         "k": k, "knn_backend": knn_backend,
                          "retrieval_ks": ks, "ece_bins": ece_bins, "preprocess": _describe(preprocess),
                          "layout": layout, "output": output}
     results["timings"]["compile_s"] = compile_s
@@ -437,6 +462,30 @@ def evaluate(
     results["timings"]["train_s"] = {}
     results["training"] = {}
     return EvaluationResult(results)
+
+
+@contextmanager
+def _borrowed(models: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
+    """The caller's models on ``device`` for the evaluation, then as they were: every module's
+    training flag restored and, for a model that was moved from one device, its parameters and
+    buffers moved back (moving is exact, so their values are bit for bit the caller's). A model
+    spread over several devices is moved to ``device`` and left there."""
+    saved = []
+    for mod in models:
+        flags = {m: m.training for m in mod.modules()}
+        devices = {t.device for t in (*mod.parameters(), *mod.buffers())}
+        moved = bool(devices) and devices != {device}
+        if moved:
+            mod.to(device)
+        saved.append((mod, flags, devices if moved and len(devices) == 1 else None))
+    try:
+        yield
+    finally:
+        for mod, flags, back in saved:
+            if back is not None:
+                mod.to(next(iter(back)))
+            for m, f in flags.items():
+                m.training = f
 
 
 def _unique_in_order(values) -> list:

@@ -33,13 +33,14 @@ from shiftguard.heads import build_head, head_input
 from shiftguard.neighbors import KNNIndex, check_backend, knn_search
 from shiftguard.nn import has_qact, qact_context
 
+from .adaptation import AdaptedModel, AdaptSpec, arm_contexts, skip_reason
 from .adversarial import ADVERSARIAL, AttackSuite
 from .aggregate import CLEAN
 from .cache import OutputCache
 from .outputs import ModelOutputs, compute_outputs
 from .scoring import calibration_view, reliability_bins, score_cell, score_retrieval
 
-__all__ = ["Cell", "applicable_heads", "grid_knn_backend", "grid_shards", "model_contexts", "run_grid"]
+__all__ = ["Cell", "applicable_heads", "grid_jobs", "grid_knn_backend", "grid_shards", "model_contexts", "run_grid"]
 
 #: One cell of the grid: ``(corruption, severity, group)``; group is "benchmark" or "extra".
 Cell = tuple[str, int, str]
@@ -92,6 +93,31 @@ def applicable_heads(outputs: ModelOutputs, heads: Sequence[str], has_support: b
     return keep, skipped
 
 
+def grid_jobs(models: Sequence[dict], contexts: Sequence[str], adapt: Sequence[AdaptSpec],
+              has_support: bool, has_validation: bool) -> tuple[list[tuple], list[dict], list[dict]]:
+    """``(jobs, skipped heads, skipped arms)``: the ``(model entry, context, arm, heads)`` the grid
+    scores on every cell, model by model, arm by arm (in the order of ``adapt``), then context by
+    context (:func:`~.adaptation.arm_contexts`). An arm a model cannot use is skipped with the
+    reason (:func:`~.adaptation.skip_reason`), like a head."""
+    jobs, skipped_heads, skipped_arms = [], [], []
+    for m in models:
+        heads, skipped = applicable_heads(m["outputs"], m["heads"], has_support, has_validation)
+        skipped_heads += [{"model": m["name"], **s} for s in skipped]
+        ctxs = model_contexts(m["model"], contexts)
+        for spec in adapt:
+            reason = skip_reason(spec, m["outputs"])
+            if reason is not None:
+                skipped_arms.append({"model": m["name"], "adaptation": spec.label, "reason": reason})
+                continue
+            jobs += [(m, ctx, spec, heads) for ctx in arm_contexts(spec, ctxs)]
+    return jobs, skipped_heads, skipped_arms
+
+
+def _slug(label: str) -> str:
+    """An arm label as a folder name."""
+    return "".join(ch if ch.isalnum() or ch in "-." else "-" for ch in label)
+
+
 @contextmanager
 def _seeded(seed: int = 0):
     """A fixed global RNG for one head fit / prediction (QACT heads sample from it), so a resumed
@@ -121,16 +147,23 @@ def run_grid(
     distributed: bool = False,
     attacks: Optional[AttackSuite] = None,
     knn_backend: str = "auto",
+    adapt: Sequence[AdaptSpec] = (AdaptSpec("none"),),
+    seed: int = 0,
 ) -> dict:
-    """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads", "timings",
-    "knn_backend"}``.
+    """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads",
+    "skipped_adaptations", "timings", "knn_backend"}``.
 
     ``models`` holds ``{"name", "model", "outputs": ModelOutputs, "heads": [names]}`` dicts.
+    ``adapt``: the test-time adaptation arms (:mod:`.adaptation`), each scored on every cell in
+    the contexts :func:`~.adaptation.arm_contexts` gives (rows say which in ``"adaptation"``); the
+    heads of a (model, context) are fitted once, on the static model's clean outputs, and score
+    every arm. Adversarial cells are scored for the ``"none"`` arm only: attacking an adapting
+    model is another threat model. ``seed``: the batch order of the ``refresh`` arm's passes.
     ``shifted(corruption, severity)`` returns the corrupted test images (same order and labels as
     ``test``). Severity 0 (the clean test set) is scored once, as ``corruption="clean"``.
     Cells of group "adversarial" (``attacks.cells()``) are attacked per (model, context) by
     ``attacks`` (:mod:`.adversarial`) instead.
-    ``per_image[(model, context, head)]`` keeps each test image's correctness and confidence on
+    ``per_image[(model, context, adaptation, head)]`` keeps each test image's correctness and confidence on
     the clean set and on the benchmark corrupted cells, for bootstrap intervals.
     ``knn_backend``: the kNN search of the NED / kNN heads (``build_head(..., backend=)``),
     ``"auto"`` resolved by :func:`grid_knn_backend` (the result's ``"knn_backend"`` says which);
@@ -160,38 +193,57 @@ def run_grid(
     all_cells: list[Cell] = [(CLEAN, 0, "benchmark")] + list(cells)
     top = max((s for _, s, _ in cells), default=0)
     rank, world = (get_rank(), get_world_size()) if distributed and is_distributed() else (0, 1)
-    timings = {"embed_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0, "attack_s": 0.0}
+    timings = {"embed_s": 0.0, "adapt_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0,
+               "attack_s": 0.0}
     if any(g == ADVERSARIAL for _, _, g in cells) and attacks is None:
         raise ValueError("cells: adversarial cells need the attacks that make their images")
-    skipped_all: list[dict] = []
-    jobs = []
-    for m in models:
-        heads, skipped = applicable_heads(m["outputs"], m["heads"], support is not None, validation is not None)
-        skipped_all += [{"model": m["name"], **s} for s in skipped]
-        for ctx in model_contexts(m["model"], contexts):
-            jobs.append((m, ctx, heads))
-    fit_share, unit_share = grid_shards(len(jobs), len(all_cells), rank, world)
+    jobs, skipped_all, skipped_arms = grid_jobs(models, contexts, adapt, support is not None, validation is not None)
+    # the heads of each (model, context) are fitted once and score every arm scored in that context
+    fit_jobs_list: list[tuple] = []
+    for m, ctx, _, heads in jobs:
+        if not any(f[0] is m and f[1] == ctx for f in fit_jobs_list):
+            fit_jobs_list.append((m, ctx, heads))
+    _, unit_share = grid_shards(len(jobs), len(all_cells), rank, world)
+    fit_share = range(rank, len(fit_jobs_list), world)
     bar = make_progress(total=2 * len(fit_share) + len(unit_share), desc="evaluate", enabled=progress, unit="set")
+    adapted: dict[tuple, AdaptedModel] = {}  # (model name, arm label) -> the arm's private copy
 
-    def outputs_of(m, ctx, key, make_images):
+    def outputs_of(m, ctx, spec, key, make_images):
+        static = spec.name == "none"
         root = Path(cache_root) / m["name"] / ctx if cache_root is not None else Path(".")
+        if not static:
+            root = root / f"adapt-{_slug(spec.label)}"
         cache = OutputCache(root, enabled=cache_root is not None)
         t0 = time.perf_counter()
-        with qact_context(m["model"], "batch" if ctx == "none" else ctx):
-            out = cache.get_or_compute(key, lambda: compute_outputs(m["outputs"], make_images(), batch_size, device))
-        timings["embed_s"] += time.perf_counter() - t0
-        bar.update(1, info=f"{m['name']}/{ctx}/{key}")
+        if static:
+            with qact_context(m["model"], "batch" if ctx == "none" else ctx):
+                out = cache.get_or_compute(key, lambda: compute_outputs(m["outputs"], make_images(), batch_size,
+                                                                        device))
+            timings["embed_s"] += time.perf_counter() - t0
+        else:
+            def compute():
+                arm = adapted.get((m["name"], spec.label))
+                if arm is None:
+                    arm = adapted[m["name"], spec.label] = AdaptedModel(spec, m["outputs"], seed=seed)
+                return arm.outputs_on(make_images(), batch_size, device, ctx)
+
+            out = cache.get_or_compute(key, compute)
+            timings["adapt_s"] += time.perf_counter() - t0
+        bar.update(1, info=f"{m['name']}/{ctx}/{spec.label}/{key}")
         return out
+
+    none = AdaptSpec("none")
 
     # 1. fit the heads on clean data, per model and context (this process's share of the jobs)
     def fit_jobs() -> dict:
         fitted = {}
         for j in fit_share:
-            m, ctx, heads = jobs[j]
+            m, ctx, heads = fit_jobs_list[j]
             emb_heads = [h for h in heads if head_input(h) == "embeddings"]
-            sup = outputs_of(m, ctx, "support", lambda: support_x) if support is not None and emb_heads else None
+            sup = (outputs_of(m, ctx, none, "support", lambda: support_x) if support is not None and emb_heads
+                   else None)
             needs_val = validation is not None and (emb_heads or "temperature" in heads)
-            val = outputs_of(m, ctx, "validation", lambda: validation_x) if needs_val else None
+            val = outputs_of(m, ctx, none, "validation", lambda: validation_x) if needs_val else None
             t0 = time.perf_counter()
             for h in heads:
                 head = build_head(h, num_classes, k=k, backend=knn_backend)
@@ -230,7 +282,10 @@ def run_grid(
         for u in unit_share:
             c, j = divmod(u, len(jobs))
             corruption, severity, group = all_cells[c]
-            m, ctx, heads = jobs[j]
+            m, ctx, spec, heads = jobs[j]
+            if group == ADVERSARIAL and spec.name != "none":
+                results[u] = {"rows": [], "kept": []}
+                continue
 
             def make_images():
                 if group == ADVERSARIAL:  # white-box: every (model, context) has its own images
@@ -247,10 +302,11 @@ def run_grid(
                 return images["x"]
 
             key = attacks.key(corruption, severity) if group == ADVERSARIAL and attacks else f"{corruption}-s{severity}"
-            out = outputs_of(m, ctx, key, make_images)
+            out = outputs_of(m, ctx, spec, key, make_images)
             t0 = time.perf_counter()
-            results[u] = _score_unit(out, fitted, m["name"], ctx, heads, all_cells[c], test_y, retrieval_ks,
-                                     ece_bins, keep=severity == 0 or group == "benchmark", indexes=indexes)
+            results[u] = _score_unit(out, fitted, m["name"], ctx, spec.label, heads, all_cells[c], test_y,
+                                     retrieval_ks, ece_bins, keep=severity == 0 or group == "benchmark",
+                                     indexes=indexes)
             timings["score_s"] += time.perf_counter() - t0
         bar.close()
         return {"units": results, "timings": timings}
@@ -269,13 +325,13 @@ def run_grid(
     for u in range(len(all_cells) * len(jobs)):
         c, j = divmod(u, len(jobs))
         _, severity, group = all_cells[c]
-        m, ctx, heads = jobs[j]
+        m, ctx, spec, heads = jobs[j]
         for h, row, kept in zip(heads, units[u]["rows"], units[u]["kept"]):
             rows.append(row)
             if kept is None:
                 continue
             correct, conf, hit = kept
-            hk = (m["name"], ctx, h)
+            hk = (m["name"], ctx, spec.label, h)
             if severity in (0, top) and group == "benchmark":
                 pooled.setdefault((*hk, severity), []).append((conf, hit))
             rec = per_image.setdefault(hk, {f"corrupted_{f}": [] for f in ("correct", "conf", "hit")})
@@ -288,13 +344,14 @@ def run_grid(
         for f in ("corrupted_correct", "corrupted_conf", "corrupted_hit"):
             rec[f] = torch.stack(rec[f]) if rec[f] else None
     reliability = []
-    for (name, ctx, h, sev), parts in pooled.items():
+    for (name, ctx, arm, h, sev), parts in pooled.items():
         conf = torch.cat([p[0] for p in parts])
         correct = torch.cat([p[1] for p in parts])
-        reliability.append({"model": name, "context": ctx, "head": h, "severity": sev,
+        reliability.append({"model": name, "context": ctx, "adaptation": arm, "head": h, "severity": sev,
                             **reliability_bins(conf, correct, ece_bins)})
     return {"rows": rows, "reliability": reliability, "per_image": per_image, "skipped_heads": skipped_all,
-            "timings": {**total, "processes": world}, "knn_backend": knn_backend}
+            "skipped_adaptations": skipped_arms, "timings": {**total, "processes": world},
+            "knn_backend": knn_backend}
 
 
 def grid_shards(n_jobs: int, n_cells: int, rank: int = 0, world_size: int = 1) -> tuple[range, range]:
@@ -368,10 +425,10 @@ def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor],
     return out
 
 
-def _score_unit(out: dict, fitted: dict, name: str, ctx: str, heads: Sequence[str], cell: Cell,
+def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, heads: Sequence[str], cell: Cell,
                 test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool,
                 indexes: Optional[dict] = None) -> dict:
-    """Rows of every head of one (model, context) on one cell; with ``keep``, also each head's
+    """Rows of every head of one (model, context, adaptation arm) on one cell; with ``keep``, also each head's
     per-image ``(correct, confidence, hit)``, for the intervals and reliability pools. ``indexes``:
     the search indexes kept across units (:func:`_shared_neighbors`)."""
     corruption, severity, group = cell
@@ -398,7 +455,7 @@ def _score_unit(out: dict, fitted: dict, name: str, ctx: str, heads: Sequence[st
         correct = norm.argmax(1) == test_y   # the prediction accuracy counts
         kept.append((correct, conf, hit) if keep else None)
         rows.append({
-            "model": name, "context": ctx, "head": h, "corruption": corruption,
+            "model": name, "context": ctx, "adaptation": adaptation, "head": h, "corruption": corruption,
             "severity": severity, "n": int(test_y.numel()), "group": group,
             **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr), **retrieval,
         })

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["ModelOutputs", "compute_outputs"]
+__all__ = ["ModelOutputs", "batch_order", "compute_outputs"]
 
 EmbedSpec = Union[None, bool, str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -52,6 +52,7 @@ class ModelOutputs:
         self.model = model
         self.output = output
         self.preprocess = preprocess
+        self._embed = embed
         self._layer: Optional[nn.Module] = None
         self._embed_fn: Optional[Callable] = None
         self._own_contract = False
@@ -86,6 +87,24 @@ class ModelOutputs:
         else:
             raise TypeError(f"embed: expected None, False, a submodule name or a callable, got {type(embed).__name__}")
 
+    @property
+    def rebindable(self) -> bool:
+        """Whether :meth:`rebind` can give the same outputs of another model: not with a callable
+        ``embed``, which is bound to the model it was written for."""
+        return self._embed_fn is None
+
+    def rebind(self, model: nn.Module) -> "ModelOutputs":
+        """The same recipe (``embed``, ``output``, ``preprocess``) applied to ``model``, e.g. a copy
+        of this one: a submodule name is looked up again in ``model``.
+
+        Raises:
+            ValueError: when ``embed`` is a callable (:attr:`rebindable`).
+        """
+        if not self.rebindable:
+            raise ValueError("embed: a callable embedding reads the model it was written for; give the name of "
+                             "a submodule instead")
+        return ModelOutputs(model, embed=self._embed, output=self.output, preprocess=self.preprocess)
+
     def _model_input(self, pixels: torch.Tensor, device) -> torch.Tensor:
         x = pixels.to(device)
         x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
@@ -93,19 +112,26 @@ class ModelOutputs:
 
     def __call__(self, pixels: torch.Tensor, device="cpu") -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """``(embeddings (N, D) | None, logits (N, C) | None)``, float32 on the CPU, no graph."""
+        emb, logits = self.raw(pixels, device)
+        return (None if emb is None else _as_2d(emb)), (None if logits is None else _as_2d(logits))
+
+    def raw(self, pixels: torch.Tensor, device="cpu") -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(embeddings | None, logits | None)`` as the model returns them: on ``device``, in the
+        model's dtype and shape, attached to the autograd graph when gradients are enabled (what a
+        test-time adaptation step differentiates)."""
         x = self._model_input(pixels, device)
         if self.output == "embedding":
-            return _as_2d(self.model(x), "model output"), None
+            return _checked(self.model(x), "model output"), None
         if self._own_contract:
             # embed and classifier were checked at construction (a callable and a module); nn.Module's
             # __getattr__ is typed Tensor | Module, which the type checker cannot call.
             emb = self.model.embed(x)  # type: ignore[operator]
             logits = self.model.classifier(emb)  # type: ignore[operator]
-            return _as_2d(emb, "model.embed(x)"), _as_2d(logits, "model.classifier")
+            return _checked(emb, "model.embed(x)"), _checked(logits, "model.classifier")
         if self._embed_fn is not None:
-            return _as_2d(self._embed_fn(x), "embed(x)"), _as_2d(self.model(x), "model(x)")
+            return _checked(self._embed_fn(x), "embed(x)"), _checked(self.model(x), "model(x)")
         if not self.has_embeddings:
-            return None, _as_2d(self.model(x), "model(x)")
+            return None, _checked(self.model(x), "model(x)")
         captured: dict = {}
         handles = []
         if self._layer is not None:
@@ -123,15 +149,37 @@ class ModelOutputs:
         if "emb" not in captured:
             where = self.embedding_source
             raise RuntimeError(f"embed: the forward pass never reached the embedding layer ({where})")
-        return _as_2d(captured["emb"], self.embedding_source), _as_2d(logits, "model(x)")
+        return _checked(captured["emb"], self.embedding_source), _checked(logits, "model(x)")
 
 
-def _as_2d(t, what: str) -> torch.Tensor:
+def _checked(t, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
     if t.dim() < 2:
         raise ValueError(f"{what}: expected a batch (N, ...), got shape {tuple(t.shape)}")
+    return t
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(t.shape[0], -1).float().cpu()
+
+
+def batch_order(n: int, batch_size: int, order_seed: Optional[int] = 0) -> tuple[torch.Tensor, list[int]]:
+    """``(order, bounds)``: the order in which :func:`compute_outputs` feeds ``n`` images to a model
+    and its batch boundaries (batch ``i`` is ``order[bounds[i]:bounds[i + 1]]``).
+
+    A fixed random permutation (``order_seed``; ``None`` keeps the file order), cut into batches of
+    ``batch_size``; a last batch of fewer than ``batch_size / 2`` images is merged into the previous
+    one, so every batch (the context of QACT and of batch-statistics BatchNorm) holds at least half
+    a batch."""
+    if order_seed is None:
+        order = torch.arange(n)
+    else:
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(order_seed))
+    bounds = list(range(0, n, batch_size)) + [n]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < batch_size // 2:
+        del bounds[-2]
+    return order, bounds
 
 
 @torch.no_grad()
@@ -150,13 +198,7 @@ def compute_outputs(outputs: ModelOutputs, images: torch.Tensor, batch_size: int
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         n = images.shape[0]
-        if order_seed is None:
-            order = torch.arange(n)
-        else:
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(order_seed))
-        bounds = list(range(0, n, batch_size)) + [n]
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] < batch_size // 2:
-            del bounds[-2]
+        order, bounds = batch_order(n, batch_size, order_seed)
         # Each batch returns embeddings exactly when outputs.has_embeddings, logits when has_logits.
         embs: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []

@@ -30,6 +30,8 @@ import numpy as np
 
 from shiftguard.io import atomic_write_bytes
 
+from .aggregate import series_key
+
 __all__ = [
     "pyplot", "save_png", "metric_vs_severity", "drop_heatmap", "reliability_diagrams", "corruption_gallery",
     "compare_runs", "primary_keys", "cell_index", "severity_curve", "benchmark_corruptions", "as_number",
@@ -102,8 +104,10 @@ def _text(s) -> str:
     return " " + s if s.startswith("_") else s
 
 
-def _label(model, ctx) -> str:
-    return _text(model if ctx == "none" else f"{model} [{ctx} context]")
+def _label(model, ctx, arm="none") -> str:
+    """A panel's name: the model, its QACT context, its adaptation arm (the static arm unnamed)."""
+    text = model if ctx == "none" else f"{model} [{ctx} context]"
+    return _text(text if arm in ("none", None) else f"{text} + {arm}")
 
 
 def severities(results: dict) -> list[int]:
@@ -128,7 +132,7 @@ def benchmark_corruptions(results: dict) -> tuple[list[str], list[str]]:
 
 
 def adversarial_cells(results: dict) -> dict[tuple, dict[str, list[tuple[float, dict]]]]:
-    """``{(model, context, head): {attack: [(eps, row), ...]}}`` of the adversarial cells, by
+    """``{(model, context, adaptation, head): {attack: [(eps, row), ...]}}`` of the adversarial cells, by
     increasing eps (severity ``i`` is budget ``data.attacks[attack].eps[i - 1]``)."""
     eps_of = {name: a.get("eps") or [] for name, a in (results["data"].get("attacks") or {}).items()}
     out: dict[tuple, dict[str, list[tuple[float, dict]]]] = {}
@@ -137,7 +141,7 @@ def adversarial_cells(results: dict) -> dict[tuple, dict[str, list[tuple[float, 
             continue
         budgets = eps_of.get(r["corruption"], [])
         eps = budgets[r["severity"] - 1] if 0 < r["severity"] <= len(budgets) else float("nan")
-        out.setdefault((r["model"], r["context"], r["head"]), {}).setdefault(r["corruption"], []).append((eps, r))
+        out.setdefault(series_key(r), {}).setdefault(r["corruption"], []).append((eps, r))
     for per in out.values():
         for cells in per.values():
             cells.sort(key=lambda t: t[0])
@@ -145,10 +149,11 @@ def adversarial_cells(results: dict) -> dict[tuple, dict[str, list[tuple[float, 
 
 
 def cell_index(results: dict) -> dict[tuple, dict[tuple, dict]]:
-    """``{(model, context, head): {(corruption, severity): row}}``; the clean cell is ``(CLEAN, 0)``."""
+    """``{(model, context, adaptation, head): {(corruption, severity): row}}``
+    (:func:`~.aggregate.series_key`); the clean cell is ``(CLEAN, 0)``."""
     out: dict[tuple, dict[tuple, dict]] = {}
     for r in results["rows"]:
-        out.setdefault((r["model"], r["context"], r["head"]), {})[(r["corruption"], r["severity"])] = r
+        out.setdefault(series_key(r), {})[(r["corruption"], r["severity"])] = r
     return out
 
 
@@ -161,7 +166,7 @@ def mean_std(values: list) -> tuple[Optional[float], Optional[float], int]:
 
 
 def severity_curve(results: dict, key: tuple, metric: str, index: Optional[dict] = None) -> list[tuple]:
-    """``[(severity, mean, std, n)]`` of ``metric`` for ``key = (model, context, head)``: severity 0 is the
+    """``[(severity, mean, std, n)]`` of ``metric`` for ``key = (model, context, adaptation, head)``: severity 0 is the
     clean cell (std 0); each other severity the mean and std over the benchmark corruptions (extra
     corruptions excluded) of the cells where the metric is defined (``n`` of them)."""
     cells = (index or cell_index(results)).get(tuple(key), {})
@@ -185,23 +190,33 @@ def _protocol_head(heads: Sequence[str]) -> str:
     return "quantile" if "quantile" in heads else "logistic" if "logistic" in heads else heads[0]
 
 
-def primary_keys(results: dict) -> list[tuple[str, str, str]]:
-    """``(model, context, head)`` of each model's primary head, for every context it was evaluated in
-    and that has result rows.
+def _settings(results: dict, model: str, ctxs: Sequence[str]) -> list[tuple[str, str]]:
+    """The ``(context, adaptation)`` pairs of ``model`` that have rows: arm by arm in row order, and
+    within an arm its contexts in the order of ``ctxs``."""
+    present = list(dict.fromkeys(series_key(r)[1:3] for r in results["rows"] if r["model"] == model))
+    arms = list(dict.fromkeys(a for _, a in present))
+    order = {c: i for i, c in enumerate(ctxs)}
+    return [(c, a) for a in arms for c in sorted({c for c, b in present if b == a},
+                                                   key=lambda c: (order.get(c, len(order)), str(c)))]
+
+
+def primary_keys(results: dict) -> list[tuple[str, str, str, str]]:
+    """``(model, context, adaptation, head)`` of each model's primary head, for every context and
+    adaptation arm it was evaluated in and that has result rows.
 
     From ``results["models"]`` (``primary_head``, ``contexts``) when present; otherwise from
     ``results["config"]["models"]`` or the rows, with the protocol head of [QACT, Sec. 4, Remark] (the
     quantile classifier for QACT models, the logistic refit otherwise, else the model's first head)."""
-    present = {(r["model"], r["context"], r["head"]) for r in results["rows"]}
+    present = {series_key(r) for r in results["rows"]}
     contexts: dict = {}
-    for m, c, _ in present:
+    for m, c, _, _ in present:
         contexts.setdefault(m, set()).add(c)
     out = []
     if results.get("models"):
         for m in results["models"]:
             ctxs = m.get("contexts") or _sort_contexts(contexts.get(m["name"], ()))
             if m.get("primary_head") is not None:  # None: every head of the model was skipped
-                out += [(m["name"], c, m["primary_head"]) for c in ctxs]
+                out += [(m["name"], c, a, m["primary_head"]) for c, a in _settings(results, m["name"], ctxs)]
     else:
         cfg_models = (results.get("config") or {}).get("models")
         if cfg_models:
@@ -214,12 +229,13 @@ def primary_keys(results: dict) -> list[tuple[str, str, str]]:
                     heads[r["model"]].append(r["head"])
         for name, hs in heads.items():
             if hs:
-                out += [(name, c, _protocol_head(hs)) for c in _sort_contexts(contexts.get(name, ()))]
+                out += [(name, c, a, _protocol_head(hs))
+                        for c, a in _settings(results, name, _sort_contexts(contexts.get(name, ())))]
     return [k for k in out if k in present]
 
 
 def _panels(results: dict) -> list[tuple]:
-    return list(dict.fromkeys((r["model"], r["context"]) for r in results["rows"]))
+    return list(dict.fromkeys(series_key(r)[:3] for r in results["rows"]))
 
 
 def _band(ax, s, m, sd, rate: bool, **kw):
@@ -251,23 +267,23 @@ def _finish_panels(fig, axes, n_panels: int, rate: bool, ylabel: str, title: str
 
 
 def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
-    """``metric`` against severity per (model, context) panel, one line per head, +/- std over the
+    """``metric`` against severity per (model, context, adaptation) panel, one line per head, +/- std over the
     benchmark corruptions as a band clipped to the metric's range."""
     plt = pyplot()
     rate = is_rate(metric)
     scale = 100.0 if rate else 1.0
     index = cell_index(results)
-    panels = _panels(results) or [("", "none")]
+    panels = _panels(results) or [("", "none", "none")]
     fig, axes = _panel_grid(plt, len(panels))
-    for ax, (model, ctx) in zip(axes.flat, panels):
-        for head in dict.fromkeys(h for (m, c, h) in index if (m, c) == (model, ctx)):
-            pts = severity_curve(results, (model, ctx, head), metric, index)
+    for ax, panel in zip(axes.flat, panels):
+        for head in dict.fromkeys(k[3] for k in index if k[:3] == panel):
+            pts = severity_curve(results, (*panel, head), metric, index)
             if not pts:
                 continue
             s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
             (line,) = ax.plot(s, m * scale, marker="o", ms=3, label=_text(head))
             _band(ax, s, m * scale, sd * scale, rate, alpha=0.15, color=line.get_color())
-        ax.set_title(_label(model, ctx), fontsize=9)
+        ax.set_title(_label(*panel), fontsize=9)
         ax.set_xticks([0, *severities(results)])
         ax.set_xlabel("severity (0 = clean)")
         ax.grid(alpha=0.3)
@@ -280,7 +296,7 @@ def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
 
 
 def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
-    """``metric`` against the attack budget per (model, context) panel, one line per (head, attack),
+    """``metric`` against the attack budget per (model, context, adaptation) panel, one line per (head, attack),
     from the clean cell (eps 0) through every budget of the adversarial cells
     (:func:`adversarial_cells`)."""
     plt = pyplot()
@@ -288,13 +304,14 @@ def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
     scale = 100.0 if rate else 1.0
     cells = adversarial_cells(results)
     index = cell_index(results)
-    panels = list(dict.fromkeys((m, c) for m, c, _ in cells)) or [("", "none")]
+    panels = list(dict.fromkeys(k[:3] for k in cells)) or [("", "none", "none")]
     fig, axes = _panel_grid(plt, len(panels))
-    for ax, (model, ctx) in zip(axes.flat, panels):
-        for (m, c, head), per in cells.items():
-            if (m, c) != (model, ctx):
+    for ax, panel in zip(axes.flat, panels):
+        for key, per in cells.items():
+            if key[:3] != panel:
                 continue
-            clean = as_number(index.get((m, c, head), {}).get((CLEAN, 0), {}).get(metric))
+            head = key[3]
+            clean = as_number(index.get(key, {}).get((CLEAN, 0), {}).get(metric))
             for attack, pts in per.items():
                 xs = ([0.0] if clean is not None else []) + [eps for eps, _ in pts]
                 ys = ([clean] if clean is not None else []) + [as_number(r.get(metric)) for _, r in pts]
@@ -302,7 +319,7 @@ def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
                 if keep:
                     ax.plot([x for x, _ in keep], [y * scale for _, y in keep], marker="o", ms=3,
                             label=_text(f"{head} / {attack}"))
-        ax.set_title(_label(model, ctx), fontsize=9)
+        ax.set_title(_label(*panel), fontsize=9)
         ax.set_xlabel("attack budget eps (0 = clean)")
         ax.grid(alpha=0.3)
         if ax.lines:
@@ -350,7 +367,7 @@ def drop_heatmap(results: dict, path: Path) -> Path:
     im = ax.imshow(mat, cmap="Reds", vmin=vmin, vmax=vmax or 1.0, aspect="auto")
     ax.set_xticks(range(len(corr)), [_text(c) + (" (extra)" if c in extra else "") for c in corr],
                   rotation=60, ha="right", fontsize=7)
-    ax.set_yticks(range(len(keys)), [f"{_label(m, c)} / {_text(h)}" for m, c, h in keys], fontsize=7)
+    ax.set_yticks(range(len(keys)), [f"{_label(m, c, a)} / {_text(h)}" for m, c, a, h in keys], fontsize=7)
     for i in range(len(keys)):
         for j in range(len(corr)):
             ax.text(j, i, f"{mat[i, j]:.0f}" if np.isfinite(mat[i, j]) else "n/a", ha="center", va="center", fontsize=6)
@@ -361,7 +378,7 @@ def drop_heatmap(results: dict, path: Path) -> Path:
 
 def _reliability_entry(results: dict, key: tuple, severity) -> Optional[dict]:
     for r in results.get("reliability") or []:
-        if (r["model"], r["context"], r["head"], r["severity"]) == (*key, severity):
+        if (*series_key(r), r["severity"]) == (*key, severity):
             return r
     return None
 
@@ -372,10 +389,10 @@ def reliability_diagrams(results: dict, path: Path) -> Path:
     scale). An empty bin has neither bar nor marker, so it cannot be read as zero accuracy."""
     plt = pyplot()
     rel = results.get("reliability") or []
-    present = list(dict.fromkeys((r["model"], r["context"], r["head"]) for r in rel))
+    present = list(dict.fromkeys(series_key(r) for r in rel))
     keys = primary_keys(results)
     # protocol heads first, then NED / kNN for the comparison of [NED]
-    keys += [k for k in present if k not in keys and k[2] in ("ned", "knn")]
+    keys += [k for k in present if k not in keys and k[3] in ("ned", "knn")]
     keys = [k for k in keys if k in present]
     sevs = severities(results)
     top = sevs[-1] if sevs else None
@@ -386,11 +403,11 @@ def reliability_diagrams(results: dict, path: Path) -> Path:
     series = [(0, "tab:blue", "clean", 0.0)]
     if top is not None:
         series.append((top, "tab:red", f"severity {top} (all corruptions)", 0.5))
-    for sub, (model, ctx, head) in zip(subs.flat, keys):
+    for sub, (model, ctx, arm, head) in zip(subs.flat, keys):
         ax, hx = sub.subplots(2, 1, sharex=True, height_ratios=[3, 1])
         any_count = False
         for sev, color, name, offset in series:
-            r = _reliability_entry(results, (model, ctx, head), sev)
+            r = _reliability_entry(results, (model, ctx, arm, head), sev)
             if r is None:
                 continue
             edges = np.array([as_number(e) for e in r["edges"]], dtype=float) * 100.0
@@ -408,7 +425,7 @@ def reliability_diagrams(results: dict, path: Path) -> Path:
         ax.plot([0, 100], [0, 100], "k--", lw=0.8)
         ax.set_xlim(0, 100)
         ax.set_ylim(0, 100)
-        ax.set_title(f"{_label(model, ctx)}\n{_text(head)}", fontsize=8)
+        ax.set_title(f"{_label(model, ctx, arm)}\n{_text(head)}", fontsize=8)
         ax.set_ylabel("accuracy (%)", fontsize=8)
         ax.legend(fontsize=6, loc="upper left")
         if any_count:
@@ -452,13 +469,13 @@ def compare_runs(runs: list[dict], metric: str, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.6))
     for i, (res, name) in enumerate(zip(runs, run_labels(runs))):
         index = cell_index(res)
-        for model, ctx, head in primary_keys(res):
-            pts = severity_curve(res, (model, ctx, head), metric, index)
+        for model, ctx, arm, head in primary_keys(res):
+            pts = severity_curve(res, (model, ctx, arm, head), metric, index)
             if not pts:
                 continue
             s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
             (line,) = ax.plot(s, m * scale, styles[i % len(styles)], marker="o", ms=3,
-                              label=f"{_text(name)}: {_label(model, ctx)} / {_text(head)}")
+                              label=f"{_text(name)}: {_label(model, ctx, arm)} / {_text(head)}")
             _band(ax, s, m * scale, sd * scale, rate, alpha=0.08, color=line.get_color())
     ticks = sorted({0, *(s for res in runs for s in severities(res))})
     ax.set_xticks(ticks)

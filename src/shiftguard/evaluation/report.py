@@ -31,6 +31,7 @@ from typing import Iterable, Optional, Sequence
 from shiftguard.io import atomic_write_bytes, atomic_write_text
 
 from . import plots as P
+from .aggregate import series_fields, series_key
 from .plots import CLEAN, as_number, benchmark_corruptions, cell_index, primary_keys, severity_curve
 
 __all__ = [
@@ -38,8 +39,8 @@ __all__ = [
     "headline_rows", "build_comparison", "render_comparison", "protocol_differences", "delta_rows", "results_problems",
 ]
 
-CSV_FIXED = ["model", "context", "head", "corruption", "severity", "n"]
-_LABEL_FIELDS = ("model", "context", "head", "corruption", "group")
+CSV_FIXED = ["model", "context", "adaptation", "head", "corruption", "severity", "n"]
+_LABEL_FIELDS = ("model", "context", "adaptation", "head", "corruption", "group")
 
 
 # --------------------------------------------------------------------------- formatting (plain text)
@@ -84,8 +85,32 @@ def _ci(value, ci: Optional[dict], scale: float = 100.0, nd: int = 1) -> str:
     return f"{_fmt(ci.get('estimate'), scale, nd)} [{_fmt(ci.get('lo'), scale, nd)}, {_fmt(ci.get('hi'), scale, nd)}]"
 
 
-def _key_label(model, ctx, head) -> str:
-    return (f"{model}" if ctx == "none" else f"{model} [{ctx}]") + f" / {head}"
+def _key_label(model, ctx, arm, head) -> str:
+    text = f"{model}" if ctx == "none" else f"{model} [{ctx}]"
+    return text + ("" if arm in ("none", None) else f" + {arm}") + f" / {head}"
+
+
+def _has_arms(*runs: dict) -> bool:
+    """Whether any of the results dicts scored a test-time adaptation arm besides the static one:
+    only then do tables show an adaptation column."""
+    return any(series_key(r)[2] != "none" for res in runs for r in res.get("rows") or [])
+
+
+def _transductive(results: dict) -> set:
+    return {str(a.get("name")) for a in results.get("adaptation") or []
+            if isinstance(a, dict) and a.get("transductive")}
+
+
+def _label_head(arms: bool) -> list[str]:
+    return ["model", "context", "adaptation", "head"] if arms else ["model", "context", "head"]
+
+
+def _label_cells(key: tuple, arms: bool, transductive: frozenset | set = frozenset()) -> list[str]:
+    """The label columns of a ``(model, context, adaptation, head)`` key; a transductive arm is marked ``*``."""
+    model, ctx, arm, head = key
+    if not arms:
+        return [str(model), str(ctx), str(head)]
+    return [str(model), str(ctx), str(arm) + (" *" if arm in transductive else ""), str(head)]
 
 
 # --------------------------------------------------------------------------- numbers
@@ -102,7 +127,7 @@ def _largest_k(row: dict, prefix: str) -> Optional[str]:
 
 
 def summary_rows(results: dict) -> list[dict]:
-    """One row per (model, context, head) with a clean cell, in the order of ``results["rows"]``.
+    """One row per (model, context, adaptation, head) with a clean cell, in the order of ``results["rows"]``.
 
     Keys (rates as fractions in [0, 1]; drops in accuracy points):
 
@@ -126,7 +151,7 @@ def summary_rows(results: dict) -> list[dict]:
     top = sevs[-1] if sevs else None
     index = cell_index(results)
     bench, extra = benchmark_corruptions(results)
-    robust = {(r["model"], r["context"], r["head"]): r for r in results.get("robustness") or []}
+    robust = {series_key(r): r for r in results.get("robustness") or []}
     out = []
     for key, cells in index.items():
         clean = cells.get((CLEAN, 0))
@@ -136,7 +161,7 @@ def summary_rows(results: dict) -> list[dict]:
         curves = {m: {s: (mean, std) for s, mean, std, _ in severity_curve(results, key, m, index)}
                   for m in ("accuracy", "ece_top_label", "ece_marginal", "nll", "r_auroc")}
         map_key = _largest_k(clean, "map_at_")
-        row = {"model": key[0], "context": key[1], "head": key[2], "acc_clean": clean.get("accuracy"),
+        row = {**series_fields(key), "acc_clean": clean.get("accuracy"),
                "ece_clean": clean.get("ece_top_label"), "ece_marginal_clean": clean.get("ece_marginal"),
                "nll_clean": clean.get("nll"), "r_auroc_clean": clean.get("r_auroc"),
                "auroc_error_clean": clean.get("auroc_error"), "brier_clean": clean.get("brier"),
@@ -195,10 +220,9 @@ def summary_rows(results: dict) -> list[dict]:
 def headline_rows(results: dict) -> list[dict]:
     """The numbers a comparison lines up, one row per primary head: ``acc_clean``, ``mca``, ``drop``
     (points), ``ece_clean``, ``ece_corrupted``, ``mce``."""
-    rows = {(r["model"], r["context"], r["head"]): r for r in summary_rows(results)}
+    rows = {series_key(r): r for r in summary_rows(results)}
     keep = ("acc_clean", "mca", "drop", "ece_clean", "ece_corrupted", "mce")
-    return [{"model": k[0], "context": k[1], "head": k[2], **{f: rows[k].get(f) for f in keep}}
-            for k in primary_keys(results) if k in rows]
+    return [{**series_fields(k), **{f: rows[k].get(f) for f in keep}} for k in primary_keys(results) if k in rows]
 
 
 def results_problems(results: dict, limit: int = 10) -> list[str]:
@@ -223,11 +247,13 @@ def _summary_table(results: dict) -> tuple[list[str], list[list[str]]]:
     rows = summary_rows(results)
     k = next((r["map_k"] for r in rows if r.get("map_k")), None)
     mapname = f"MAP@{k}" if k else "MAP"
-    head = ["model", "context", "head", "acc s0", f"acc {t}", f"drop 0→{top}", "ECE s0", f"ECE {t}",
+    arms = _has_arms(results)
+    head = [*_label_head(arms), "acc s0", f"acc {t}", f"drop 0→{top}", "ECE s0", f"ECE {t}",
             "ECE range", f"{mapname} s0", f"{mapname} {t}"]
     body = []
+    trans = _transductive(results)
     for r in rows:
-        body.append([str(r["model"]), str(r["context"]), str(r["head"]), _fmt(r["acc_clean"]),
+        body.append([*_label_cells(series_key(r), arms, trans), _fmt(r["acc_clean"]),
                      _fmt(r.get(f"acc_{t}")), _pm(r.get("drop"), r.get("drop_std"), 1.0),
                      _fmt(r["ece_clean"]), _fmt(r.get(f"ece_{t}")), _fmt(r.get("ece_range")),
                      _fmt(r["map_clean"]), _fmt(r.get(f"map_{t}"))])
@@ -238,24 +264,41 @@ def format_summary(results: dict) -> str:
     """The summary table as plain text (printed at the end of ``shiftguard run``)."""
     head, body = _summary_table(results)
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
+    labels = len(_label_head(_has_arms(results)))
 
     def line(cells):
-        return "  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(c.ljust(w) if i < labels else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
 
     d = results["data"]
     title = (f"{results.get('name')}: {d.get('dataset')}, {len(d.get('corruptions') or [])} corruptions x severities "
              f"{d.get('severities')} ({d.get('corruption_source')}); accuracy, ECE (top-label) and MAP in %, "
              f"drop in points = mean ± std over corruptions")
     lines = [title, line(head), line(["-" * w for w in widths]), *(line(r) for r in body)]
+    notes = _arm_notes(results)
+    if notes:
+        lines.append("* " + " ".join(notes))
     adv = P.adversarial_cells(results)
     if adv:
         lines.append("adversarial shift: accuracy / ECE (top-label) in % at each eps")
-        for (model, ctx, head_name), per in adv.items():
+        for (model, ctx, _, head_name), per in adv.items():
             for attack, pts in per.items():
                 cells = ", ".join(f"{eps:.4g}: {_fmt(r.get('accuracy'))} / {_fmt(r.get('ece_top_label'))}"
                                   for eps, r in pts)
                 lines.append(f"  {model} {ctx} {head_name} {attack}: {cells}")
     return "\n".join(lines)
+
+
+def _arm_notes(results: dict) -> list[str]:
+    """One sentence per transductive arm of ``results``: what it saw of each test cell before scoring it."""
+    out = []
+    for a in results.get("adaptation") or []:
+        if not isinstance(a, dict) or not a.get("transductive"):
+            continue
+        passes, images = as_number(a.get("passes")), as_number(a.get("images"))
+        seen = (f"{_int(passes)} pass(es) over the {_int(images)} unlabelled images of each cell"
+                if passes is not None and images is not None else "the unlabelled images of each cell")
+        out.append(f"{a.get('name')}: transductive, it adapts on {seen} ({a.get('description')}).")
+    return out
 
 
 # --------------------------------------------------------------------------- files
@@ -348,8 +391,7 @@ img{max-width:100%}figcaption{font-size:12px;color:#555}code,pre{background:#f6f
 
 
 def _interval_map(results: dict) -> dict[tuple, dict]:
-    return {(i.get("model"), i.get("context"), i.get("head"), i.get("metric")): i
-            for i in results.get("intervals") or []}
+    return {(*series_key(i), i.get("metric")): i for i in results.get("intervals") or []}
 
 
 def _interval_sentence(results: dict) -> str:
@@ -411,7 +453,7 @@ def _summary_tables(results: dict, rows: list[dict]) -> str:
                  (f"drop 0→{top}", lambda r, c: _pm(r.get("drop"), r.get("drop_std"), 1.0))]
     cols += [("ECE clean", lambda r, c: _cell(r, "ece_clean", ci=c("ece_clean"))),
              ("ECE corrupted", lambda r, c: _cell(r, "ece_corrupted"))]
-    if any(k[3] == "ece_corrupted" for k in ivs):
+    if any(k[4] == "ece_corrupted" for k in ivs):
         # The interval's estimate pools the corrupted cells into one ECE, which differs from the mean
         # of the per-cell ECEs: its own column, so one header never carries two quantities.
         cols.append(("ECE corrupted, pooled",
@@ -430,20 +472,24 @@ def _summary_tables(results: dict, rows: list[dict]) -> str:
         second += [(f"MAP@{k} clean", "map_clean", 100.0, 1), (f"MAP@{k} corrupted", "map_corrupted", 100.0, 1)]
     second = [s for s in second if has(s[1])]
 
+    arms = _has_arms(results)
+    trans = _transductive(results)
+    labels = _label_head(arms)
+
     def body(columns):
         out = []
         for r in rows:
-            key = (r["model"], r["context"], r["head"])
+            key = series_key(r)
             c = lambda m: ivs.get((*key, m))
-            out.append([str(r["model"]), str(r["context"]), str(r["head"]), *(f(r, c) for _, f in columns)])
+            out.append([*_label_cells(key, arms, trans), *(f(r, c) for _, f in columns)])
         return out
 
-    first = _table(["model", "context", "head", *(h for h, _ in cols)], body(cols))
+    first = _table([*labels, *(h for h, _ in cols)], body(cols), left=len(labels))
     if not second:
         return first
     cols2 = [(h, (lambda key, sc, nd: lambda r, c: _cell(r, key, sc, nd))(key, sc, nd)) for h, key, sc, nd in second]
-    return first + "<h3>Uncertainty and retrieval</h3>" + _table(["model", "context", "head", *(h for h, _ in cols2)],
-                                                                  body(cols2))
+    return first + "<h3>Uncertainty and retrieval</h3>" + _table([*labels, *(h for h, _ in cols2)], body(cols2),
+                                                                  left=len(labels))
 
 
 def _per_corruption_table(results: dict) -> str:
@@ -479,14 +525,16 @@ def _per_severity_table(results: dict, metric: str) -> str:
     index = cell_index(results)
     scale = 100.0 if P.is_rate(metric) else 1.0
     nd = 1 if P.is_rate(metric) else 3
-    head = ["model", "context", "head", "clean", *(f"s{s}" for s in sevs)]
+    arms = _has_arms(results)
+    trans = _transductive(results)
+    head = [*_label_head(arms), "clean", *(f"s{s}" for s in sevs)]
     body = []
     for key in index:
         pts = {s: (m, sd) for s, m, sd, _ in severity_curve(results, key, metric, index)}
         cells = [_fmt(pts[0][0], scale, nd) if 0 in pts else "—"]
         cells += [_pm(*pts[s], scale, nd) if s in pts else "—" for s in sevs]
-        body.append([str(key[0]), str(key[1]), str(key[2]), *cells])
-    return _table(head, body)
+        body.append([*_label_cells(key, arms, trans), *cells])
+    return _table(head, body, left=len(_label_head(arms)))
 
 
 def _adversarial_section(results: dict) -> str:
@@ -498,23 +546,25 @@ def _adversarial_section(results: dict) -> str:
     index = cell_index(results)
     metrics = (("accuracy", "acc (%)", 100.0, 1), ("ece_top_label", "ECE (%)", 100.0, 1), ("nll", "NLL", 1.0, 3),
                ("r_auroc", "R-AUROC", 1.0, 3))
-    head = ["model", "context", "head", "attack", "eps", *(label for _, label, _, _ in metrics)]
+    arms = _has_arms(results)
+    head = [*_label_head(arms), "attack", "eps", *(label for _, label, _, _ in metrics)]
     body = []
     for key, per in cells.items():
         clean = index.get(key, {}).get((CLEAN, 0))
         if clean is not None:
-            body.append([*map(str, key), "none (clean)", "0",
+            body.append([*_label_cells(key, arms), "none (clean)", "0",
                          *(_fmt(clean.get(m), sc, nd) for m, _, sc, nd in metrics)])
         for attack, pts in per.items():
             for eps, r in pts:
-                body.append([*map(str, key), attack, f"{eps:.4g}",
+                body.append([*_label_cells(key, arms), attack, f"{eps:.4g}",
                              *(_fmt(r.get(m), sc, nd) for m, _, sc, nd in metrics)])
     attacks = results["data"].get("attacks") or {}
     desc = "; ".join(f"{_e(n)}: {_e(a.get('steps'))} steps" if a.get("attack") != "fgsm" else f"{_e(n)}: one step"
                      for n, a in attacks.items())
     return ("<h2>Adversarial shift</h2><p class='small'>White-box attacks on each model in each context (eps in "
             f"pixel units of images in [0, 1]; {desc}); every head is scored on the same adversarial images. "
-            "Not part of any corruption mean.</p>" + _table(head, body, left=5))
+            "Not part of any corruption mean; scored without test-time adaptation.</p>"
+            + _table(head, body, left=len(head) - len(metrics)))
 
 
 def _robustness_section(results: dict) -> str:
@@ -522,11 +572,13 @@ def _robustness_section(results: dict) -> str:
     if not rob:
         return ""
     has_extra = any(r.get("mca_extra") is not None for r in rob)
-    head = ["model", "context", "head", "baseline", "mCA", *(["mCA (extra)"] if has_extra else []),
+    arms = _has_arms(results)
+    trans = _transductive(results)
+    head = [*_label_head(arms), "baseline", "mCA", *(["mCA (extra)"] if has_extra else []),
             "acc corrupted", "ECE corrupted", "NLL corrupted", "mCE", "relative mCE"]
     body = []
     for r in rob:
-        body.append([str(r.get("model")), str(r.get("context")), str(r.get("head")),
+        body.append([*_label_cells(series_key(r), arms, trans),
                      "—" if r.get("baseline") is None else str(r.get("baseline")), _fmt(r.get("mca")),
                      *([_fmt(r.get("mca_extra"))] if has_extra else []), _fmt(r.get("corrupted_accuracy")),
                      _fmt(r.get("corrupted_ece")), _plain(r.get("corrupted_nll")), _fmt(r.get("mce")),
@@ -542,13 +594,14 @@ def _robustness_section(results: dict) -> str:
     else:
         note = "No baseline model was given, so no corruption errors (mCE) are reported."
     out = (f"<h2>Robustness: mean corruption accuracy and mCE</h2><p class='small'>mCA = mean accuracy over the "
-           f"benchmark corruptions × severities (robustbench's convention). {note}</p>" + _table(head, body))
+           f"benchmark corruptions × severities (robustbench's convention). {note}</p>"
+           + _table(head, body, left=len(_label_head(arms))))
     with_ce = [r for r in rob if r.get("ce")]
     if with_ce:
         corrs = list(dict.fromkeys(c for r in with_ce for c in r["ce"]))
         head = ["corruption"]
         for r in with_ce:
-            lab = _key_label(r.get("model"), r.get("context"), r.get("head"))
+            lab = _key_label(*series_key(r))
             head += [f"{lab}: CE", f"{lab}: relative CE"]
         body = [[str(c), *(v for r in with_ce
                            for v in (_fmt(r["ce"].get(c)), _fmt((r.get("relative_ce") or {}).get(c))))]
@@ -562,22 +615,32 @@ def _intervals_table(results: dict) -> str:
     if not ivs:
         return ""
     body = []
+    arms = _has_arms(results)
+    trans = _transductive(results)
     for i in ivs:
         rate = P.is_rate(str(i.get("metric")).rsplit("_", 1)[0])
         sc, nd = (100.0, 2) if rate else (1.0, 4)
-        body.append([str(i.get("model")), str(i.get("context")), str(i.get("head")), str(i.get("metric")),
+        body.append([*_label_cells(series_key(i), arms, trans), str(i.get("metric")),
                      _fmt(i.get("estimate"), sc, nd), _fmt(i.get("lo"), sc, nd), _fmt(i.get("hi"), sc, nd)])
+    labels = _label_head(arms)
     return ("<h2>Confidence intervals</h2><p class='small'>" + _interval_sentence(results) + "</p>"
-            + _table(["model", "context", "head", "metric", "estimate", "lo", "hi"], body, left=4))
+            + _table([*labels, "metric", "estimate", "lo", "hi"], body, left=len(labels) + 1))
 
 
 def _skipped_section(results: dict) -> str:
     sk = results.get("skipped_heads") or []
-    if not sk:
-        return ""
-    body = [[str(s.get("model")), str(s.get("head")), str(s.get("reason"))] for s in sk]
-    return ("<h2>Skipped heads</h2><p class='small'>These heads were asked for and not evaluated; they have no "
-            "numbers in this report.</p>" + _table(["model", "head", "reason"], body, left=3))
+    ska = results.get("skipped_adaptations") or []
+    out = ""
+    if sk:
+        body = [[str(s.get("model")), str(s.get("head")), str(s.get("reason"))] for s in sk]
+        out += ("<h2>Skipped heads</h2><p class='small'>These heads were asked for and not evaluated; they have no "
+                "numbers in this report.</p>" + _table(["model", "head", "reason"], body, left=3))
+    if ska:
+        body = [[str(s.get("model")), str(s.get("adaptation")), str(s.get("reason"))] for s in ska]
+        out += ("<h2>Skipped adaptation arms</h2><p class='small'>These test-time adaptation arms were asked for and "
+                "could not act on the model; they have no numbers in this report.</p>"
+                + _table(["model", "adaptation", "reason"], body, left=3))
+    return out
 
 
 def _training_section(results: dict) -> str:
@@ -628,6 +691,12 @@ def _data_paragraph(results: dict) -> str:
         size = f" ({_e(_int(bs))} images)" if bs is not None else ""
         parts.append(f" QACT models use the test batch as context{size}; the <i>frozen</i> rows use the training "
                      "context instead.")
+    if _has_arms(results):
+        parts.append(" Test-time adaptation arms are scored side by side (the <i>adaptation</i> column; "
+                     "<i>none</i> = the static model); every arm starts each cell from the trained model, and the "
+                     "heads fitted on the static model's clean training embeddings score every arm.")
+        for note in _arm_notes(results):
+            parts.append(" * " + _e(note))
     return "<p>" + "".join(parts) + "</p>"
 
 
@@ -746,18 +815,18 @@ def delta_rows(runs: Sequence[dict]) -> list[dict]:
     """Each later run's headline numbers minus the first run's, in percentage points (``d_<name>`` for the
     names of :func:`headline_rows`; ``None`` where either number is missing).
 
-    A primary head is compared with the first run's row of the same (model, context, head); without one,
+    A primary head is compared with the first run's row of the same (model, context, adaptation, head); without one,
     with the first run's only primary row when it has exactly one; otherwise it has no reference
     (``reference`` is ``None``)."""
     first = headline_rows(runs[0])
-    by_key = {(r["model"], r["context"], r["head"]): r for r in first}
+    by_key = {series_key(r): r for r in first}
     labels = P.run_labels(runs)
     out = []
     for label, res in zip(labels[1:], runs[1:]):
         for h in headline_rows(res):
-            ref = by_key.get((h["model"], h["context"], h["head"])) or (first[0] if len(first) == 1 else None)
-            row = {"run": label, "model": h["model"], "context": h["context"], "head": h["head"],
-                   "reference": None if ref is None else _key_label(ref["model"], ref["context"], ref["head"])}
+            ref = by_key.get(series_key(h)) or (first[0] if len(first) == 1 else None)
+            row = {"run": label, **series_fields(series_key(h)),
+                   "reference": None if ref is None else _key_label(*series_key(ref))}
             for name, _, rate in _HEADLINE:
                 a = as_number(h.get(name))
                 b = None if ref is None else as_number(ref.get(name))
@@ -783,18 +852,19 @@ def render_comparison(runs: Sequence[dict], plots: dict[str, Path], sources: Opt
                     f"{_e(runs[0].get('seed'))}.</p>")
     show_mce = any(h.get("mce") is not None for r in runs for h in headline_rows(r))
     metrics = [m for m in _HEADLINE if show_mce or m[0] != "mce"]
-    head = ["run", "model", "context", "head", *(f"{lab} ({'%' if rate else 'points'})" for _, lab, rate in metrics)]
+    arms = _has_arms(*runs)
+    lh = _label_head(arms)
+    head = ["run", *lh, *(f"{lab} ({'%' if rate else 'points'})" for _, lab, rate in metrics)]
     body = []
     for lab, res in zip(labels, runs):
         for h in headline_rows(res):
-            body.append([lab, str(h["model"]), str(h["context"]), str(h["head"]),
+            body.append([lab, *_label_cells(series_key(h), arms, _transductive(res)),
                          *(_fmt(h.get(n), 100.0 if rate else 1.0) for n, _, rate in metrics)])
-    headline = _table(head, body, left=4)
-    dhead = ["run", "model", "context", "head", f"compared with ({labels[0]})",
-             *(f"Δ {lab} (points)" for _, lab, _ in metrics)]
-    dbody = [[r["run"], str(r["model"]), str(r["context"]), str(r["head"]), r["reference"] or "— (no matching row)",
+    headline = _table(head, body, left=1 + len(lh))
+    dhead = ["run", *lh, f"compared with ({labels[0]})", *(f"Δ {lab} (points)" for _, lab, _ in metrics)]
+    dbody = [[r["run"], *_label_cells(series_key(r), arms), r["reference"] or "— (no matching row)",
               *(_signed(r[f"d_{n}"]) for n, _, _ in metrics)] for r in delta_rows(runs)]
-    deltas = _table(dhead, dbody, left=5)
+    deltas = _table(dhead, dbody, left=2 + len(lh))
     figs = "".join(_img(p, k) for k, p in plots.items())
     parts = []
     for i, (lab, res) in enumerate(zip(labels, runs)):
@@ -833,7 +903,7 @@ def build_comparison(out_dir: Path, runs: Sequence[dict], sources: Optional[Sequ
     }
     rows = delta_rows(runs)
     buf = io.StringIO()
-    fields = ["run", "model", "context", "head", "reference", *(f"d_{n}" for n, _, _ in _HEADLINE)]
+    fields = ["run", "model", "context", "adaptation", "head", "reference", *(f"d_{n}" for n, _, _ in _HEADLINE)]
     w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     w.writeheader()
     for r in rows:

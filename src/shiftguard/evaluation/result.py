@@ -9,15 +9,16 @@ from typing import Optional, Union
 
 from shiftguard.io import atomic_write_text
 
+from .aggregate import series_fields, series_key
+
 __all__ = ["EvaluationResult"]
 
 def _headline(results: dict) -> dict[tuple, dict]:
-    """Per (model, context, head): the numbers a comparison puts side by side."""
+    """Per (model, context, adaptation, head): the numbers a comparison puts side by side."""
     out: dict[tuple, dict] = {}
     top = max(results["data"]["severities"], default=0)
     for a in results["aggregates"]:
-        key = (a["model"], a["context"], a["head"])
-        e = out.setdefault(key, {})
+        e = out.setdefault(series_key(a), {})
         if a["severity"] == 0:
             e["accuracy_clean"], e["ece_clean"], e["nll_clean"] = (a["accuracy_mean"], a["ece_top_label_mean"],
                                                                    a["nll_mean"])
@@ -25,9 +26,9 @@ def _headline(results: dict) -> dict[tuple, dict]:
             e[f"accuracy_s{top}"] = a["accuracy_mean"]
     for d in results.get("drops", []):
         if d["from"] == 0 and d["to"] == top:
-            out.setdefault((d["model"], d["context"], d["head"]), {})["drop"] = d["drop_mean"]
+            out.setdefault(series_key(d), {})["drop"] = d["drop_mean"]
     for r in results.get("robustness", []):
-        e = out.setdefault((r["model"], r["context"], r["head"]), {})
+        e = out.setdefault(series_key(r), {})
         e.update({"mca": r["mca"], "corrupted_ece": r["corrupted_ece"], "corrupted_nll": r["corrupted_nll"],
                   "mce": r["mce"]})
     return out
@@ -37,8 +38,8 @@ class EvaluationResult:
     """What :func:`shiftguard.evaluate` returns.
 
     ``results`` is the JSON-able dict written as ``results.json`` (keys documented in
-    ``docs/evaluate.md``); ``rows`` has one entry per (model, context, head, corruption,
-    severity) cell. Rates are fractions in [0, 1] here; reports print them in %.
+    ``docs/evaluate.md``); ``rows`` has one entry per (model, context, adaptation, head,
+    corruption, severity) cell. Rates are fractions in [0, 1] here; reports print them in %.
 
     Examples:
         >>> res.summary()  # doctest: +SKIP
@@ -74,8 +75,8 @@ class EvaluationResult:
 
     def __repr__(self) -> str:
         d = self.results["data"]
-        keys = {(r["model"], r["context"], r["head"]) for r in self.rows}
-        return (f"EvaluationResult(name={self.results.get('name')!r}, {len(keys)} model/context/head, "
+        keys = {series_key(r) for r in self.rows}
+        return (f"EvaluationResult(name={self.results.get('name')!r}, {len(keys)} model/context/adaptation/head, "
                 f"{len(d['corruptions'])} corruptions x severities {d['severities']}, n_test={d['n_test']})")
 
     def summary(self) -> str:
@@ -136,8 +137,9 @@ class EvaluationResult:
 
     # -- comparison -----------------------------------------------------------------------------
     def compare(self, other: "EvaluationResult") -> dict:
-        """Headline numbers of ``self`` minus those of ``other`` for every (model, context, head)
-        both hold: ``{"deltas": [{"model", "context", "head", "<metric>": (self, other, delta)}],
+        """Headline numbers of ``self`` minus those of ``other`` for every (model, context,
+        adaptation, head) both hold: ``{"deltas": [{"model", "context", "adaptation", "head",
+        "<metric>": (self, other, delta)}],
         "protocol_differences": ["field: other's -> self's"]}`` (data set, suite, corruptions,
         severities, test size, corruption source, seed); a non-empty ``protocol_differences``
         means the numbers were not measured the same way."""
@@ -148,7 +150,7 @@ class EvaluationResult:
         for key in mine:
             if key not in theirs:
                 continue
-            row = {"model": key[0], "context": key[1], "head": key[2]}
+            row = series_fields(key)
             for metric, v in mine[key].items():
                 w = theirs[key].get(metric)
                 row[metric] = (v, w, None if v is None or w is None else v - w)

@@ -107,6 +107,10 @@ class EvalConfig:
     batch_size: int = 1000
     #: also evaluate QACT models with a frozen (training-set) context.
     frozen_context: bool = True
+    #: test-time adaptation arms scored side by side on every cell (``shiftguard.evaluate(adapt=)``,
+    #: docs/evaluate.md): "none" (static), "bn-batch", "bn" ("bn:prior=N"), "tent", "refresh"
+    #: ("refresh:passes=N").
+    adapt: list = field(default_factory=lambda: ["none"])
     #: neighbours used by NED / kNN heads.
     k: int = 10
     #: their exact kNN search (``shiftguard.neighbors.BACKENDS``): "pruned" skips the support
@@ -339,6 +343,7 @@ _RULES: dict[str, dict[str, Any]] = {
     "eval": {
         "batch_size": _ints(2, why=" (QACT needs a context of 2 images)"),
         "frozen_context": None,
+        "adapt": _name_list("adaptation arms", " (an arm would be scored twice)"),
         "k": _ints(1),
         "knn_backend": _text(BACKENDS),
         "retrieval_ks": _int_list(1, None, "cut-offs", " (a repeated cut-off would be reported twice)"),
@@ -453,6 +458,14 @@ def _check_values(cfg: RunConfig, src: str) -> None:
     for sec in _SECTIONS:
         obj = getattr(cfg, sec)
         apply(rules[sec], {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}, f"{sec}.")
+    if not e.adapt:
+        bad("eval.adapt", 'name at least one arm ("none" is the static evaluation)', e.adapt)
+    from shiftguard.evaluation.adaptation import adapt_specs
+
+    try:
+        adapt_specs(e.adapt)
+    except ValueError as exc:
+        raise ValueError(f"{src}: key eval.{exc}") from None
     if e.attacks:
         from shiftguard.evaluation.adversarial import attack_specs
 

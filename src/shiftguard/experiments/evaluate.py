@@ -53,8 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-size", type=int, default=2000, metavar="N",
                    help="training images held out for temperature / NED (default 2000; 0 = none)")
     p.add_argument("--batch-size", type=int, default=500, help="evaluation batch (the QACT context)")
+    p.add_argument("--adapt", nargs="+", default=["none"], metavar="ARM",
+                   help="test-time adaptation arms scored side by side: none (default), bn-batch, bn, tent, refresh "
+                        "(options as 'bn:prior=16', 'tent:lr=0.00025,optimizer=sgd', 'refresh:passes=2'; "
+                        "docs/evaluate.md)")
     p.add_argument("--baseline", metavar="RESULTS", help="results.json (or its folder) of a baseline for CE / mCE")
-    p.add_argument("--baseline-key", metavar="MODEL/CONTEXT/HEAD", help="which of the baseline's rows")
+    p.add_argument("--baseline-key", metavar="MODEL/CONTEXT/HEAD",
+                   help="which of the baseline's rows (MODEL/CONTEXT/ADAPTATION/HEAD for an adapted one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the 95%% intervals")
@@ -159,7 +164,8 @@ def main(args) -> int:
     result = evaluate(
         model, test, support=support, validation=val, suite=args.suite, corruptions=args.corruptions,
         severities=args.severities, extra=args.extra, heads=args.heads, embed=args.embed,
-        preprocess=_normalizer(args.normalize), batch_size=args.batch_size, device=args.device, seed=args.seed,
+        preprocess=_normalizer(args.normalize), batch_size=args.batch_size, adapt=args.adapt, device=args.device,
+        seed=args.seed,
         baseline=args.baseline, baseline_key=args.baseline_key, n_boot=args.n_boot, name=args.name,
         progress=not args.no_progress,
     )
@@ -169,6 +175,8 @@ def main(args) -> int:
     print(result.summary())
     for s in result.skipped_heads:
         print(f"skipped {s['model']}/{s['head']}: {s['reason']}")
+    for s in result.results.get("skipped_adaptations") or []:
+        print(f"skipped adaptation {s['model']}/{s['adaptation']}: {s['reason']}")
     path = result.write_report(out)
     print(f"\nwrote {out}/ (results.json, results.csv, plots/, {path.name})")
     return 0

@@ -53,7 +53,7 @@ def load_run(run_dir: str | Path) -> dict:
 
 
 # Keys of a row (shiftguard.evaluation.grid) that are names or counts; every other key is a metric.
-_ROW_NAMES = frozenset({"model", "context", "head", "corruption", "group"})
+_ROW_NAMES = frozenset({"model", "context", "adaptation", "head", "corruption", "group"})
 _ROW_COUNTS = frozenset({"severity", "n"})
 
 

@@ -51,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--epochs", type=int, help="override the number of epochs of every model")
     p.add_argument("--seed", type=int, help="override the training seed")
+    p.add_argument("--adapt", nargs="+", metavar="ARM",
+                   help="override eval.adapt: test-time adaptation arms scored side by side, any of none, bn-batch, "
+                        "bn, tent, refresh (options as 'bn:prior=16', 'refresh:passes=2'; docs/evaluate.md)")
     p.add_argument("--name", help="run name (default: the config's name, else a timestamp)")
     p.add_argument("--out", default="runs", help="parent folder of run directories (default: runs)")
     p.add_argument("--resume", action="store_true",
@@ -95,13 +98,16 @@ def resolve_config(args) -> C.RunConfig:
             m.train.pop("epochs", None)
     if args.seed is not None:
         cfg.seed = args.seed
-    if args.quick or args.epochs is not None or args.seed is not None:
+    adapt = getattr(args, "adapt", None)
+    if adapt is not None:
+        cfg.eval.adapt = list(adapt)
+    if args.quick or args.epochs is not None or args.seed is not None or adapt is not None:
         # the command-line overrides pass the same checks as the file's own values
         source = cfg.source
         try:
             cfg = C.config_from_dict(cfg.to_dict(), source=source)
         except ValueError as exc:
-            raise ValueError(f"{exc} (after --quick/--epochs/--seed)") from None
+            raise ValueError(f"{exc} (after --quick/--epochs/--seed/--adapt)") from None
     return cfg
 
 
@@ -498,17 +504,15 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
             log: Callable[[str], None] = print, compile_s: float = 0.0) -> dict:
     """Run the whole pipeline into ``run_dir`` and return the results dict.
 
-    Training is this module's; the evaluation is :func:`shiftguard.evaluation.grid.run_grid`, the
-    grid ``shiftguard.evaluate`` runs, with the models' own input scaling (pixels to [-1, 1]) as
-    ``preprocess``. ``compile_s``: seconds spent compiling kernels before (recorded apart from the
-    training time). Under torch.distributed every process trains, then every process evaluates its
-    share of the grid (``run_grid(distributed=True)``: the same results as one process) on rank
-    0's weights; rank 0 alone writes the results and the report, the others return ``{}`` after
-    waiting for it at a barrier (docs/distributed.md)."""
-    from shiftguard.evaluation.adversarial import AttackSuite, attack_specs
-    from shiftguard.evaluation.evaluate import build_cells, build_results
-    from shiftguard.evaluation.grid import run_grid
-    from shiftguard.evaluation.outputs import ModelOutputs
+    Training is this module's; the evaluation is :func:`shiftguard.evaluate`, called with the
+    trained models, the models' own input scaling (pixels to [-1, 1]) as ``preprocess``, the
+    run's corrupted test sets (engine or official files) as ``shifted`` and ``run_dir/cache`` as
+    its output cache. ``compile_s``: seconds spent compiling kernels before (recorded apart from
+    the training time). Under torch.distributed every process trains, then every process
+    evaluates its share of the grid (``evaluate(distributed=True)``: the same results as one
+    process) on rank 0's weights; rank 0 alone writes the results and the report, the others
+    return ``{}`` after waiting for it at a barrier (docs/distributed.md)."""
+    from shiftguard.evaluation import evaluate
     from shiftguard.evaluation.report import build_report, format_summary, summary_rows
     from shiftguard.train import to_model_input
     from shiftguard.train.distributed import barrier, broadcast_module, is_distributed, is_main_process
@@ -520,7 +524,6 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     corruptions = corruption_list(cfg)
-    cells = build_cells(cfg.data.suite, corruptions, cfg.data.severities)
     data = load_data(cfg)
     shifted, source = make_shift_source(cfg, data, corruptions)
     log(f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / "
@@ -529,7 +532,7 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
 
     e = cfg.eval
     contexts = ("batch", "frozen") if e.frozen_context else ("batch",)
-    trained: list[dict] = []
+    trained: dict[str, torch.nn.Module] = {}
     timings: dict[str, Any] = {"compile_s": compile_s, "train_s": {}, "evaluate_s": 0.0}
     training = {}
     attack_losses: dict[str, Any] = {}
@@ -541,41 +544,35 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
         training[m.name] = summary
         log(f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
             f"({summary['epochs_run']} epochs, {timings['train_s'][m.name]:.1f} s)")
-        trained.append({"name": m.name, "model": model, "heads": list(m.heads), "contexts": contexts,
-                        "outputs": ModelOutputs(model, preprocess=to_model_input)})
+        trained[m.name] = model
 
     t0 = time.perf_counter()
     if distributed:
         # Every process evaluates exactly the weights rank 0 wrote (per-process BatchNorm
         # statistics on CPU would otherwise make the shares of the grid come from different models).
-        for entry in trained:
-            broadcast_module(entry["model"])
+        for model in trained.values():
+            broadcast_module(model)
     support = data["train"]
     if e.max_support and support[1].numel() > e.max_support:
         support = (support[0][: e.max_support], support[1][: e.max_support])
-    attacks = None
-    if e.attacks:
-        attacks = AttackSuite(attack_specs(e.attacks, e.attack_steps), e.attack_eps, data["test"], attack_losses,
-                              seed=cfg.seed, batch_size=e.batch_size, device=device)
-        cells = cells + attacks.cells()
-    grid = run_grid(
-        models=trained, test=data["test"], cells=cells, shifted=shifted, num_classes=data["num_classes"],
-        support=support, validation=data["val"], cache_root=run_dir / "cache", batch_size=e.batch_size,
-        device=device, contexts=contexts, k=e.k, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
-        progress=progress, distributed=distributed, attacks=attacks, knn_backend=e.knn_backend,
+    evaluated = evaluate(
+        trained, data["test"], support=support, validation=data["val"], suite=cfg.data.suite,
+        corruptions=corruptions, severities=cfg.data.severities, heads={m.name: list(m.heads) for m in cfg.models},
+        preprocess=to_model_input, batch_size=e.batch_size, contexts=contexts, adapt=e.adapt, device=device,
+        seed=cfg.seed, k=e.k, knn_backend=e.knn_backend, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
+        n_boot=e.n_boot, shifted=shifted, attacks=e.attacks, attack_eps=e.attack_eps, attack_steps=e.attack_steps,
+        attack_loss=attack_losses if e.attacks else None, name=run_dir.name, cache_dir=run_dir / "cache",
+        progress=progress, distributed=distributed,
     )
     if not is_main_process():
-        barrier()  # rank 0 aggregates and writes the report
+        barrier()  # rank 0 writes the report
         return {}
-    results = build_results(
-        name=run_dir.name, grid=grid, models=trained, cells=cells, seed=cfg.seed, device=device,
-        ece_bins=e.ece_bins, n_boot=e.n_boot, kind="run", attacks=attacks,
-        data={"dataset": data["name"], "suite": cfg.data.suite, "n_train": len(support[1]),
-              "n_val": len(data["val"][1]), "n_test": len(data["test"][1]), "num_classes": data["num_classes"],
-              "corruption_source": source},
-    )
+    results = evaluated.results
+    results["kind"] = "run"
+    results["data"].update({"dataset": data["name"], "corruption_source": source})
     timings["evaluate_s"] = time.perf_counter() - t0
     timings["evaluate_detail"] = results["timings"]["evaluate_detail"]
+    timings["evaluate_compile_s"] = results["timings"].get("compile_s", 0.0)
     timings["total_s"] = time.perf_counter() - t_start
     results.update({
         "config": _jsonable(cfg.to_dict()),
@@ -707,5 +704,10 @@ def relaunch_argv(args) -> list[str]:
         if value == action.default or value is None:
             continue
         flag = action.option_strings[-1] if action.option_strings[-1].startswith("--") else action.option_strings[0]
-        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+        if action.nargs == 0:
+            argv.append(flag)
+        elif isinstance(value, (list, tuple)):
+            argv += [flag, *map(str, value)]
+        else:
+            argv += [flag, str(value)]
     return argv
