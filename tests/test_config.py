@@ -131,3 +131,20 @@ def test_two_views_go_with_instance_discrimination_only():
         config_from_dict({"models": [{"arch": "lenet", "loss": "infonce", "heads": ["knn"]}]})
     with pytest.raises(ValueError, match=r"train\.two_views must be false .*not 'cross_entropy'"):
         config_from_dict({"train": {"two_views": True}, "models": [{"arch": "lenet"}]})
+
+
+def test_augmix_keys_are_checked_with_the_model_they_train():
+    base = {"models": [{"arch": "lenet"}]}
+    cfg = config_from_dict({**base, "train": {"augmix": True, "jsd_weight": 12.0}})
+    assert cfg.train.augmix and cfg.train.jsd_weight == 12.0 and cfg.train.augmix_suite == ""
+    for train, match in (({"jsd_weight": 1.0}, "train.jsd_weight must be 0 without augmix"),
+                         ({"augmix": True, "augmix_suite": "imagenet-c"}, "train.augmix_suite must be one of"),
+                         ({"augmix": True, "jsd_weight": -1.0}, "train.jsd_weight must be a finite number >= 0")):
+        with pytest.raises(ValueError, match=match):
+            config_from_dict({**base, "train": train})
+    embedding_model = [{"arch": "lenet", "loss": "watershed", "heads": ["quantile"]}]
+    with pytest.raises(ValueError, match="train.augmix must not be combined with two_views"):
+        config_from_dict({"train": {"augmix": True, "two_views": True}, "models": embedding_model})
+    with pytest.raises(ValueError, match="the Jensen-Shannon term needs class logits"):
+        config_from_dict({"train": {"augmix": True, "jsd_weight": 1.0},
+                            "models": [{"arch": "lenet", "loss": "watershed", "heads": ["quantile"]}]})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from shiftguard.train import (
     load_checkpoint,
     load_latest_checkpoint,
     save_checkpoint,
+    to_model_input,
     train_val_split,
 )
 from shiftguard.train.checkpoint import list_checkpoints
@@ -279,3 +281,155 @@ def test_two_views_train_instance_discrimination_and_resume_identically(tmp_path
 def test_two_views_need_an_embedding_loss():
     with pytest.raises(ValueError, match="two_views"):
         make_trainer(small_mlp(), two_views=True)
+
+
+# ----------------------------------------------------------------------------------------------- AugMix
+MNIST_AUGMIX = dict(augmix=True, augmix_suite="mnist-c")
+
+
+class _Recorder(nn.Module):
+    """A model that keeps every training forward's input and logits."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def embed(self, x):
+        return self.net.embed(x)
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.training:
+            self.calls.append((x.detach().clone(), out.detach().clone()))
+        return out
+
+
+def test_augmix_training_is_deterministic_and_changes_what_is_learnt():
+    data = patch_images(160)
+    runs = {}
+    for key, kw in {"clean": {}, "augmix": MNIST_AUGMIX, "jsd": dict(MNIST_AUGMIX, jsd_weight=12.0)}.items():
+        ws = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            m = small_mlp()
+            out = fit(make_trainer(m, epochs=1), data) if not kw else fit(make_trainer(m, epochs=1, **kw), data)
+            ws.append(weights(m))
+        assert_same_weights(*ws)  # same seed, same weights
+        assert math.isfinite(out["history"][0]["train_loss"]) and "train_acc" in out["history"][0]
+        runs[key] = (ws[0], out)
+    for a, b in (("clean", "augmix"), ("augmix", "jsd")):
+        assert not all(torch.equal(runs[a][0][k], runs[b][0][k]) for k in runs[a][0]), (a, b)
+    # the operations used are recorded in the summary
+    assert "augmix" not in runs["clean"][1]
+    rec = runs["jsd"][1]["augmix"]
+    assert rec["ops"] == ["autocontrast", "equalize", "posterize", "solarize"] and rec["suite"] == "mnist-c"
+    assert rec["jsd_weight"] == 12.0 and runs["augmix"][1]["augmix"]["jsd_weight"] == 0.0
+
+
+def test_plain_augmix_replaces_each_image_by_one_view():
+    x, y = patch_images(160)
+    tr_idx, va = train_val_split(len(y))
+    model = _Recorder(small_mlp())
+    t = make_trainer(model, epochs=1, **MNIST_AUGMIX)
+    t.fit(x[tr_idx], y[tr_idx], x[va], y[va], num_classes=4)
+    batches = list(t.batches(y[tr_idx], 1))
+    assert len(model.calls) == len(batches)
+    for (inp, _), idx in zip(model.calls, batches):
+        clean = to_model_input(x[tr_idx][idx])
+        assert inp.shape == clean.shape and float(inp.min()) >= -1 and float(inp.max()) <= 1
+        assert not torch.allclose(inp, clean, atol=1e-3)
+
+
+def test_jsd_forwards_clean_and_two_views_as_one_batch_and_adds_the_js_term():
+    from shiftguard.corruptions import jensen_shannon_consistency
+
+    x, y = patch_images(160)
+    tr_idx, va = train_val_split(len(y))
+    model = _Recorder(small_mlp())
+    t = make_trainer(model, epochs=1, jsd_weight=5.0, **MNIST_AUGMIX)
+    out = t.fit(x[tr_idx], y[tr_idx], x[va], y[va], num_classes=4)
+    batches = list(t.batches(y[tr_idx], 1))
+    assert len(model.calls) == len(batches)  # one forward per batch
+    total, seen = 0.0, 0
+    for (inp, logits), idx in zip(model.calls, batches):
+        n = idx.numel()
+        assert inp.shape[0] == 3 * n
+        torch.testing.assert_close(inp[:n], to_model_input(x[tr_idx][idx]), rtol=0, atol=0)  # clean part first
+        assert not torch.allclose(inp[n : 2 * n], inp[:n], atol=1e-3)
+        assert not torch.allclose(inp[n : 2 * n], inp[2 * n :], atol=1e-3)  # two different views
+        clean, v1, v2 = logits.split(n)
+        loss = nn.functional.cross_entropy(clean, y[tr_idx][idx]) + 5.0 * jensen_shannon_consistency(clean, v1, v2)
+        total, seen = total + loss.item() * n, seen + n
+    assert out["history"][0]["train_loss"] == pytest.approx(total / seen, rel=1e-5)
+
+
+def test_augmix_with_jsd_resumes_to_the_same_weights(tmp_path):
+    data = patch_images(120)
+    x, y = data
+    tr, va = train_val_split(len(y))
+    kw = dict(MNIST_AUGMIX, jsd_weight=12.0, early_stopping_patience=0)
+    torch.manual_seed(0)
+    full = small_mlp()
+    fit(make_trainer(full, tmp_path / "a", epochs=2, **kw), data)
+    torch.manual_seed(0)
+    part = small_mlp()
+    fit(make_trainer(part, tmp_path / "b", epochs=1, **kw), data)
+    torch.manual_seed(123)
+    resumed = small_mlp()
+    make_trainer(resumed, tmp_path / "b", epochs=2, **kw).fit(x[tr], y[tr], x[va], y[va], num_classes=4, resume=True)
+    assert_same_weights(weights(full), weights(resumed))
+
+
+def test_augmix_with_an_embedding_loss_allows_views_and_refuses_jsd():
+    from shiftguard.losses import watershed
+
+    with pytest.raises(ValueError, match="^jsd_weight:.*logits"):
+        make_trainer(small_mlp(), loss=watershed.WatershedLoss(), jsd_weight=12.0, **MNIST_AUGMIX)
+    with pytest.raises(ValueError, match="^jsd_weight:"):
+        make_trainer(_OwnObjective(), loss="model", jsd_weight=1.0, **MNIST_AUGMIX)
+    torch.manual_seed(0)
+    out = fit(make_trainer(small_mlp(), loss=watershed.WatershedLoss(), epochs=1, **MNIST_AUGMIX), patch_images(120))
+    assert math.isfinite(out["history"][0]["train_loss"]) and out["augmix"]["jsd_weight"] == 0.0
+
+
+def test_augmix_arguments_are_named():
+    from shiftguard.corruptions import AugMix
+    from shiftguard.losses import InfoNCELoss
+
+    with pytest.raises(ValueError, match="^augmix_suite:"):
+        make_trainer(small_mlp(), augmix=True)
+    with pytest.raises(ValueError, match="^augmix_suite:"):
+        make_trainer(small_mlp(), augmix_suite="mnist-c")
+    with pytest.raises(ValueError, match="^augmix_suite:"):
+        make_trainer(small_mlp(), augmix=AugMix("cifar-c"), augmix_suite="mnist-c")
+    with pytest.raises(ValueError, match="^suite:"):
+        make_trainer(small_mlp(), augmix=True, augmix_suite="imagenet-c")
+    with pytest.raises(ValueError, match="^augmix:"):
+        make_trainer(small_mlp(), augmix="yes")
+    with pytest.raises(ValueError, match="^augmix:"):
+        make_trainer(small_mlp(), loss=InfoNCELoss(), two_views=True, **MNIST_AUGMIX)
+    with pytest.raises(ValueError, match="^jsd_weight:"):
+        make_trainer(small_mlp(), jsd_weight=1.0)
+    for bad in (-1.0, math.nan, math.inf, True):
+        with pytest.raises(ValueError, match="^jsd_weight:"):
+            make_trainer(small_mlp(), jsd_weight=bad, **MNIST_AUGMIX)
+    own = AugMix("mnist-c", severity=5, width=2)
+    assert make_trainer(small_mlp(), augmix=own, augmix_suite="MNIST_C").augmix is own
+    with pytest.raises(ValueError, match="^images:"):
+        Trainer(small_mlp(), progress=False, **MNIST_AUGMIX).fit(torch.rand(8, 784), torch.arange(8) % 2,
+                                                                 torch.rand(4, 784), torch.arange(4) % 2)
+
+
+@pytest.mark.parametrize("jsd_weight", [0.0, 1.0])
+def test_augmix_views_depend_on_the_seed_and_epoch_only(jsd_weight):
+    x, _ = patch_images(16)
+
+    def views(seed, epoch, global_seed):
+        torch.manual_seed(global_seed)  # the global generator plays no part
+        t = make_trainer(small_mlp(), seed=seed, jsd_weight=jsd_weight, **MNIST_AUGMIX)
+        return t._augmix_input(x, epoch)
+
+    ref = views(3, 1, 0)
+    assert torch.equal(ref, views(3, 1, 1))
+    assert not torch.equal(ref, views(3, 2, 0)) and not torch.equal(ref, views(4, 1, 0))

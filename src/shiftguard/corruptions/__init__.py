@@ -22,12 +22,17 @@ the nearest level (the published scripts truncate, a bias of half a level). Besi
 from one ``torch.Generator`` seeded with ``seed`` on the images' device, so the same call gives
 the same output; the random stream is consumed in chunks of ``CHUNK`` images, so an image's noise
 depends on its position in the batch.
+
+The AugMix training augmentation (:mod:`.augmix`: :class:`AugMix`, :func:`augmix_ops`,
+:func:`jensen_shannon_consistency`) lives here too: it reuses the engine's warps, and its operation
+set depends on the suite the model is tested on.
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+from shiftguard.corruptions.augmix import AugMix, augmix_ops, jensen_shannon_consistency
 from shiftguard.corruptions.engine import (
     CHUNK,
     CORRUPTION_REGISTRIES,
@@ -41,7 +46,7 @@ from shiftguard.corruptions.engine import (
 )
 
 __all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "corrupt", "warm_up",
-           "gallery", "CHUNK"]
+           "gallery", "CHUNK", "AugMix", "augmix_ops", "jensen_shannon_consistency"]
 
 
 def gallery(images, suite: Optional[str] = None, **kwargs):

@@ -97,6 +97,15 @@ class TrainConfig:
     #: train on two augmented views of each image with instance ids as labels (the InfoNCE
     #: baseline [Kirchhof, URL App. B.2]; embedding losses; ``shiftguard.data.two_views``).
     two_views: bool = False
+    #: AugMix training augmentation (Hendrycks et al. 2020; ``shiftguard.corruptions.AugMix``); its
+    #: operations leave out the test corruptions of the suite named by ``augmix_suite``.
+    augmix: bool = False
+    #: the corruption suite that chooses AugMix's operations; "" = data.suite (the suite the model
+    #: is tested on).
+    augmix_suite: str = ""
+    #: > 0: the clean batch and two AugMix views in one forward, loss CE + jsd_weight * JS (the
+    #: official code's 12); logit losses only; 0 = each image replaced by one AugMix view.
+    jsd_weight: float = 0.0
     #: evaluate validation every epoch on at most this many images (0 = the whole split).
     max_val: int = 0
 
@@ -338,6 +347,9 @@ _RULES: dict[str, dict[str, Any]] = {
         "samples_per_class": _ints(1),
         "chunk_size": _ints(0, why=" (0 = no multistage chunks)"),
         "two_views": None,  # bool: the type check is the whole check
+        "augmix": None,  # bool: the type check is the whole check
+        "augmix_suite": None,  # the corruption suites (or ""), filled in from shiftguard.corruptions.SUITES
+        "jsd_weight": _reals(0),
         "max_val": _ints(0, why=" (0 = the whole validation split)"),
     },
     "eval": {
@@ -450,7 +462,8 @@ def _check_values(cfg: RunConfig, src: str) -> None:
             if msg:
                 raise ValueError(f"{src}: key {where}{key} must {msg}, got {_shown(value)}")
 
-    rules = {**_RULES, "data": {**_RULES["data"], "suite": _text(tuple(SUITES))}}
+    rules = {**_RULES, "data": {**_RULES["data"], "suite": _text(tuple(SUITES))},
+             "train": {**_RULES["train"], "augmix_suite": _text(("", *SUITES), empty_ok=True)}}
     apply(rules[""], {"name": cfg.name, "seed": cfg.seed}, "")
     if cfg.name and not _NAME_RE.match(cfg.name):
         bad("name", "be letters, digits and _.+- only", cfg.name)
@@ -581,6 +594,13 @@ def _check_train_together(cfg: RunConfig, i: int, bad) -> None:
                                  "needs two augmented views of each image", t.two_views)
     if t.two_views and (t.chunk_size or t.class_balanced):
         bad(origin("two_views"), "not be combined with chunk_size or class_balanced", t.two_views)
+    if t.jsd_weight > 0 and not t.augmix:
+        bad(origin("jsd_weight"), "be 0 without augmix (the consistency term compares AugMix views)", t.jsd_weight)
+    if t.jsd_weight > 0 and (m.loss not in LOGIT_LOSSES or m.estimator or t.chunk_size):
+        bad(origin("jsd_weight"), f"be 0 for model {m.name!r}: the Jensen-Shannon term needs class logits "
+                                  "(cross-entropy, no estimator, no chunk_size)", t.jsd_weight)
+    if t.augmix and t.two_views:
+        bad(origin("augmix"), "not be combined with two_views (each draws its own augmented views)", t.augmix)
     if t.chunk_size and m.loss in LOGIT_LOSSES:
         bad(origin("chunk_size"), f"be 0 for model {m.name!r}: multistage chunks [Patel, Sec. 5.3.2] need an "
                                   f"embedding loss, not {m.loss!r}", t.chunk_size)

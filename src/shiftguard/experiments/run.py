@@ -316,7 +316,8 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         lr_cooldown=t.lr_cooldown, lr_threshold=t.lr_threshold, min_lr=t.min_lr,
         early_stopping_patience=t.early_stopping_patience, early_stopping_min_delta=t.early_stopping_min_delta,
         class_balanced=t.class_balanced, samples_per_class=t.samples_per_class, chunk_size=t.chunk_size,
-        two_views=t.two_views,
+        two_views=t.two_views, augmix=t.augmix, augmix_suite=(t.augmix_suite or cfg.data.suite) if t.augmix else None,
+        jsd_weight=t.jsd_weight,
         max_val=t.max_val, val_batch_size=cfg.eval.batch_size, device=device, seed=cfg.seed,
         checkpoint_dir=mdir / "checkpoints", metrics_log=mdir / "metrics.jsonl", progress=progress, desc=m.name,
         log=True,  # one line per epoch, also with --no-progress and in a log file

@@ -15,9 +15,19 @@ objective ``model.training_loss(x, y)``, as the uncertainty estimators of
 losses the validation metric is the accuracy of a nearest-class-mean head whose means are
 accumulated from the epoch's training embeddings (no extra pass).
 
+AugMix (Hendrycks et al. 2020; ``shiftguard.corruptions.augmix``): ``augmix=True`` (with
+``augmix_suite``, the corruption suite the model will be tested on, which chooses the operations)
+or an ``AugMix`` object augments the [0, 1] pixels of every training batch before
+:func:`to_model_input`. With ``jsd_weight == 0`` each image is replaced by one AugMix view; with
+``jsd_weight > 0`` (logit losses only) the clean batch and two AugMix views are forwarded as one
+batch of 3N (BatchNorm and QACT see all three as their context, as the official code's single
+forward does) and the loss is ``loss(clean logits, y) + jsd_weight * JS(clean, view 1, view 2)``;
+the training accuracy is counted on the clean part. Validation stays clean.
+
 Resumability: a checkpoint is written after every epoch (``train/checkpoint.py``) holding the
 model, optimiser, scheduler, early-stopping state, metric history and the global RNG states.
-The batch order of epoch ``e`` is drawn from a generator seeded with ``(seed, e)``, so
+The batch order of epoch ``e`` (and its two views or AugMix views) is drawn from a generator
+seeded with ``(seed, e)``, so
 ``fit(epochs=2)`` and ``fit(epochs=1)`` + ``fit(epochs=2, resume=True)`` end with identical
 weights.
 
@@ -32,7 +42,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -42,6 +52,9 @@ from shiftguard._validation import check_labels, check_tensor
 from shiftguard.io import atomic_write_text
 
 from .checkpoint import load_latest_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from shiftguard.corruptions.augmix import AugMix
 
 __all__ = ["Trainer", "train_val_split", "to_model_input"]
 
@@ -107,6 +120,9 @@ class Trainer:
         samples_per_class: int = 4,
         chunk_size: int = 0,
         two_views: bool = False,
+        augmix: "bool | AugMix" = False,
+        augmix_suite: Optional[str] = None,
+        jsd_weight: float = 0.0,
         max_val: int = 0,
         val_batch_size: int = 1000,
         device: str | torch.device = "cpu",
@@ -163,6 +179,21 @@ class Trainer:
         self.two_views = bool(two_views)
         self._views_gen: Optional[torch.Generator] = None
         self._views_epoch = -1
+        self.augmix = _build_augmix(augmix, augmix_suite)
+        if self.augmix is not None and two_views:
+            raise ValueError("augmix: two_views draws its own augmented views; use one of augmix and two_views")
+        if (isinstance(jsd_weight, bool) or not isinstance(jsd_weight, (int, float))
+                or not 0.0 <= jsd_weight < math.inf):
+            raise ValueError(f"jsd_weight: expected a finite number >= 0, got {jsd_weight!r}")
+        if jsd_weight > 0 and self.augmix is None:
+            raise ValueError("jsd_weight: the Jensen-Shannon consistency term compares AugMix views; enable augmix")
+        if jsd_weight > 0 and (loss_on != "logits" or chunk_size):
+            raise ValueError(f"jsd_weight: the Jensen-Shannon consistency term needs class logits (a logit loss "
+                             f"such as cross-entropy, no chunk_size), got loss_on={loss_on!r}; use jsd_weight=0 "
+                             "for plain AugMix views")
+        self.jsd_weight = float(jsd_weight)
+        self._augmix_gen: Optional[torch.Generator] = None
+        self._augmix_epoch = -1
         self.seed = int(seed)
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.metrics_log = Path(metrics_log) if metrics_log is not None else None
@@ -231,7 +262,8 @@ class Trainer:
         """The optimisation steps of one epoch; returns (summed loss, images seen, correct predictions)."""
         total_loss, n_seen, n_correct = 0.0, 0, 0
         for idx in self.batches(labels, epoch):
-            x = to_model_input(images[idx], self.device)
+            pixels = images[idx]
+            x = to_model_input(pixels, self.device) if self.augmix is None else self._augmix_input(pixels, epoch)
             y = labels[idx].to(self.device)
             if self.chunk_size and y.numel() > self.chunk_size:
                 # Large batch: multistage back-propagation [Patel, Sec. 5.3.2] accumulates .grad itself.
@@ -248,6 +280,13 @@ class Trainer:
                 emb, ids = self._two_view_embeddings(images[idx], epoch)
                 loss = self.loss_fn(emb, ids)
                 self._accumulate_means(emb[: y.numel()].detach().float(), y, num_classes)
+            elif self.loss_on == "logits" and self.jsd_weight > 0:
+                from shiftguard.corruptions.augmix import jensen_shannon_consistency
+
+                # x holds [clean; view 1; view 2]: one forward, one context for BatchNorm and QACT
+                out, out1, out2 = self.model(x).split(y.numel())
+                loss = self.loss_fn(out, y) + self.jsd_weight * jensen_shannon_consistency(out, out1, out2)
+                n_correct += int((out.argmax(1) == y).sum())
             elif self.loss_on == "logits":
                 out = self.model(x)  # shiftguard's models: forward = classifier(embed(x))
                 loss = self.loss_fn(out, y)
@@ -284,6 +323,24 @@ class Trainer:
         x = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
         views, ids = two_views(x, self._views_gen)
         return self.model.embed(to_model_input(views, self.device)), ids.to(self.device)
+
+    def _augmix_input(self, pixels: torch.Tensor, epoch: int) -> torch.Tensor:
+        """Model input of a batch under AugMix: one view per image, or (``jsd_weight > 0``) the
+        clean batch followed by two views, ``(3N, ...)``. The views are drawn from one CPU generator
+        per epoch seeded with ``(seed, epoch)`` (AugMix draws on the generator's device, so the
+        draws do not depend on ``device``) and a resumed run, which restarts at an epoch boundary,
+        draws the same views."""
+        assert self.augmix is not None
+        if self._augmix_gen is None or self._augmix_epoch != epoch:
+            self._augmix_gen = torch.Generator().manual_seed(self.seed * 10_000_019 + epoch)
+            self._augmix_epoch = epoch
+        x = pixels.to(self.device)
+        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        if self.jsd_weight > 0:
+            x = torch.cat([x, self.augmix(x, self._augmix_gen), self.augmix(x, self._augmix_gen)])
+        else:
+            x = self.augmix(x, self._augmix_gen)
+        return to_model_input(x)
 
     def _multistage_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One multistage step on batch ``(x, y)``; the DDP trainer overrides it (train/distributed.py)."""
@@ -393,6 +450,8 @@ class Trainer:
         num_classes = int(num_classes or int(labels.max()) + 1)
         labels = check_labels(labels, "labels", num_classes=num_classes, n=images.shape[0])
         val_labels = check_labels(val_labels, "val_labels", num_classes=num_classes, n=val_images.shape[0])
+        if self.augmix is not None and images.dim() != 4:
+            raise ValueError(f"images: augmix needs images (N, C, H, W), got shape {tuple(images.shape)}")
         t0 = time.perf_counter()
         start = 0
         self.best_metric, self.best_epoch, self.best_model = -math.inf, 0, None
@@ -441,4 +500,26 @@ class Trainer:
             "epochs_run": len(self.history),
             "stopped_early": self.stopped,
             "seconds": time.perf_counter() - t0,
+            **({"augmix": {**self.augmix.config, "jsd_weight": self.jsd_weight}} if self.augmix is not None else {}),
         }
+
+
+def _build_augmix(augmix, augmix_suite: Optional[str]) -> "Optional[AugMix]":
+    """The trainer's AugMix: None (off), built from ``augmix_suite`` (``augmix=True``) or the given
+    object (then ``augmix_suite``, if given, must name its suite)."""
+    from shiftguard.corruptions.augmix import AugMix
+
+    if augmix is False or augmix is None:
+        if augmix_suite is not None:
+            raise ValueError(f"augmix_suite: only used with augmix=True, got augmix_suite={augmix_suite!r}")
+        return None
+    if augmix is True:
+        if augmix_suite is None:
+            raise ValueError("augmix_suite: AugMix's operations depend on the corruption suite the model is tested "
+                             "on; pass augmix_suite ('mnist-c', 'cifar-c', ...)")
+        return AugMix(augmix_suite)
+    if isinstance(augmix, AugMix):
+        if augmix_suite is not None and AugMix(augmix_suite).suite != augmix.suite:
+            raise ValueError(f"augmix_suite: {augmix_suite!r} differs from the AugMix object's suite {augmix.suite!r}")
+        return augmix
+    raise ValueError(f"augmix: expected a bool or a shiftguard.corruptions.AugMix, got {augmix!r}")
