@@ -319,6 +319,9 @@ def test_convert_sync_qact_on_a_model_without_qact_warns_and_points_to_convert_a
     (dict(types=()), ValueError, "types"),
     (dict(to="selu", n_tau=10), TypeError, "kwargs"),
     (dict(n_tau=0), ValueError, "n_tau"),
+    (dict(to="bn-relu-bn", block=False), ValueError, "block"),
+    (dict(to="bn-relu-bn", bandwidth=0.5), TypeError, "kwargs"),
+    (dict(bandwidth=0), ValueError, "bandwidth"),
 ])
 def test_bad_arguments_raise_errors_naming_them(kwargs, exc, name):
     with pytest.raises(exc, match=f"^{name}:"):

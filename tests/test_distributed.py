@@ -224,6 +224,20 @@ def test_sketch_statistics_with_every_value_sent_equal_exact_statistics():
     torch.testing.assert_close(st.quantiles, ref.quantiles)
 
 
+def test_a_fixed_bandwidth_survives_the_sync_conversion_and_the_sketch():
+    block = QACTBlock(4, n_tau=10, n_samples=50, bandwidth=0.5)
+    conv = convert_sync_qact(block)
+    assert conv.act.bandwidth == 0.5 and torch.equal(conv.act.running_bandwidth, torch.full((4,), 0.5))
+    x = torch.randn(3, 50, dtype=torch.float64)
+    parts = [sketch_context(v, 200) for v in (x[:, :30], x[:, 30:])]
+    sketches, counts = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    fixed = sketch_statistics(sketches, counts, n_tau=20, bandwidth=0.5)
+    rule = sketch_statistics(sketches, counts, n_tau=20)
+    assert torch.equal(fixed.bandwidth, torch.full((3,), 0.5, dtype=torch.float64))
+    assert not torch.equal(rule.bandwidth, fixed.bandwidth)
+    torch.testing.assert_close(fixed.quantiles, rule.quantiles)
+
+
 def test_sketch_context_keeps_exact_side_counts():
     v = torch.tensor([[-3.0, -1.0, 0.0, 2.0, 5.0, -2.0]])
     sketch, counts = sketch_context(v, 4)

@@ -8,7 +8,7 @@ from torch import nn
 
 from shiftguard.models import DenseNet, EmbeddingClassifier, build_model, model_names
 
-ACTS = ["relu", "prelu", "selu", "qact"]
+ACTS = ["relu", "prelu", "selu", "qact", "bn-relu-bn", "bn-prelu-bn", "bn-selu-bn"]
 # Small constructors keep the big architectures fast enough to run every activation.
 SMALL = {
     "lenet": {},

@@ -168,10 +168,12 @@ def test_activations_are_built_and_listed_through_the_registry():
     from shiftguard.nn import ACTIVATION_NAMES, QACTBlock, make_activation
     from shiftguard.nn.qact import ACTIVATION_REGISTRY
 
-    assert ACTIVATION_NAMES == ("relu", "prelu", "selu", "qact") == tuple(ACTIVATION_REGISTRY)
+    assert ACTIVATION_NAMES == ("relu", "prelu", "selu", "qact", "bn-relu-bn", "bn-prelu-bn", "bn-selu-bn") \
+        == tuple(ACTIVATION_REGISTRY)
     assert isinstance(make_activation("Q-ACT", 4), QACTBlock)
     assert isinstance(make_activation("PReLU", 3), torch.nn.PReLU)
-    with pytest.raises(ValueError, match=r"^name: unknown activation 'gelu'; expected one of prelu, qact, relu, selu"):
+    listed = "bn-prelu-bn, bn-relu-bn, bn-selu-bn, prelu, qact, relu, selu"
+    with pytest.raises(ValueError, match=rf"^name: unknown activation 'gelu'; expected one of {listed}"):
         make_activation("gelu", 4)
     with pytest.raises(ValueError, match="^num_features: expected a positive value"):
         make_activation("prelu", 0)

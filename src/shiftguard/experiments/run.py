@@ -667,7 +667,12 @@ def compile_kernels(cfg: C.RunConfig, device, announce: bool = True) -> float:
     With ``announce``, a step that lasts over a second prints ``compiling kernels (first use) ...``
     when that second has passed and its duration when done, on one line of stdout."""
     steps: list[Callable[[], float]] = []
-    if torch.device(device).type == "cpu" and any(m.activation.lower() == "qact" for m in cfg.models):
+    from shiftguard.nn.qact import ACTIVATION_REGISTRY
+
+    def canonical(name: str) -> str:
+        return ACTIVATION_REGISTRY.canonical(name) if name in ACTIVATION_REGISTRY else name
+
+    if torch.device(device).type == "cpu" and any(canonical(m.activation) == "qact" for m in cfg.models):
         from shiftguard.functional import warm_up as qact_warm_up
 
         steps.append(qact_warm_up)

@@ -17,7 +17,10 @@ layers": every value of ``x[:, c, ...]``, i.e. all of the batch and all spatial 
 4. *Backward* (Alg. 2, eqs. (5), (7)): ``grad_input = grad_output * f_hat(x)`` with ``f_hat`` the
    Gaussian KDE of ``S`` points drawn from the grounded context with the grounding weights
    (:mod:`shiftguard.functional.kde`). As in Alg. 2, the quantiles and samples are treated as
-   constants (no gradient flows through the context statistics).
+   constants (no gradient flows through the context statistics). The KDE bandwidth is Silverman's
+   rule per channel by default; ``bandwidth=h`` fixes it to ``h`` for every channel (the authors'
+   public code uses 0.5 on the BatchNorm-normalised scale, ``docs/qact.md``). Only the backward
+   depends on it.
 
 *Sampling* (Alg. 2 "obtain a weighted sample ... S"): systematic sampling, one uniform offset
 ``U`` per channel. With ``P_k`` the cumulative grounding weight through the ``k``-th smallest
@@ -58,6 +61,8 @@ tested against; ``USE_COMPILED = False`` forces it.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -77,6 +82,7 @@ __all__ = [
     "qact_apply",
     "quantile_activation",
     "default_statistics",
+    "check_bandwidth",
 ]
 
 
@@ -86,7 +92,8 @@ class QACTStatistics(NamedTuple):
     Attributes:
         quantiles: ``(C, n_tau)`` non-decreasing weighted quantiles ``q_1..q_{n_tau}`` (Alg. 1).
         samples: ``(C, S)`` sorted points drawn from the grounded context (Alg. 2).
-        bandwidth: ``(C,)`` KDE bandwidth (Silverman's rule on ``samples``).
+        bandwidth: ``(C,)`` KDE bandwidth (Silverman's rule on ``samples``, or the fixed
+            ``bandwidth`` the statistics were computed with).
     """
 
     quantiles: torch.Tensor
@@ -246,12 +253,14 @@ def qact_statistics(
     c: float = 100.0,
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
+    *,
+    bandwidth: Optional[float] = None,
 ) -> QACTStatistics:
     """(a) Context statistics of QACT from a ``(C, M)`` matrix of context values [QACT, Alg. 1-2].
 
     Appends ``-c, +c`` to every row, grounds (eqs. (8)-(9)), returns the weighted quantiles at
     :func:`quantile_levels` ``(n_tau)``, ``n_samples`` points drawn with the grounding weights
-    (sorted) and their Silverman bandwidth.
+    (sorted) and their Silverman bandwidth (or the fixed ``bandwidth``).
 
     Args:
         values: ``(C, M)`` finite context values, ``M >= 1`` (from :func:`channel_values`, or
@@ -259,6 +268,8 @@ def qact_statistics(
         n_tau: number of quantile levels. c: grounding bound (> 0). n_samples: KDE sample size S
             (0 skips the sample: forward-only use, ``samples`` is then ``(C, 0)``).
         generator: ``torch.Generator`` on ``values.device`` for the KDE samples (global RNG if None).
+        bandwidth: None (default) for Silverman's rule per channel on the samples, or a positive
+            float, the bandwidth of every channel (:func:`quantile_activation`).
 
     Returns:
         :class:`QACTStatistics` with ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)``.
@@ -266,7 +277,26 @@ def qact_statistics(
     values = check_tensor(values, "values", ndim=2, floating=True, finite=True, nonempty=True)
     if not c > 0:
         raise ValueError(f"c: expected a positive grounding bound, got {c}")
-    return _qact_statistics(values, n_tau, c, n_samples, generator)
+    return _qact_statistics(values, n_tau, c, n_samples, generator, bandwidth=check_bandwidth(bandwidth))
+
+
+def check_bandwidth(bandwidth) -> Optional[float]:
+    """``bandwidth`` as a float: None (Silverman's rule) or a positive finite number.
+
+    Raises:
+        ValueError: anything else (a bool, a non-number, zero, a negative or non-finite number).
+    """
+    if bandwidth is None:
+        return None
+    if (isinstance(bandwidth, bool) or not isinstance(bandwidth, numbers.Real) or not math.isfinite(bandwidth)
+            or not float(bandwidth) > 0):
+        raise ValueError(f"bandwidth: expected a positive finite number or None (Silverman's rule), got {bandwidth!r}")
+    return float(bandwidth)
+
+
+def _fixed_bandwidth(bandwidth: float, channels: int, like: torch.Tensor) -> torch.Tensor:
+    """``(C,)`` the fixed bandwidth of every channel, in ``like``'s dtype and on its device."""
+    return torch.full((channels,), bandwidth, dtype=like.dtype, device=like.device)
 
 
 def _sort_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,8 +310,9 @@ def _sort_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort(t, dim=1)
 
 
-def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool = False):
-    """:func:`qact_statistics` without input validation (callers have validated ``x``).
+def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool = False,
+                     bandwidth: Optional[float] = None):
+    """:func:`qact_statistics` without input validation (callers have validated ``x`` and ``bandwidth``).
 
     ``with_counts=True`` also returns the forward counts ``#{i : q_i <= v}`` of the context values
     themselves, ``(C, M)`` int64 -- the batch-context forward -- read off the sort that the
@@ -293,7 +324,7 @@ def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool =
     """
     if not with_counts and _compiled(values):
         sorted_ctx = _qact_cpu.sorted_grounded_context(values.detach().contiguous().numpy()[None], c)
-        return _compiled_statistics(sorted_ctx, n_tau, n_samples, generator, values)
+        return _compiled_statistics(sorted_ctx, n_tau, n_samples, generator, values, bandwidth=bandwidth)
     ch, m = values.shape
     bounds = torch.tensor([-c, c], dtype=values.dtype, device=values.device).expand(ch, 2)
     ctx, order = _sort_rows(torch.cat([values, bounds], dim=1))
@@ -312,7 +343,8 @@ def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool =
 
     if n_samples == 0:
         empty = values.new_zeros(ch, 0)
-        stats = QACTStatistics(quantiles, empty, values.new_zeros(ch))
+        bw = values.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, values)
+        stats = QACTStatistics(quantiles, empty, bw)
         return (stats, counts) if with_counts else stats
     # Alg. 2: S points drawn with the grounding weights by systematic sampling (module doc): entry k
     # of the sorted grounded context is drawn c_k - c_{k-1} times, so draw s is entry #{k : c_k <= s}
@@ -321,19 +353,24 @@ def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool =
     draw = torch.arange(n_samples, device=values.device).expand(ch, -1).contiguous()
     idx = torch.searchsorted(counts_through, draw, right=True)
     samples = torch.gather(ctx, 1, idx)
-    stats = QACTStatistics(quantiles, samples, silverman_bandwidth(samples))
+    bw = silverman_bandwidth(samples) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, values)
+    stats = QACTStatistics(quantiles, samples, bw)
     return (stats, counts) if with_counts else stats
 
 
 def default_statistics(num_channels: int, n_tau: int = 100, n_samples: int = 1000,
-                       dtype: torch.dtype = torch.float32, device=None) -> QACTStatistics:
+                       dtype: torch.dtype = torch.float32, device=None, *,
+                       bandwidth: Optional[float] = None) -> QACTStatistics:
     """Statistics of a standard normal context (the initial frozen state, like BatchNorm's
-    running mean 0 / var 1): quantiles ``Phi^-1(tau_i)``, samples ``Phi^-1((j + 1/2) / S)``."""
+    running mean 0 / var 1): quantiles ``Phi^-1(tau_i)``, samples ``Phi^-1((j + 1/2) / S)``, and
+    their Silverman bandwidth or the fixed ``bandwidth``."""
     q = torch.special.ndtri(quantile_levels(n_tau, torch.float64, device))
     s = torch.special.ndtri((torch.arange(n_samples, dtype=torch.float64, device=device) + 0.5) / n_samples)
     q = q.to(dtype).expand(num_channels, -1).clone()
     s = s.to(dtype).expand(num_channels, -1).clone()
-    return QACTStatistics(q, s, silverman_bandwidth(s))
+    bandwidth = check_bandwidth(bandwidth)
+    return QACTStatistics(q, s, silverman_bandwidth(s) if bandwidth is None
+                          else _fixed_bandwidth(bandwidth, num_channels, s))
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -377,7 +414,7 @@ class _Forward(NamedTuple):
 
 
 def _forward(x: torch.Tensor, stats: Optional[QACTStatistics], running: Optional[_Running], n_tau: int, c: float,
-             n_samples: int, generator, need_density: bool) -> _Forward:
+             n_samples: int, generator, need_density: bool, bandwidth: Optional[float] = None) -> _Forward:
     """The one dispatch of QACT's forward: the compiled CPU kernels where :func:`_compiled`, else the
     eager torch code; both compute the same values (module doc) behind this signature.
 
@@ -385,20 +422,25 @@ def _forward(x: torch.Tensor, stats: Optional[QACTStatistics], running: Optional
     ``n_samples`` KDE draws from ``generator``; 0 skips them). ``running``: moved towards the applied
     statistics here, in the same call (the compiled training pass does it inside its pass where the
     buffers allow, :func:`_running_arrays`; every other case through :func:`_running_lerp`, the same
-    arithmetic). ``need_density``: the gradient will be needed. ``x`` is validated except for
+    arithmetic). ``need_density``: the gradient will be needed. ``bandwidth``: a fixed KDE
+    bandwidth (validated float) that the batch's statistics are computed with and that replaces
+    the given statistics' own; None keeps Silverman's rule. ``x`` is validated except for
     NaN/inf, which both implementations refuse before anything is drawn or stored."""
     with torch.no_grad():
         x = x.detach()
+        if stats is not None and bandwidth is not None:
+            stats = stats._replace(bandwidth=_fixed_bandwidth(bandwidth, stats.bandwidth.shape[0], stats.bandwidth))
         if _compiled(x):
-            return _compiled_forward(x, stats, running, n_tau, float(c), n_samples, generator, need_density)
-        return _eager_forward(x, stats, running, n_tau, float(c), n_samples, generator)
+            return _compiled_forward(x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth)
+        return _eager_forward(x, stats, running, n_tau, float(c), n_samples, generator, bandwidth)
 
 
-def _eager_forward(x, stats, running, n_tau, c, n_samples, generator) -> _Forward:
+def _eager_forward(x, stats, running, n_tau, c, n_samples, generator, bandwidth=None) -> _Forward:
     """:func:`_forward` in torch: in batch context every value's count is read off the context sort
     (:func:`_qact_statistics`), with given statistics ``searchsorted`` into their quantiles."""
     if stats is None:
-        stats, counts = _qact_statistics(channel_values(x), n_tau, c, n_samples, generator, with_counts=True)
+        stats, counts = _qact_statistics(channel_values(x), n_tau, c, n_samples, generator, with_counts=True,
+                                         bandwidth=bandwidth)
         n_levels = n_tau
     else:
         q = stats.quantiles.to(x.dtype).contiguous()
@@ -410,7 +452,7 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, generator) -> _Forwar
     return _Forward(output, stats)
 
 
-def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_density) -> _Forward:
+def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_density, bandwidth=None) -> _Forward:
     """:func:`_forward` by the compiled CPU kernels.
 
     Given statistics: one pass gives every value's output, the NaN/inf check and the per-channel range
@@ -439,7 +481,7 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
             q = _qact_cpu.grounded_quantiles(ctx, n_tau)
             # the output pass also checks for NaN/inf, before any random draw or stored statistic
             out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
-            stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q)
+            stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q, bandwidth)
             if running is not None:
                 _move_running(running, stats)
             return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
@@ -447,7 +489,8 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
     # where the pass moves the running statistics itself, it keeps no samples (stats has (C, 0)):
     # they are needed only for that update
     q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc,
-                                                           running=arrays, keep_samples=arrays is None)
+                                                           running=arrays, keep_samples=arrays is None,
+                                                           bandwidth=bandwidth)
     stats = QACTStatistics(torch.from_numpy(q), x.new_empty(x.shape[1], 0) if samples is None
                            else torch.from_numpy(samples), torch.from_numpy(bw))
     if running is not None and arrays is None:
@@ -531,17 +574,19 @@ def _draw_seed(generator) -> int:
 
 
 def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator, like: torch.Tensor,
-                         quantiles: Optional[np.ndarray] = None) -> QACTStatistics:
+                         quantiles: Optional[np.ndarray] = None, bandwidth: Optional[float] = None) -> QACTStatistics:
     """Statistics from the sorted grounded context ``ctx`` ``(C, M + 2)`` by the compiled kernels
-    (``quantiles``: :func:`_qact_cpu.grounded_quantiles` of ``ctx`` where the caller has them)."""
+    (``quantiles``: :func:`_qact_cpu.grounded_quantiles` of ``ctx`` where the caller has them;
+    ``bandwidth``: the fixed bandwidth in place of Silverman's)."""
     if quantiles is None:
         quantiles = _qact_cpu.grounded_quantiles(ctx, n_tau)
     q = torch.from_numpy(quantiles)
     ch = ctx.shape[0]
+    fixed = None if bandwidth is None else _fixed_bandwidth(bandwidth, ch, like)
     if not n_samples:
-        return QACTStatistics(q, like.new_zeros(ch, 0), like.new_zeros(ch))
+        return QACTStatistics(q, like.new_zeros(ch, 0), like.new_zeros(ch) if fixed is None else fixed)
     samples, bw = _qact_cpu.grounded_samples(ctx, n_samples, _draw_seed(generator))
-    return QACTStatistics(q, torch.from_numpy(samples), torch.from_numpy(bw).to(like.dtype))
+    return QACTStatistics(q, torch.from_numpy(samples), torch.from_numpy(bw).to(like.dtype) if fixed is None else fixed)
 
 
 def _running_lerp(buffer: torch.Tensor, new: torch.Tensor, momentum: float) -> None:
@@ -635,6 +680,7 @@ def quantile_activation(
     c: float = 100.0,
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
+    bandwidth: Optional[float] = None,
 ) -> torch.Tensor:
     """QACT [QACT, Alg. 1-2] with the contract of :func:`torch.nn.functional.batch_norm`.
 
@@ -660,6 +706,11 @@ def quantile_activation(
             context only).
         n_tau, c, n_samples, generator: see :func:`qact_statistics` (batch context). The KDE sample
             is drawn only where it is used: for the gradient or the running update.
+        bandwidth: the KDE bandwidth of the backward (Alg. 2, eq. (7)). None (default): Silverman's
+            rule per channel on the KDE samples. A positive float: that bandwidth for every channel,
+            in every context -- the batch's statistics are computed with it and it replaces the
+            bandwidth of the statistics applied (``"frozen"``, ``statistics``), so the running
+            bandwidth moves towards it. The forward does not depend on it.
 
     Returns:
         Tensor shaped like ``input``, values in ``{0, 1/n_tau, ..., 1}``; its gradient is
@@ -668,10 +719,12 @@ def quantile_activation(
     Raises:
         ValueError: an argument out of its domain, named: ``input`` not a non-empty floating tensor of
             at least 2 dims or holding NaN/inf, a running statistic of the wrong shape or missing,
-            ``context`` unknown, ``momentum`` outside ``[0, 1]``, ``c`` not positive.
+            ``context`` unknown, ``momentum`` outside ``[0, 1]``, ``c`` not positive, ``bandwidth``
+            neither None nor a positive finite number.
         TypeError: a tensor argument that is not a (floating) tensor.
     """
     input = _check_input(input)
+    bandwidth = check_bandwidth(bandwidth)
     if context not in ("batch", "frozen"):
         raise ValueError(f"context: expected one of batch, frozen, got {context!r}")
     given = [t is not None for t in (running_quantiles, running_samples, running_bandwidth)]
@@ -687,7 +740,7 @@ def quantile_activation(
         stats = QACTStatistics(_check_statistic(running_quantiles, "running_quantiles", (ch, -1)),
                                _check_statistic(running_samples, "running_samples", (ch, -1)),
                                _check_statistic(running_bandwidth, "running_bandwidth", (ch,)))
-        return _attach(input, _forward(input, stats, None, stats.quantiles.shape[1], 0.0, 0, None, False))
+        return _attach(input, _forward(input, stats, None, stats.quantiles.shape[1], 0.0, 0, None, False, bandwidth))
     if statistics is not None and statistics.quantiles.shape[0] != ch:
         raise ValueError(f"statistics: expected statistics for {ch} channels, got {statistics.quantiles.shape[0]}")
     n_tau = check_positive(n_tau, "n_tau", integer=True)
@@ -705,4 +758,4 @@ def quantile_activation(
                            _check_statistic(running_bandwidth, "running_bandwidth", (ch,)), float(momentum))
     need_density = torch.is_grad_enabled() and input.requires_grad
     draws = n_samples if (need_density or running is not None) else 0
-    return _attach(input, _forward(input, statistics, running, n_tau, c, draws, generator, need_density))
+    return _attach(input, _forward(input, statistics, running, n_tau, c, draws, generator, need_density, bandwidth))

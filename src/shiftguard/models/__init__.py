@@ -20,7 +20,7 @@ from torch import nn
 
 from shiftguard.registry import Registry
 
-from ._base import ACTIVATIONS, EmbeddingClassifier
+from ._base import ACTIVATIONS, EmbeddingClassifier, check_activation_kwargs
 from .densenet import DenseNet, densenet121
 from .lenet import LeNet5
 from .mlp import MLP
@@ -59,8 +59,11 @@ def build_model(name: str, activation: str = "relu", num_classes: int = 10, in_c
     """Build a registered architecture by name (see :data:`MODEL_REGISTRY`), or a user factory.
 
     Registered names: extra keywords go to the constructor (``embedding_dim``, ``width`` for LeNet,
-    ``growth_rate`` for DenseNet, ``hidden``/``input_size`` for the MLP); an unknown keyword is a
-    ``ValueError``. ``example_input`` is not used by them.
+    ``growth_rate`` for DenseNet, ``hidden``/``input_size`` for the MLP, and for every one
+    ``activation_kwargs``, the activation's own arguments such as ``{"bandwidth": 0.5}`` for
+    ``qact``); an unknown keyword is a ``ValueError``. ``example_input`` is not used by them.
+    ``activation="bn-relu-bn"`` (``bn-prelu-bn``, ``bn-selu-bn``) builds the BatchNorm twin of the
+    ``activation="qact"`` model (:class:`shiftguard.nn.BNActBlock`).
 
     ``"package.module:factory"`` (``factory`` may be dotted, ``module:Class.method``): the module is
     imported (the current directory is searched after ``sys.path``, while it is imported and the
@@ -72,7 +75,9 @@ def build_model(name: str, activation: str = "relu", num_classes: int = 10, in_c
     activation modules are replaced by :func:`shiftguard.nn.convert_activations` (``to=activation``);
     ``example_input`` (a dummy batch ``(N, C, H, W)`` shaped like the data) is passed to it so that
     the new layers' parameters exist before an optimizer is built: build the optimizer after this
-    call. An embedding loss or head needs the model to have ``embed(x)`` (checked by the caller).
+    call. ``activation_kwargs`` in ``kw``, where the factory does not take it and the activations
+    are converted, goes to :func:`shiftguard.nn.convert_activations` (e.g. ``{"bandwidth": 0.5}``).
+    An embedding loss or head needs the model to have ``embed(x)`` (checked by the caller).
 
     Raises:
         TypeError: ``name`` is not a str.
@@ -149,6 +154,11 @@ def build_user_model(spec: str, activation: str = "relu", num_classes: int = 10,
         factory = _resolve_factory(spec, what)
         implicit = _accepted(factory, {"num_classes": num_classes, "in_channels": in_channels,
                                        "activation": activation})
+        converted = "activation" not in implicit and str(activation).lower() != "relu"
+        activation_kwargs = None
+        if converted and "activation_kwargs" in kw and not _accepted(factory, {"activation_kwargs": None}):
+            kw = dict(kw)
+            activation_kwargs = kw.pop("activation_kwargs")
         try:  # a TypeError raised inside the factory is the factory's own and keeps its traceback
             inspect.signature(factory).bind(**implicit, **kw)
         except TypeError as exc:
@@ -159,7 +169,7 @@ def build_user_model(spec: str, activation: str = "relu", num_classes: int = 10,
         model = factory(**implicit, **kw)
     if not isinstance(model, nn.Module):
         raise ValueError(f"{what} {spec!r}: the factory returned a {type(model).__name__}, expected a torch.nn.Module")
-    if "activation" not in implicit and str(activation).lower() != "relu":
+    if converted:
         try:
             from shiftguard.nn import convert_activations
         except ImportError:
@@ -167,7 +177,10 @@ def build_user_model(spec: str, activation: str = "relu", num_classes: int = 10,
                              "which this installation lacks; use activation = 'relu' or a factory taking "
                              "an activation argument") from None
         try:
-            model = convert_activations(model, to=str(activation).lower(), example_input=example_input)
-        except ValueError as exc:  # e.g. an activation name convert_activations does not know
+            model = convert_activations(model, to=str(activation).lower(), example_input=example_input,
+                                        **check_activation_kwargs(activation_kwargs))
+        except (ValueError, TypeError) as exc:  # e.g. an activation name or argument it does not know
+            if isinstance(exc, TypeError) and activation_kwargs is None:
+                raise
             raise ValueError(f"{what} {spec!r}: activation {activation!r}: {exc}") from None
     return model

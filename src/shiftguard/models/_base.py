@@ -7,47 +7,69 @@ NED, kNN) and embedding losses (watershed, ...) attach to ``embed``; cross-entro
 ``forward``.
 
 Activations are built by name through :func:`shiftguard.nn.make_activation` so that swapping
-ReLU for QACT is one keyword ([QACT, Sec. 4]: "replace the usual ReLU activation with QACT").
+ReLU for QACT is one keyword ([QACT, Sec. 4]: "replace the usual ReLU activation with QACT"), and
+every architecture takes ``activation_kwargs`` for the activation's own arguments (e.g.
+``{"bandwidth": 0.5}`` for ``qact``). ``bn-relu-bn`` (``bn-prelu-bn``, ``bn-selu-bn``) builds the
+BatchNorm twin of the ``qact`` model: the same module structure, each QACT block replaced by
+:class:`shiftguard.nn.BNActBlock` (``docs/qact.md``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Optional
+
 import torch
 from torch import nn
 
-from shiftguard.nn import ACTIVATION_NAMES, make_activation
+from shiftguard.nn import ACTIVATION_NAMES, BN_BLOCK_ACTIVATIONS, make_activation
+from shiftguard.nn.qact import ACTIVATION_REGISTRY
 
 ACTIVATIONS = ACTIVATION_NAMES  # the names shiftguard.nn.make_activation builds
 
-__all__ = ["ACTIVATIONS", "EmbeddingClassifier", "activation", "norm_activation", "check_activation"]
+__all__ = ["ACTIVATIONS", "EmbeddingClassifier", "activation", "norm_activation", "check_activation",
+           "check_activation_kwargs"]
 
 
 def check_activation(name: str) -> str:
-    if not isinstance(name, str) or name.lower() not in ACTIVATIONS:
+    """The canonical name of activation ``name`` (case, ``-`` and ``_`` ignored)."""
+    if not isinstance(name, str) or name not in ACTIVATION_REGISTRY:
         raise ValueError(f"activation: expected one of {', '.join(ACTIVATIONS)}, got {name!r}")
-    return name.lower()
+    return ACTIVATION_REGISTRY.canonical(name)
 
 
-def activation(name: str, num_features: int) -> nn.Module:
-    """The activation ``name`` for ``num_features`` channels/features.
+def check_activation_kwargs(kwargs: Optional[Mapping]) -> dict:
+    """``activation_kwargs`` of an architecture as a new dict (None: no arguments)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"activation_kwargs: expected a dict of keyword arguments or None, got {kwargs!r}")
+    return dict(kwargs)
+
+
+def activation(name: str, num_features: int, kwargs: Optional[Mapping] = None) -> nn.Module:
+    """The activation ``name`` for ``num_features`` channels/features, built with ``kwargs``
+    (an architecture's ``activation_kwargs``).
 
     ``qact`` gives the BN-QACT-BN block of [QACT, Remark after Alg. 2] ("we prepend and append the
-    quantile activation with BatchNorm layers"), built by ``shiftguard.nn.make_activation``.
+    quantile activation with BatchNorm layers"), ``bn-relu-bn`` its BatchNorm twin, built by
+    ``shiftguard.nn.make_activation``.
     """
-    return make_activation(check_activation(name), num_features)
+    return make_activation(check_activation(name), num_features, **check_activation_kwargs(kwargs))
 
 
-def norm_activation(name: str, num_features: int, dim: int = 2) -> nn.Module:
+def norm_activation(name: str, num_features: int, dim: int = 2, kwargs: Optional[Mapping] = None) -> nn.Module:
     """BatchNorm followed by the activation, as in conv-BN-act stacks.
 
-    For ``qact`` the block from :func:`activation` already starts with a BatchNorm, so no extra
-    one is prepended (BN-BN would be a no-op pair that only costs time).
+    For ``qact`` and its twins (``bn-relu-bn``, ...) the block from :func:`activation` already starts
+    with a BatchNorm, so no extra one is prepended (BN-BN would be a no-op pair that only costs
+    time), and the ``qact`` model and its twin have their BatchNorm layers in the same places.
     """
     name = check_activation(name)
-    if name == "qact":
-        return activation(name, num_features)
+    if name in BN_BLOCK_ACTIVATIONS:
+        return activation(name, num_features, kwargs)
     bn = nn.BatchNorm2d(num_features) if dim == 2 else nn.BatchNorm1d(num_features)
-    return nn.Sequential(bn, activation(name, num_features))
+    return nn.Sequential(bn, activation(name, num_features, kwargs))
 
 
 class EmbeddingClassifier(nn.Module):
@@ -58,6 +80,7 @@ class EmbeddingClassifier(nn.Module):
     """
 
     activation: str
+    activation_kwargs: dict
     embedding_dim: int
     classifier: nn.Linear
     features: nn.Module
@@ -70,7 +93,9 @@ class EmbeddingClassifier(nn.Module):
         return self.classifier(self.embed(x))
 
     def extra_repr(self) -> str:
-        return f"activation={self.activation!r}, embedding_dim={self.embedding_dim}"
+        kwargs = getattr(self, "activation_kwargs", None)
+        extra = f", activation_kwargs={kwargs!r}" if kwargs else ""
+        return f"activation={self.activation!r}{extra}, embedding_dim={self.embedding_dim}"
 
     @staticmethod
     def _projection(in_dim: int, embedding_dim: int | None) -> tuple[nn.Module, int]:

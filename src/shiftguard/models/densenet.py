@@ -11,17 +11,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._base import EmbeddingClassifier, check_activation, check_channels, norm_activation
+from ._base import EmbeddingClassifier, check_activation, check_activation_kwargs, check_channels, norm_activation
 
 __all__ = ["DenseNet", "densenet121"]
 
 
 class DenseLayer(nn.Module):
-    def __init__(self, in_ch: int, growth: int, act: str, bn_size: int = 4):
+    def __init__(self, in_ch: int, growth: int, act: str, bn_size: int = 4, act_kwargs: dict | None = None):
         super().__init__()
         self.body = nn.Sequential(
-            norm_activation(act, in_ch), nn.Conv2d(in_ch, bn_size * growth, 1, bias=False),
-            norm_activation(act, bn_size * growth), nn.Conv2d(bn_size * growth, growth, 3, padding=1, bias=False),
+            norm_activation(act, in_ch, kwargs=act_kwargs), nn.Conv2d(in_ch, bn_size * growth, 1, bias=False),
+            norm_activation(act, bn_size * growth, kwargs=act_kwargs),
+            nn.Conv2d(bn_size * growth, growth, 3, padding=1, bias=False),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,8 +30,9 @@ class DenseLayer(nn.Module):
 
 
 class Transition(nn.Sequential):
-    def __init__(self, in_ch: int, out_ch: int, act: str):
-        super().__init__(norm_activation(act, in_ch), nn.Conv2d(in_ch, out_ch, 1, bias=False), nn.AvgPool2d(2))
+    def __init__(self, in_ch: int, out_ch: int, act: str, act_kwargs: dict | None = None):
+        super().__init__(norm_activation(act, in_ch, kwargs=act_kwargs), nn.Conv2d(in_ch, out_ch, 1, bias=False),
+                         nn.AvgPool2d(2))
 
 
 class DenseNet(EmbeddingClassifier):
@@ -43,23 +45,25 @@ class DenseNet(EmbeddingClassifier):
         in_channels: int = 3,
         embedding_dim: int | None = None,
         compression: float = 0.5,
+        activation_kwargs: dict | None = None,
     ):
         super().__init__()
         check_channels(in_channels, num_classes)
         if growth_rate <= 0:
             raise ValueError(f"growth_rate: expected a positive integer, got {growth_rate}")
         self.activation = check_activation(activation)
+        self.activation_kwargs = kw = check_activation_kwargs(activation_kwargs)
         c = 2 * growth_rate
         layers: list[nn.Module] = [nn.Conv2d(in_channels, c, 3, padding=1, bias=False)]
         for i, n in enumerate(blocks):
             for _ in range(n):
-                layers.append(DenseLayer(c, growth_rate, self.activation))
+                layers.append(DenseLayer(c, growth_rate, self.activation, act_kwargs=kw))
                 c += growth_rate
             if i < len(blocks) - 1:
                 out = int(c * compression)
-                layers.append(Transition(c, out, self.activation))
+                layers.append(Transition(c, out, self.activation, kw))
                 c = out
-        layers += [norm_activation(self.activation, c), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        layers += [norm_activation(self.activation, c, kwargs=kw), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
         self.features = nn.Sequential(*layers)
         self.projection, self.embedding_dim = self._projection(c, embedding_dim)
         self.classifier = nn.Linear(self.embedding_dim, num_classes)

@@ -11,14 +11,15 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ._base import EmbeddingClassifier, check_activation, check_channels
+from ._base import EmbeddingClassifier, check_activation, check_activation_kwargs, check_channels
 from ._base import activation as make_act
 
 __all__ = ["MLP"]
 
 
 class MLP(EmbeddingClassifier):
-    """Flatten, then ``Linear -> activation`` for each hidden width; the last is the embedding."""
+    """Flatten, then ``Linear -> activation`` for each hidden width; the last is the embedding.
+    ``activation_kwargs`` go to every activation (:func:`shiftguard.nn.make_activation`)."""
 
     def __init__(
         self,
@@ -28,10 +29,12 @@ class MLP(EmbeddingClassifier):
         input_size: int = 28,
         hidden: Sequence[int] = (256, 128),
         embedding_dim: int | None = None,
+        activation_kwargs: dict | None = None,
     ):
         super().__init__()
         check_channels(in_channels, num_classes)
         self.activation = check_activation(activation)
+        self.activation_kwargs = check_activation_kwargs(activation_kwargs)
         widths = [int(h) for h in hidden]
         if embedding_dim is not None:
             widths = widths[:-1] + [int(embedding_dim)] if widths else [int(embedding_dim)]
@@ -41,7 +44,7 @@ class MLP(EmbeddingClassifier):
         d = in_channels * input_size * input_size
         self.in_features = d
         for w in widths:
-            layers += [nn.Linear(d, w), make_act(self.activation, w)]
+            layers += [nn.Linear(d, w), make_act(self.activation, w, self.activation_kwargs)]
             d = w
         self.body = nn.Sequential(*layers)
         self.embedding_dim = d

@@ -11,7 +11,7 @@ from torch import nn
 
 from shiftguard.nn import AdaptiveAvgPool2d, MaxPool2d
 
-from ._base import EmbeddingClassifier, check_activation, check_channels, norm_activation
+from ._base import EmbeddingClassifier, check_activation, check_activation_kwargs, check_channels, norm_activation
 
 __all__ = ["VGG", "CONFIGS", "vgg11", "vgg16"]
 
@@ -29,19 +29,21 @@ class VGG(EmbeddingClassifier):
         num_classes: int = 10,
         in_channels: int = 3,
         embedding_dim: int | None = None,
+        activation_kwargs: dict | None = None,
     ):
         super().__init__()
         check_channels(in_channels, num_classes)
         if depth not in CONFIGS:
             raise ValueError(f"depth: expected one of {sorted(CONFIGS)}, got {depth!r}")
         self.activation = check_activation(activation)
+        self.activation_kwargs = kw = check_activation_kwargs(activation_kwargs)
         layers: list[nn.Module] = []
         c = in_channels
         for v in CONFIGS[depth]:
             if v == "M":
                 layers.append(MaxPool2d(2, ceil_mode=True))
             else:
-                layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), norm_activation(self.activation, v)]
+                layers += [nn.Conv2d(c, v, 3, padding=1, bias=False), norm_activation(self.activation, v, kwargs=kw)]
                 c = v
         self.features = nn.Sequential(*layers, AdaptiveAvgPool2d(1), nn.Flatten())
         self.projection, self.embedding_dim = self._projection(c, embedding_dim)

@@ -4,7 +4,10 @@
 :func:`convert_activations` mirrors ``nn.SyncBatchNorm.convert_sync_batchnorm``: it replaces every
 activation module of a model, in place, by QACT [QACT, Alg. 1-2] -- by default the
 BatchNorm -> QACT -> BatchNorm block ([QACT, Remark after Alg. 2], :class:`~shiftguard.nn.QACTBlock`),
-which [QACT, Sec. 4] uses to "replace the usual ReLU activation with QACT".
+which [QACT, Sec. 4] uses to "replace the usual ReLU activation with QACT". ``to="bn-relu-bn"``
+(``"bn-prelu-bn"``, ``"bn-selu-bn"``) converts to the BatchNorm twin of that block instead
+(:class:`~shiftguard.nn.BNActBlock`): the same BatchNorm layers in the same places, ReLU in place of
+QACT, so that the QACT model can be compared with a ReLU model carrying as many BatchNorm layers.
 
 Three things make this harder than a module swap, and are handled here:
 
@@ -44,7 +47,15 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from shiftguard.nn.qact import ACTIVATION_NAMES, CONTEXT_MODES, QACTBlock, QuantileActivation
+from shiftguard.nn.qact import (
+    ACTIVATION_NAMES,
+    ACTIVATION_REGISTRY,
+    CONTEXT_MODES,
+    TWIN_BASES,
+    BNActBlock,
+    QACTBlock,
+    QuantileActivation,
+)
 
 __all__ = [
     "DEFAULT_ACTIVATION_TYPES",
@@ -71,6 +82,8 @@ _FUNCTIONAL_NAMES: dict[str, type] = {
 
 # Targets without state are shared by all call sites; the others get one module per call site.
 _STATELESS = {"relu": nn.ReLU, "selu": nn.SELU}
+# The BatchNorm twins of the QACT block: target name -> the activation between the BatchNorm layers.
+_TWINS = {f"bn-{base}-bn": base for base in TWIN_BASES}
 
 
 # --------------------------------------------------------------------------- the converted module
@@ -87,7 +100,8 @@ class ConvertedActivation(nn.Module):
     Built by :func:`convert_activations`; not meant to be constructed directly.
 
     Attributes:
-        to_name: the target name (``"qact"`` or ``"prelu"``).
+        to_name: the target name (``"qact"``, ``"prelu"`` or a twin ``"bn-relu-bn"`` | ``"bn-prelu-bn"``
+            | ``"bn-selu-bn"``).
         block: for ``"qact"``, whether each site is a :class:`~shiftguard.nn.QACTBlock` (else a bare
             :class:`~shiftguard.nn.QuantileActivation`).
         qact_kwargs: keyword arguments of every new QACT block; ``qact_kwargs["context"]`` is the
@@ -127,6 +141,8 @@ class ConvertedActivation(nn.Module):
         if self.to_name == "qact":
             site = (QACTBlock(num_features, **self.qact_kwargs) if self.block
                     else QuantileActivation(num_features=num_features, **self.qact_kwargs))
+        elif self.to_name in _TWINS:
+            site = BNActBlock(num_features, _TWINS[self.to_name])
         else:
             site = nn.PReLU(num_features)
         site.to(device=self._like.device, dtype=self._like.dtype)
@@ -156,6 +172,7 @@ class ConvertedActivation(nn.Module):
             _INSIDE_SITE.depth -= 1
 
     def _site_features(self, state_dict, site_prefix: str) -> Optional[int]:
+        # a block (QACT's or a twin's) is sized by its first BatchNorm
         if self.to_name == "prelu":
             key = site_prefix + "weight"
         elif self.block:
@@ -368,8 +385,12 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
 
     Args:
         model: any ``nn.Module``.
-        to: ``"qact"`` (default), or ``"relu"`` | ``"prelu"`` | ``"selu"`` (names of
-            :func:`~shiftguard.nn.make_activation`; ``"prelu"`` gets one slope per channel).
+        to: ``"qact"`` (default), or ``"relu"`` | ``"prelu"`` | ``"selu"`` | ``"bn-relu-bn"`` |
+            ``"bn-prelu-bn"`` | ``"bn-selu-bn"`` (names of :func:`~shiftguard.nn.make_activation`,
+            matched ignoring case, ``-`` and ``_``; ``"prelu"`` gets one slope per channel; the
+            ``bn-*-bn`` twins get the BatchNorm -> activation -> BatchNorm block
+            :class:`~shiftguard.nn.BNActBlock`, whose BatchNorm layers are those ``"qact"`` would put in
+            the same model).
         block: for ``"qact"``: True (default) for the BatchNorm -> QACT -> BatchNorm block
             (:class:`~shiftguard.nn.QACTBlock`, [QACT, Remark after Alg. 2]), False for a bare
             :class:`~shiftguard.nn.QuantileActivation`.
@@ -382,12 +403,13 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
             every module's training flag is restored. Without it the blocks are created at the first
             forward. **Build the optimizer after that** (parameters created later are not in it).
         **kwargs: for ``"qact"``, keyword arguments of :class:`~shiftguard.nn.QuantileActivation`
-            (``n_tau``, ``c``, ``n_samples``, ``context``, ``momentum``; and ``dim`` of
+            (``n_tau``, ``c``, ``n_samples``, ``context``, ``momentum``, ``bandwidth``; and ``dim`` of
             :class:`~shiftguard.nn.QACTBlock` with ``block=True``); the channel count is inferred.
 
-    ``"qact"`` and ``"prelu"`` hold state, so each converted module becomes a
+    ``"qact"``, ``"prelu"`` and the ``bn-*-bn`` twins hold state, so each converted module becomes a
     :class:`ConvertedActivation` with one block per call site (module docstring: call order must be
     static); ``"relu"`` and ``"selu"`` have none and become one ``nn.ReLU()`` / ``nn.SELU()`` each.
+    ``to="qact"`` and a twin give a model the same BatchNorm layers (names, shapes, state-dict keys).
     One activation object registered at several places becomes one converted module.
 
     Warns (``UserWarning``) when no activation module is found (nothing converted), and, once, naming
@@ -407,9 +429,9 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    target = to.lower() if isinstance(to, str) else to
-    if target not in ACTIVATION_NAMES:
+    if not isinstance(to, str) or to not in ACTIVATION_REGISTRY:
         raise ValueError(f"to: unknown activation {to!r}; expected one of {', '.join(ACTIVATION_NAMES)}")
+    target = ACTIVATION_REGISTRY.canonical(to)
     if not isinstance(block, bool):
         raise TypeError(f"block: expected a bool, got {type(block).__name__}")
     if target != "qact" and not block:

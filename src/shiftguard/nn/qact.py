@@ -1,6 +1,14 @@
-"""Quantile activation modules: ``QuantileActivation``, ``QACTBlock``, ``make_activation``.
+"""Quantile activation modules: ``QuantileActivation``, ``QACTBlock``, its BatchNorm twin ``BNActBlock``,
+``make_activation``.
 
 ``QuantileActivation`` is a thin module over :mod:`shiftguard.functional.quantile` [QACT, Alg. 1-2].
+
+BatchNorm twins: :class:`QACTBlock` wraps QACT in two BatchNorm layers [QACT, Remark after Alg. 2], so
+a QACT model carries twice the BatchNorm layers of its ReLU counterpart. :class:`BNActBlock` is the
+same block with ReLU, PReLU or SELU in place of QACT (activation names ``bn-relu-bn``,
+``bn-prelu-bn``, ``bn-selu-bn``; :func:`twin_activation`), with the same BatchNorm classes under the
+same attribute names: a model built with ``bn-relu-bn`` has the BatchNorm layers, parameters and
+state-dict keys of the one built with ``qact``, apart from QACT's own buffers.
 
 Context modes [QACT, Sec. 3 "Inference with QACT"]:
 
@@ -26,6 +34,7 @@ be called with a reference set to get the context manager above.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Optional
 
 import torch
@@ -35,26 +44,68 @@ from shiftguard._validation import check_positive, check_tensor
 from shiftguard.functional.quantile import (
     QACTStatistics,
     channel_values,
+    check_bandwidth,
     default_statistics,
     qact_statistics,
     quantile_activation,
 )
-from shiftguard.registry import Registry
+from shiftguard.registry import Registry, normalize
 
-__all__ = ["QuantileActivation", "QACTBlock", "make_activation", "CONTEXT_MODES", "ACTIVATION_NAMES"]
+__all__ = ["QuantileActivation", "QACTBlock", "BNActBlock", "make_activation", "twin_activation", "CONTEXT_MODES",
+           "ACTIVATION_NAMES", "BN_BLOCK_ACTIVATIONS", "TWIN_BASES"]
 
 CONTEXT_MODES = ("batch", "frozen")
-#: Activations by name: ``name -> factory(num_features) -> nn.Module`` (see :func:`make_activation`).
-#: Names are matched ignoring case, ``-`` and ``_``.
+#: The activations a :class:`BNActBlock` can hold (its ``activation`` argument).
+TWIN_BASES = ("relu", "prelu", "selu")
+#: The keyword arguments ``make_activation("qact", ...)`` passes on to :class:`QuantileActivation`.
+_QACT_KWARGS = ("n_tau", "c", "n_samples", "context", "momentum", "bandwidth")
+
+
+def _base_activation(base: str, num_features: int) -> nn.Module:
+    """``relu`` | ``prelu`` (one slope per channel) | ``selu`` for ``num_features`` channels."""
+    if base == "prelu":
+        return nn.PReLU(check_positive(num_features, "num_features", integer=True))
+    return nn.ReLU() if base == "relu" else nn.SELU()
+
+
+def _without_kwargs(name: str, build):
+    """The factory of an activation that takes no keyword arguments: any it is given is an error."""
+    def factory(num_features: int, **kwargs) -> nn.Module:
+        if kwargs:
+            raise TypeError(f"activation_kwargs: activation {name!r} takes no keyword arguments, "
+                            f"got {', '.join(sorted(kwargs))}")
+        return build(num_features)
+    return factory
+
+
+def _twin_block(base: str, num_features: int) -> nn.Module:
+    return BNActBlock(num_features, base)
+
+
+def _qact_factory(num_features: int, **kwargs) -> nn.Module:
+    unknown = sorted(set(kwargs) - set(_QACT_KWARGS))
+    if unknown:
+        raise TypeError(f"activation_kwargs: {', '.join(unknown)} not accepted by activation 'qact'; "
+                        f"expected some of {', '.join(_QACT_KWARGS)}")
+    return QACTBlock(check_positive(num_features, "num_features", integer=True), **kwargs)
+
+
+#: Activations by name: ``name -> factory(num_features, **kwargs) -> nn.Module`` (see
+#: :func:`make_activation`). Names are matched ignoring case, ``-`` and ``_``; the canonical names
+#: are the ones registered here (``"bn-relu-bn"``, ...).
 ACTIVATION_REGISTRY: Registry = Registry("activation", argument="name")
-ACTIVATION_REGISTRY.register("relu", lambda num_features: nn.ReLU())
-ACTIVATION_REGISTRY.register(
-    "prelu", lambda num_features: nn.PReLU(check_positive(num_features, "num_features", integer=True)))
-ACTIVATION_REGISTRY.register("selu", lambda num_features: nn.SELU())
-ACTIVATION_REGISTRY.register(
-    "qact", lambda num_features: QACTBlock(check_positive(num_features, "num_features", integer=True)))
-#: The activation names, in registration order.
+for _base in TWIN_BASES:
+    ACTIVATION_REGISTRY.register(_base, _without_kwargs(_base, functools.partial(_base_activation, _base)))
+ACTIVATION_REGISTRY.register("qact", _qact_factory)
+for _base in TWIN_BASES:
+    _twin = f"bn-{_base}-bn"
+    ACTIVATION_REGISTRY.register(_twin, _without_kwargs(_twin, functools.partial(_twin_block, _base)))
+del _base, _twin
+#: The activation names (canonical), in registration order.
 ACTIVATION_NAMES = tuple(ACTIVATION_REGISTRY)
+#: The activation names whose module is a block that starts and ends with BatchNorm (``qact`` and
+#: its twins): an architecture puts no BatchNorm of its own in front of them.
+BN_BLOCK_ACTIVATIONS = ("qact",) + tuple(f"bn-{b}-bn" for b in TWIN_BASES)
 
 
 class _ContextMode(str):
@@ -89,6 +140,10 @@ class QuantileActivation(nn.Module):
         momentum: running-statistics momentum for ``"frozen"`` (None = cumulative average).
         num_features: number of channels ``C``; when None the stored statistics are created at the
             first forward (and resized when a state dict is loaded).
+        bandwidth: the KDE bandwidth of the backward. None (default): Silverman's rule per channel
+            on the KDE samples. A positive float: that bandwidth for every channel, in every context
+            (:func:`~shiftguard.functional.quantile_activation`); ``running_bandwidth`` starts at it
+            and then holds it. The forward does not depend on it.
 
     Shape: input ``(N, C)`` or ``(N, C, *spatial)``, output the same, values in ``[0, 1]``.
     The KDE samples come from a generator seeded from torch's global RNG, so results are
@@ -101,7 +156,8 @@ class QuantileActivation(nn.Module):
     num_batches_tracked: torch.Tensor
 
     def __init__(self, n_tau: int = 100, c: float = 100.0, n_samples: int = 1000, context: str = "batch",
-                 momentum: Optional[float] = 0.1, num_features: Optional[int] = None):
+                 momentum: Optional[float] = 0.1, num_features: Optional[int] = None,
+                 bandwidth: Optional[float] = None):
         super().__init__()
         self.n_tau = check_positive(n_tau, "n_tau", integer=True)
         self.c = float(check_positive(c, "c"))
@@ -110,10 +166,11 @@ class QuantileActivation(nn.Module):
             raise ValueError(f"momentum: expected a value in (0, 1] or None, got {momentum}")
         self.momentum = momentum
         self._context = _check_mode(context)
+        self.bandwidth = check_bandwidth(bandwidth)
         self.num_features = num_features
         if num_features is not None:
             check_positive(num_features, "num_features", integer=True)
-            s = default_statistics(num_features, n_tau, n_samples)
+            s = default_statistics(num_features, n_tau, n_samples, bandwidth=self.bandwidth)
         else:
             s = QACTStatistics(torch.empty(0, n_tau), torch.empty(0, n_samples), torch.empty(0))
         self.register_buffer("running_quantiles", s.quantiles)
@@ -147,7 +204,8 @@ class QuantileActivation(nn.Module):
         x = check_tensor(x, "input", min_ndim=2, floating=True, nonempty=True)
         ch = x.shape[1]
         if self.running_quantiles.shape[0] == 0:
-            s = default_statistics(ch, self.n_tau, self.n_samples, dtype=x.dtype, device=x.device)
+            s = default_statistics(ch, self.n_tau, self.n_samples, dtype=x.dtype, device=x.device,
+                                   bandwidth=self.bandwidth)
             self.running_quantiles, self.running_samples, self.running_bandwidth = s
             self.num_features = ch
         elif self.running_quantiles.shape[0] != ch:
@@ -158,7 +216,8 @@ class QuantileActivation(nn.Module):
         gradient and no running update is needed) the KDE sample is skipped."""
         x = check_tensor(x, "x", min_ndim=2, floating=True, nonempty=True, finite=True)
         s = self.n_samples if with_samples else 0
-        return qact_statistics(channel_values(x.detach()), self.n_tau, self.c, s, self._generator(x.device))
+        return qact_statistics(channel_values(x.detach()), self.n_tau, self.c, s, self._generator(x.device),
+                               bandwidth=self.bandwidth)
 
     @torch.no_grad()
     def fit_context(self, x: torch.Tensor) -> "QuantileActivation":
@@ -200,7 +259,7 @@ class QuantileActivation(nn.Module):
             input, self.running_quantiles, self.running_samples, self.running_bandwidth,
             training=update, momentum=self._next_momentum() if update else 0.0, context=self._context,
             n_tau=self.n_tau, c=self.c, n_samples=self.n_samples,
-            generator=self._generator(input.device) if batch else None)
+            generator=self._generator(input.device) if batch else None, bandwidth=self.bandwidth)
         if update:  # counted once the update is done: an input refused leaves every buffer as it was
             self.num_batches_tracked.add_(1)
         return out
@@ -216,7 +275,7 @@ class QuantileActivation(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"n_tau={self.n_tau}, c={self.c}, n_samples={self.n_samples}, context={self._context!r}, "
-                f"momentum={self.momentum}")
+                f"momentum={self.momentum}, bandwidth={self.bandwidth}")
 
 
 class _BatchNormAnyRank(nn.modules.batchnorm._BatchNorm):
@@ -228,6 +287,13 @@ class _BatchNormAnyRank(nn.modules.batchnorm._BatchNorm):
 
 
 _BN_BY_DIM = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+
+def _batchnorm_class(dim: Optional[int]) -> type:
+    """``BatchNorm{dim}d``, or the any-rank BatchNorm for ``dim=None`` (the blocks' BatchNorm layers)."""
+    if dim is not None and dim not in _BN_BY_DIM:
+        raise ValueError(f"dim: expected 1, 2, 3 or None, got {dim!r}")
+    return _BN_BY_DIM[dim] if dim is not None else _BatchNormAnyRank
 
 
 class QACTBlock(nn.Module):
@@ -243,9 +309,7 @@ class QACTBlock(nn.Module):
     def __init__(self, num_features: int, dim: Optional[int] = None, **qact_kwargs):
         super().__init__()
         check_positive(num_features, "num_features", integer=True)
-        if dim is not None and dim not in _BN_BY_DIM:
-            raise ValueError(f"dim: expected 1, 2, 3 or None, got {dim!r}")
-        bn = _BN_BY_DIM[dim] if dim is not None else _BatchNormAnyRank
+        bn = _batchnorm_class(dim)
         self.num_features = num_features
         self.bn_in = bn(num_features)
         self.act = QuantileActivation(num_features=num_features, **qact_kwargs)
@@ -255,16 +319,72 @@ class QACTBlock(nn.Module):
         return self.bn_out(self.act(self.bn_in(x)))
 
 
-def make_activation(name: str, num_features: int) -> nn.Module:
+class BNActBlock(nn.Module):
+    """BatchNorm -> ``activation`` -> BatchNorm: the BatchNorm twin of :class:`QACTBlock`.
+
+    The same BatchNorm classes under the same attribute names (``bn_in``, ``act``, ``bn_out``), so
+    a model with these blocks in place of its QACT blocks has the same BatchNorm layers, parameters
+    and state-dict keys (module docstring), and a comparison with the QACT model differs in the
+    activation only.
+
+    Args:
+        num_features: channels ``C``.
+        activation: ``"relu"`` | ``"prelu"`` (one slope per channel) | ``"selu"`` (case, ``-`` and
+            ``_`` ignored).
+        dim: 1, 2 or 3 to use ``BatchNorm{dim}d``; None (default) accepts any ``(N, C, *)`` rank.
+    """
+
+    def __init__(self, num_features: int, activation: str = "relu", dim: Optional[int] = None):
+        super().__init__()
+        check_positive(num_features, "num_features", integer=True)
+        if not isinstance(activation, str) or normalize(activation) not in TWIN_BASES:
+            raise ValueError(f"activation: expected one of {', '.join(TWIN_BASES)}, got {activation!r}")
+        bn = _batchnorm_class(dim)
+        self.num_features = num_features
+        self.activation = normalize(activation)
+        self.bn_in = bn(num_features)
+        self.act = _base_activation(self.activation, num_features)
+        self.bn_out = bn(num_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn_out(self.act(self.bn_in(x)))
+
+
+def make_activation(name: str, num_features: int, **kwargs) -> nn.Module:
     """Activation by name: ``relu`` | ``prelu`` (one slope per channel) | ``selu`` | ``qact``
-    (the :class:`QACTBlock`, [QACT, Sec. 4] "replace the usual ReLU activation with QACT").
+    (the :class:`QACTBlock`, [QACT, Sec. 4] "replace the usual ReLU activation with QACT") |
+    ``bn-relu-bn`` | ``bn-prelu-bn`` | ``bn-selu-bn`` (the :class:`BNActBlock` twins of ``qact``).
 
     ``name`` is matched ignoring case, ``-`` and ``_``; ``num_features`` (channels) is used, and
-    checked, by ``prelu`` and ``qact`` only.
+    checked, by all but ``relu`` and ``selu``. ``kwargs`` go to the block: for ``qact`` the
+    arguments of :class:`QuantileActivation` (``n_tau``, ``c``, ``n_samples``, ``context``,
+    ``momentum``, ``bandwidth``); the other activations take none. The architectures pass their
+    ``activation_kwargs`` here, which the errors name.
 
     Raises:
-        TypeError: ``name`` is not a str; ``num_features`` is not an int (``prelu``, ``qact``).
+        TypeError: ``name`` is not a str; ``num_features`` is not an int (``prelu``, ``qact``, the
+            twins); ``kwargs`` the activation does not take.
         ValueError: an unknown ``name`` (the message lists :data:`ACTIVATION_NAMES` and suggests
-            the closest); ``num_features < 1`` (``prelu``, ``qact``).
+            the closest); ``num_features < 1`` (``prelu``, ``qact``, the twins); a QACT argument out
+            of its domain.
     """
-    return ACTIVATION_REGISTRY.get(name)(num_features)
+    return ACTIVATION_REGISTRY.get(name)(num_features, **kwargs)
+
+
+def twin_activation(name: str, base: str = "relu") -> str:
+    """The name of the BatchNorm twin of activation ``name``: ``"qact"`` -> ``"bn-relu-bn"``
+    (``"bn-prelu-bn"``, ``"bn-selu-bn"`` with ``base="prelu"``, ``"selu"``).
+
+    A model built with the twin has the QACT model's BatchNorm layers (:class:`BNActBlock`), so
+    ``qact`` against its twin compares the activation alone; against plain ``relu`` it also compares
+    twice the BatchNorm layers.
+
+    Raises:
+        ValueError: ``name`` is not ``qact`` (case, ``-`` and ``_`` ignored; only QACT has a
+            BatchNorm twin), or ``base`` is not one of :data:`TWIN_BASES`.
+    """
+    if ACTIVATION_REGISTRY.canonical(name) != "qact":
+        raise ValueError(f"name: only 'qact' has a BatchNorm twin, got {name!r}")
+    if not isinstance(base, str) or normalize(base) not in TWIN_BASES:
+        raise ValueError(f"base: expected one of {', '.join(TWIN_BASES)}, got {base!r}")
+    return f"bn-{normalize(base)}-bn"

@@ -55,6 +55,7 @@ from shiftguard.functional.kde import silverman_bandwidth
 from shiftguard.functional.quantile import (
     QACTStatistics,
     channel_values,
+    check_bandwidth,
     qact_statistics,
     quantile_activation,
     quantile_levels,
@@ -102,13 +103,16 @@ def sketch_statistics(
     c: float = 100.0,
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
+    bandwidth: Optional[float] = None,
 ) -> QACTStatistics:
     """QACT statistics [QACT, Alg. 1-2] from the sketches of ``W`` processes (sampled mode).
 
     Args:
         sketches: ``(W, C, 2K)`` from :func:`sketch_context` on each process.
         counts: ``(W, C, 2)`` the matching exact ``(n_-, n_+)``.
-        n_tau, c, n_samples, generator: as in :func:`~shiftguard.functional.quantile.qact_statistics`.
+        n_tau, c, n_samples, generator, bandwidth: as in
+            :func:`~shiftguard.functional.quantile.qact_statistics` (None: Silverman's rule on the
+            samples; a float: that bandwidth for every channel).
 
     Every sketch value of side ``s`` of process ``r`` carries ``n_{r,s} / (number of values sent)``
     context values; ``-c`` and ``+c`` carry one each. Grounding [QACT, eqs. (8)-(9)] then gives each
@@ -159,14 +163,16 @@ def sketch_statistics(
     u = torch.rand(ch, n_samples, generator=generator, device=device, dtype=torch.float64).to(dtype)
     idx = torch.searchsorted(cum.contiguous(), u * cum[:, -1:], right=True).clamp_max(v.shape[1] - 1)
     samples, _ = torch.sort(torch.gather(v, 1, idx), dim=1)
-    return QACTStatistics(q, samples, silverman_bandwidth(samples))
+    bandwidth = check_bandwidth(bandwidth)
+    bw = silverman_bandwidth(samples) if bandwidth is None else torch.full((ch,), bandwidth, dtype=dtype, device=device)
+    return QACTStatistics(q, samples, bw)
 
 
 class SyncQuantileActivation(QuantileActivation):
     """:class:`QuantileActivation` whose batch context spans all processes (module docstring).
 
     Args:
-        n_tau, c, n_samples, context, momentum, num_features: as in :class:`QuantileActivation`.
+        n_tau, c, n_samples, context, momentum, num_features, bandwidth: as in :class:`QuantileActivation`.
         exact_max: largest per-process context size ``M_r`` (values per channel) for which the
             exact values are gathered; default ``sketch_size`` (exact whenever that is no more
             data than a sketch).
@@ -183,9 +189,10 @@ class SyncQuantileActivation(QuantileActivation):
 
     def __init__(self, n_tau: int = 100, c: float = 100.0, n_samples: int = 1000, context: str = "batch",
                  momentum: Optional[float] = 0.1, num_features: Optional[int] = None,
-                 exact_max: Optional[int] = None, sketch_size: int = 2048, process_group=None):
+                 exact_max: Optional[int] = None, sketch_size: int = 2048, process_group=None,
+                 bandwidth: Optional[float] = None):
         super().__init__(n_tau=n_tau, c=c, n_samples=n_samples, context=context, momentum=momentum,
-                         num_features=num_features)
+                         num_features=num_features, bandwidth=bandwidth)
         check_positive(sketch_size, "sketch_size", integer=True)
         if sketch_size < 2 or sketch_size % 2:
             raise ValueError(f"sketch_size: expected an even integer >= 2, got {sketch_size}")
@@ -207,7 +214,8 @@ class SyncQuantileActivation(QuantileActivation):
         stats = self.global_statistics(x)
         # the global statistics are identical on every process, and so are the buffers moved towards them
         out = quantile_activation(x, self.running_quantiles, self.running_samples, self.running_bandwidth,
-                                  training=True, momentum=self._next_momentum(), statistics=stats)
+                                  training=True, momentum=self._next_momentum(), statistics=stats,
+                                  bandwidth=self.bandwidth)
         self.num_batches_tracked.add_(1)
         return out
 
@@ -236,7 +244,7 @@ class SyncQuantileActivation(QuantileActivation):
             dist.all_gather(parts, padded, group=group)
             full = torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
             self.last_mode, self.last_sent_numel = "exact", header.numel() + padded.numel()
-            return qact_statistics(full, self.n_tau, self.c, self.n_samples, gen)
+            return qact_statistics(full, self.n_tau, self.c, self.n_samples, gen, bandwidth=self.bandwidth)
 
         sketch, _ = sketch_context(values, self.sketch_size)
         parts = [torch.empty_like(sketch) for _ in range(world)]
@@ -244,7 +252,8 @@ class SyncQuantileActivation(QuantileActivation):
         neg = torch.stack([h[2:] for h in headers])  # (W, C)
         counts = torch.stack([neg, torch.tensor(sizes, device=neg.device)[:, None] - neg], dim=2)
         self.last_mode, self.last_sent_numel = "sampled", header.numel() + sketch.numel()
-        return sketch_statistics(torch.stack(parts), counts, self.n_tau, self.c, self.n_samples, gen)
+        return sketch_statistics(torch.stack(parts), counts, self.n_tau, self.c, self.n_samples, gen,
+                                 bandwidth=self.bandwidth)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, exact_max={self.exact_max}, sketch_size={self.sketch_size}"
@@ -278,7 +287,8 @@ def _convert_sync(module: nn.Module, process_group, exact_max: Optional[int], sk
         out = SyncQuantileActivation(n_tau=module.n_tau, c=module.c, n_samples=module.n_samples,
                                      context=module._context, momentum=module.momentum,
                                      num_features=module.num_features, exact_max=exact_max,
-                                     sketch_size=sketch_size, process_group=process_group)
+                                     sketch_size=sketch_size, process_group=process_group,
+                                     bandwidth=module.bandwidth)
         out.running_quantiles = module.running_quantiles
         out.running_samples = module.running_samples
         out.running_bandwidth = module.running_bandwidth

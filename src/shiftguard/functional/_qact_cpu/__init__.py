@@ -41,7 +41,8 @@ What is computed, per channel ``c`` [QACT, Alg. 1-2; module doc of ``quantile.py
 - :func:`batch_channels`: all of the above for a batch context whose gradient will be needed, one
   channel at a time (quantiles, draws and bandwidth, grid, then every value's output and density,
   Alg. 2 eq. (7), for the backward), with the channel's scratch in cache and no Python between
-  the steps. The drawn entries are binned once each with their number of draws as weight; the count
+  the steps; a fixed ``bandwidth`` replaces Silverman's (the separate passes leave the fixed
+  bandwidth to ``quantile.py``, which applies it to the statistics they return). The drawn entries are binned once each with their number of draws as weight; the count
   table covers the quantiles inside the channel's value range only. For an ``(N, C)`` input
   (checked finite first, :func:`all_finite`) each thread sorts its channels' context rows right
   before their pass (``ctx=None``: one parallel region).

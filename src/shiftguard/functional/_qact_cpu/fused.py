@@ -45,7 +45,7 @@ def _lerp_rows(c0, c1, run, new, m):
 @njit(nogil=True, cache=True)
 def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, truncate, max_points,
                     values_by_count, kk, ww, q_out, s_dim, samples, bandwidth, out3, dens3, momentum, run_q, run_s,
-                    run_b):
+                    run_b, fixed_h):
     # everything the batch context computes for a channel, one channel at a time with its
     # scratch in cache (no per-pass arrays, no Python between passes): the quantiles
     # (_channel_quantiles), the KDE draws and bandwidth (_channel_samples), the KDE grid
@@ -55,7 +55,8 @@ def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, trunca
     # range, which the grid must cover, is read off the sorted context row (_row_range). With
     # momentum > 0 the channel's running statistics (run_q, run_s, run_b) move towards its batch
     # statistics while these are in cache. samples: (C, s_dim), or no rows (the samples are not
-    # kept).
+    # kept). fixed_h > 0: every channel's bandwidth is fixed_h instead of Silverman's (always a
+    # float64 argument, 0.0 for Silverman's, so that both share one compiled signature).
     n_dim, c_dim, l_dim = x3.shape
     k_dim = ctx.shape[1]
     n_tau = q_out.shape[1]
@@ -82,6 +83,8 @@ def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, trunca
         nn = _n_negative(row)
         _channel_quantiles(row, nn, levels, kk, ww, q_out[c])
         h = _channel_samples(row, nn, c, s_dim, seed, tally, through, sample_row)
+        if fixed_h > 0.0:
+            h = fixed_h
         bandwidth[c] = h
         xmin, xmax = _row_range(row, c_bound)
         lo, d, g_dim = _layout(np.float64(sample_row[0]), np.float64(sample_row[s_dim - 1]), h, xmin, xmax,
@@ -128,7 +131,8 @@ def _sort_and_pass(c0: int, c1: int, ctx: np.ndarray, x3: np.ndarray, seed: int,
 
 def batch_channels(x3: np.ndarray, ctx: np.ndarray | None, c: float, n_tau: int, n_samples: int, seed: int,
                    values_by_count: np.ndarray, points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
-                   truncate: float = TRUNCATE, max_points: int = 4096, running=None, keep_samples: bool = True):
+                   truncate: float = TRUNCATE, max_points: int = 4096, running=None, keep_samples: bool = True,
+                   bandwidth: float | None = None):
     """Everything the batch context of a layer that needs its gradient computes, in one pass per
     channel: the quantiles (as :func:`grounded_quantiles`), the KDE samples and bandwidths (as
     :func:`grounded_samples` with ``seed``), the KDE grid (as :func:`kde_grid`; the drawn entries
@@ -149,6 +153,10 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray | None, c: float, n_tau: int,
     ``keep_samples=False``: the samples are not returned (``None``; each channel's is drawn into a
     row in cache, for the grid and the running update, and dropped).
 
+    ``bandwidth``: a positive float, every channel's KDE bandwidth in place of Silverman's rule
+    (rounded to the dtype of ``x3`` first, so that the grid uses the bandwidth stored and returned);
+    None: Silverman's rule.
+
     Returns ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)`` (computed in float64,
     stored rounded, as the layer keeps it), and the output and the density, shaped like ``x3``; all
     in the dtype of ``x3``.
@@ -166,8 +174,10 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray | None, c: float, n_tau: int,
         m, run_q, run_s, run_b = running
     work = x3.size * 8 + ch * n_samples * 64
     k_dim = x3.shape[0] * x3.shape[2] + 2  # the context row: every value of a channel and -c, +c
+    fixed_h = 0.0 if bandwidth is None else float(np.asarray(bandwidth, dtype=x3.dtype))
     args = (x3, seed, float(c), float(points_per_bandwidth), float(truncate), int(max_points), values_by_count,
-            *_brackets(k_dim, n_tau), q, int(n_samples), samples, bw, out, dens, float(m), run_q, run_s, run_b)
+            *_brackets(k_dim, n_tau), q, int(n_samples), samples, bw, out, dens, float(m), run_q, run_s, run_b,
+            fixed_h)
     if ctx is None:
         ctx = np.empty((ch, k_dim), dtype=x3.dtype)
         _run(_sort_and_pass, ch, work, ctx, *args, tiered=True)
