@@ -38,8 +38,14 @@ def test_results_json_has_every_cell_metric_and_provenance(quick_run):
     # ReLU model: every head x (clean + corruptions x severities)
     heads = r["config"]["models"][0]["heads"]
     assert len([c for c in cells if c[0] == "lenet-relu-ce"]) == len(heads) * (1 + len(corr) * len(sev))
-    # QACT model: batch and frozen context
-    assert {c[1] for c in cells if c[0] == "lenet-qact-watershed"} == {"batch", "frozen"}
+    # QACT model: its batch context (the default run leaves the frozen one to eval.frozen_context); every
+    # model static and with BatchNorm re-estimated, except the ReLU model, which has no BatchNorm
+    assert {c[1] for c in cells if c[0] == "lenet-qact-watershed"} == {"batch"}
+    arms = {(x["model"], x["adaptation"]) for x in r["rows"]}
+    assert arms == {("lenet-relu-ce", "none"), ("lenet-bnrelubn-ce", "none"), ("lenet-bnrelubn-ce", "bn"),
+                    ("lenet-qact-watershed", "none"), ("lenet-qact-watershed", "bn")}
+    assert [(s["model"], s["adaptation"]) for s in r["skipped_adaptations"]] == [("lenet-relu-ce", "bn")]
+    assert next(a for a in r["adaptation"] if a["name"] == "bn")["images"] == r["data"]["n_test"]
     row = r["rows"][0]
     for k in ["accuracy", "ece_top_label", "ece_marginal", "nll", "r_auroc", "map_at_5", "recall_at_1"]:
         assert k in row
@@ -51,13 +57,17 @@ def test_results_json_has_every_cell_metric_and_provenance(quick_run):
 
 def test_aggregates_are_means_over_corruptions(quick_run):
     r = json.loads((quick_run / "results.json").read_text())
-    a = next(x for x in r["aggregates"] if x["severity"] == 5 and x["head"] == "logistic" and x["context"] == "none")
-    accs = [x["accuracy"] for x in r["rows"]
-            if x["severity"] == 5 and x["head"] == "logistic" and x["context"] == "none"]
+    key = ("lenet-bnrelubn-ce", "none", "bn", "logistic")
+
+    def of(x):
+        return (x["model"], x["context"], x["adaptation"], x["head"]) == key
+
+    a = next(x for x in r["aggregates"] if x["severity"] == 5 and of(x))
+    accs = [x["accuracy"] for x in r["rows"] if x["severity"] == 5 and of(x)]
+    assert len(accs) == len(r["data"]["corruptions"])
     assert a["accuracy_mean"] == pytest.approx(sum(accs) / len(accs))
-    d = next(x for x in r["drops"] if (x["head"], x["context"], x["from"], x["to"]) == ("logistic", "none", 0, 5))
-    clean = next(x["accuracy"] for x in r["rows"]
-                 if x["severity"] == 0 and x["head"] == "logistic" and x["context"] == "none")
+    d = next(x for x in r["drops"] if of(x) and (x["from"], x["to"]) == (0, 5))
+    clean = next(x["accuracy"] for x in r["rows"] if x["severity"] == 0 and of(x))
     assert d["drop_mean"] == pytest.approx(100 * (clean - a["accuracy_mean"]))
 
 
