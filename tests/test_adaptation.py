@@ -165,6 +165,17 @@ def test_tent_scores_each_batch_before_its_step_and_its_steps_equal_manual_entro
             assert torch.equal(getattr(getattr(arm.model, name), field), getattr(getattr(net, name), field))
 
 
+def test_tent_and_refresh_take_their_own_batch_size():
+    net, x = _trained_net(), _images(60)
+    own = _adapted("tent:batch_size=20", net).outputs_on(x, 30, "cpu", "none")
+    same = _adapted("tent", net).outputs_on(x, 20, "cpu", "none")
+    assert torch.equal(own["logits"], same["logits"])
+    assert not torch.equal(own["logits"], _adapted("tent", net).outputs_on(x, 30, "cpu", "none")["logits"])
+    arm = _adapted("refresh:passes=1,batch_size=20", net)
+    arm.outputs_on(x, 30, "cpu", "none")
+    assert int(arm.model.bn1.num_batches_tracked) == int(net.bn1.num_batches_tracked) + 3
+
+
 def test_tent_sgd_option_takes_momentum_sgd_and_the_first_batch_is_scored_unadapted():
     net, x = _trained_net(), _images(60)
     out_adam = _adapted("tent", net).outputs_on(x, 30, "cpu", "none")

@@ -63,8 +63,8 @@ ARMS = ("none", "bn-batch", "bn", "tent", "refresh")
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
 #: Per arm, the options it takes (others are refused by name).
-_OPTIONS = {"none": (), "bn-batch": (), "bn": ("prior",), "tent": ("lr", "steps", "optimizer"),
-            "refresh": ("passes",)}
+_OPTIONS = {"none": (), "bn-batch": (), "bn": ("prior",), "tent": ("lr", "steps", "optimizer", "batch_size"),
+            "refresh": ("passes", "batch_size")}
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,9 @@ class AdaptSpec:
             forward pass, before that step's update).
         optimizer: ``tent``: ``"adam"`` (betas 0.9, 0.999) or ``"sgd"`` (momentum 0.9).
         passes: ``refresh``: training-mode passes over the cell before it is scored.
+        batch_size: ``tent``: its test batches (each scored, then one step); ``refresh``: the
+            batches of its passes (the reference code's DataLoader takes 128). None (default): the
+            evaluation's batch size.
     """
 
     name: str
@@ -88,6 +91,7 @@ class AdaptSpec:
     steps: int = 1
     optimizer: str = "adam"
     passes: int = 20
+    batch_size: Optional[int] = None
 
     def __post_init__(self):
         if self.name not in ARMS:
@@ -102,6 +106,10 @@ class AdaptSpec:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"adapt: {self.name}: {key} must be an integer >= 1, got {v!r}")
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
+                                            or self.batch_size < 2):
+            raise ValueError(f"adapt: {self.name}: batch_size must be an integer >= 2 (BatchNorm needs a batch of 2), "
+                             f"got {self.batch_size!r}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"adapt: {self.name}: optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         changed = [f.name for f in fields(self) if f.name != "name" and getattr(self, f.name) != f.default]
@@ -129,7 +137,7 @@ class AdaptSpec:
                                  f"({', '.join(_OPTIONS[name]) or 'none'}), got {part!r}")
             value = value.strip()
             try:
-                kwargs[key] = (int(value) if types[key] in ("int", int) else
+                kwargs[key] = (int(value) if types[key] in ("int", int, "Optional[int]") else
                                float(value) if types[key] in ("float", float) else value)
             except ValueError:
                 raise ValueError(f"adapt: {text!r}: {key} = {value!r} is not a number") from None
@@ -157,9 +165,11 @@ class AdaptSpec:
             "bn": "BatchNorm statistics re-estimated on each whole cell before scoring (Schneider et al. 2020)"
                   + (f", source prior N = {self.prior:g}" if self.prior else ""),
             "tent": f"TENT (Wang et al. 2021): entropy minimisation of the BatchNorm affine parameters, "
-                    f"{self.optimizer} lr {self.lr:g}, {self.steps} step(s) per batch, online through each cell",
-            "refresh": f"QACT reference protocol: {self.passes} training-mode passes over each cell, then "
-                       "scored with QACT in the frozen context",
+                    f"{self.optimizer} lr {self.lr:g}, {self.steps} step(s) per batch"
+                    + (f" of {self.batch_size}" if self.batch_size else "") + ", online through each cell",
+            "refresh": f"QACT reference protocol: {self.passes} training-mode passes over each cell"
+                       + (f" in batches of {self.batch_size}" if self.batch_size else "")
+                       + ", then scored with QACT in the frozen context",
         }[self.name]
         return {"name": self.label, "arm": self.name, "transductive": self.transductive,
                 "passes": passes, "images": n_images if self.transductive else 0, "description": what}
@@ -275,10 +285,10 @@ class AdaptedModel:
         if name == "bn":
             self._reestimate(images, batch_size, device, context)
         elif name == "refresh":
-            self._refresh(images, batch_size, device)
+            self._refresh(images, self.spec.batch_size or batch_size, device)
             context = "frozen"
         elif name == "tent":
-            return self._tent(images, batch_size, device, context)
+            return self._tent(images, self.spec.batch_size or batch_size, device, context)
         with qact_context(self.model, "batch" if context == "none" else context):
             return compute_outputs(self.outputs, images, batch_size, device)
 
