@@ -1,4 +1,4 @@
-"""The evaluation grid: every (model, context, head) on every (corruption, severity) cell.
+"""The evaluation grid: every (model, context, adaptation arm, head) on every (corruption, severity) cell.
 
 For each model:
 
@@ -12,7 +12,9 @@ For each model:
 
 QACT models see the test batch as their context (``batch_size``) and, unless told otherwise, are
 evaluated a second time with the context frozen to the training distribution [QACT, Sec. 3],
-so the report shows what the context buys. Each corrupted set is generated once and passed to
+so the report shows what the context buys. Each test-time adaptation arm (:mod:`.adaptation`)
+adapts a private copy of the model to each cell before scoring it, with the heads fitted on the
+static model. Each corrupted set is generated once and passed to
 every model. Outputs are cached per (model, context, cell) when a cache folder is given, so an
 interrupted evaluation resumes without recomputing finished cells. Under ``torch.distributed``
 (``distributed=True``) the processes share the head fits and the (cell, model, context) units
