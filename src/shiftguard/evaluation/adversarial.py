@@ -88,6 +88,19 @@ class _Embedder(nn.Module):
         return self._embed(x)
 
 
+class _LogProbabilities(nn.Module):
+    """A model returning class probabilities as one returning their logarithms (its logits)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from .outputs import log_probabilities
+
+        return log_probabilities(self.model(x))
+
+
 class AttackSuite:
     """The adversarial cells of a grid and the images of each, per (model, context).
 
@@ -141,8 +154,12 @@ class AttackSuite:
         outs = entry["outputs"]
         loss = self.losses.get(entry["name"])
         model = entry["model"]
-        if loss is not None and outs.output == "logits":
+        if loss is not None and outs.output != "embedding":
             model = _Embedder(model) if callable(getattr(model, "embed", None)) else model
+        elif outs.output == "probabilities":
+            model = _LogProbabilities(model)
         spec = self.specs[name].with_eps(self.eps[index - 1])
-        return spec.run(model, self.test_x, self.test_y, preprocess=outs.preprocess, loss_fn=loss, seed=self.seed,
+        # the pixels in the model's dtype, then the user's preprocess: float64 pixels attack a float32
+        # model (and the reverse) as its own evaluation feeds it
+        return spec.run(model, self.test_x, self.test_y, preprocess=outs.model_input, loss_fn=loss, seed=self.seed,
                         batch_size=self.batch_size, device=self.device)

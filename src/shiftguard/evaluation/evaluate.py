@@ -10,7 +10,9 @@ quality. ``shiftguard run`` trains models and then calls the same grid (:mod:`.g
 
 from __future__ import annotations
 
+import copy
 import platform
+import re
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -27,8 +29,9 @@ from shiftguard.neighbors import check_backend
 from . import aggregate as A
 from .adaptation import AdaptSpec, adapt_specs
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
+from .cache import check_fingerprint, fingerprint
 from .grid import Cell, model_contexts, run_grid
-from .outputs import EmbedSpec, ModelOutputs, compute_outputs
+from .outputs import EmbedSpec, ModelOutputs, compute_outputs, looks_like_probabilities
 from .result import EvaluationResult
 from .warmup import compile_announced, evaluation_steps
 
@@ -88,6 +91,11 @@ def _check_unique(values: list, name: str) -> None:
                          "the means)")
 
 
+#: Model names: they name folders of ``cache_dir`` and cells of the CSV, so no path separators, no
+#: leading dot and no leading character a spreadsheet reads as a formula.
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+
+
 def _models(model) -> dict[str, nn.Module]:
     if isinstance(model, nn.Module):
         return {type(model).__name__: model}
@@ -95,6 +103,9 @@ def _models(model) -> dict[str, nn.Module]:
         for k, v in model.items():
             if not isinstance(k, str) or not k:
                 raise TypeError(f"model: names must be non-empty strings, got {k!r}")
+            if not _MODEL_NAME.match(k):
+                raise ValueError(f"model: name {k!r} must be letters, digits and _.+- (not starting with one of "
+                                 "_.+-): it names a folder of cache_dir and rows of the results")
             if not isinstance(v, nn.Module):
                 raise TypeError(f"model[{k!r}]: expected a torch.nn.Module, got {type(v).__name__}")
         return dict(model)
@@ -255,7 +266,8 @@ def evaluate(
 
     Args:
         model: any ``nn.Module`` mapping a batch to logits (or, with ``output="embedding"``, to
-            embeddings), named by its class in the results, or a mapping ``{name: module}``
+            embeddings; with ``output="probabilities"``, to class probabilities, whose logarithms
+            then serve as logits), named by its class in the results, or a mapping ``{name: module}``
             evaluated on the same cells.
         test, support, validation: a torch ``Dataset`` yielding ``(image, label)``, a
             ``DataLoader``, an ``(images, labels)`` pair of tensors or numpy arrays, or a
@@ -311,7 +323,10 @@ def evaluate(
             are attacked through cross-entropy unless a loss is given for them (it then receives
             ``model.embed(x)`` where the model has ``embed``). Adversarial cells never enter the
             corruption means.
-        cache_dir: keep the model outputs of every cell there (resumable).
+        cache_dir: keep the model outputs of every cell there (resumable). A model's folder is
+            reused only by the same evaluation: a fingerprint of its weights, the data, what
+            ``preprocess`` does, the batch size, output, embedding, corruption source and seed
+            (:mod:`.cache`); another is refused naming what differs.
         distributed: share the grid among the processes of an initialised ``torch.distributed``
             process group (``torchrun``): every process calls ``evaluate`` with the same
             arguments and gets the same result, identical to one process's; each computes a
@@ -420,7 +435,8 @@ def evaluate(
             if group != ADVERSARIAL and c not in to_corrupt:
                 to_corrupt[c] = (c, s, "cifar-c-extra" if c in extras else suite)
 
-    with _borrowed(list(named.values()), dev):
+    named = {nm: _on_device(mod, dev, embed, nm) for nm, mod in named.items()}
+    with _training_flags_kept(list(named.values())):
         entries: list[dict[str, Any]] = []
         num_classes = None
         for nm, mod in named.items():
@@ -429,6 +445,13 @@ def evaluate(
         # The kernels compile (or load from numba's cache) before any timed phase: a step of its own.
         compile_s = compile_announced(evaluation_steps([e["model"] for e in entries], dev, list(to_corrupt.values()),
                                                        test_x, seed), announce=progress)
+        # A model ending in a softmax would be scored as if its probabilities were logits.
+        for e in entries:
+            if e["outputs"].output == "logits":
+                probe = compute_outputs(e["outputs"], test_x[:16], batch_size, dev)["logits"]
+                if looks_like_probabilities(probe):
+                    raise ValueError(f"output: model {e['name']!r} returns probabilities (non-negative rows summing "
+                                     "to 1), not logits; pass output='probabilities' (or return logits)")
         # The number of classes: the logit width when there are logits, else the labels seen.
         if entries[0]["outputs"].has_logits:
             probe = compute_outputs(entries[0]["outputs"], test_x[:16], batch_size, dev)
@@ -441,6 +464,11 @@ def evaluate(
         base_rows, base_name = _baseline_rows(baseline, baseline_key)
         if suite_attacks is not None:
             suite_attacks.check_models(entries)
+        if cache_dir is not None:
+            _check_cache(Path(cache_dir), entries, test=(test_x, test_y), support=sup, validation=val,
+                         preprocess=preprocess, batch_size=batch_size, output=output, embed=embed,
+                         source=f"engine:{suite}" if source == "engine" else source, seed=seed,
+                         distributed=distributed, device=dev)
 
         grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
                         support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
@@ -464,28 +492,44 @@ def evaluate(
     return EvaluationResult(results)
 
 
+def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validation, preprocess, batch_size: int,
+                 output: str, embed, source: str, seed: int, distributed: bool, device: torch.device) -> None:
+    """Each model's cache folder belongs to this evaluation (``cache.check_fingerprint``); the
+    fingerprint of a new folder is written by one process."""
+    from shiftguard.train.distributed import is_main_process
+
+    probe = torch.rand((2, *test[0].shape[1:]), generator=torch.Generator().manual_seed(0))
+    write = not distributed or is_main_process()
+    for e in entries:
+        fp = fingerprint(e["model"], test=test, support=support, validation=validation, preprocess=preprocess,
+                         probe=probe.to(device=device, dtype=e["outputs"].dtype), batch_size=batch_size,
+                         output=output, embed=embed, corruption_source=source, seed=seed)
+        check_fingerprint(cache_dir / e["name"], fp, write=write)
+
+
+def _on_device(model: nn.Module, device: torch.device, embed, name: str) -> nn.Module:
+    """``model`` itself when its parameters and buffers are on ``device``, else a copy moved there:
+    the caller's module is never moved (a move to ``"meta"`` would drop its weights)."""
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if all(d.type == device.type and (device.index is None or d.index == device.index) for d in devices):
+        return model
+    if callable(embed) and not isinstance(embed, bool):
+        raise ValueError(f"embed: model {name!r} lives on {', '.join(sorted(map(str, devices)))} and is evaluated on "
+                         f"{device} as a copy, which a callable embed= bound to the original cannot read; move the "
+                         "model to device yourself, or give embed= as a submodule name")
+    return copy.deepcopy(model).to(device)
+
+
 @contextmanager
-def _borrowed(models: Sequence[nn.Module], device: torch.device) -> Iterator[None]:
-    """The caller's models on ``device`` for the evaluation, then as they were: every module's
-    training flag restored and, for a model that was moved from one device, its parameters and
-    buffers moved back (moving is exact, so their values are bit for bit the caller's). A model
-    spread over several devices is moved to ``device`` and left there."""
-    saved = []
-    for mod in models:
-        flags = {m: m.training for m in mod.modules()}
-        devices = {t.device for t in (*mod.parameters(), *mod.buffers())}
-        moved = bool(devices) and devices != {device}
-        if moved:
-            mod.to(device)
-        saved.append((mod, flags, devices if moved and len(devices) == 1 else None))
+def _training_flags_kept(models: Sequence[nn.Module]) -> Iterator[None]:
+    """Every module's training flag as it was before the evaluation (which runs in eval mode)."""
+    flags = [{m: m.training for m in mod.modules()} for mod in models]
     try:
         yield
     finally:
-        for mod, flags, back in saved:
-            if back is not None:
-                mod.to(next(iter(back)))
-            for m, f in flags.items():
-                m.training = f
+        for f in flags:
+            for m, training in f.items():
+                m.training = training
 
 
 def _unique_in_order(values) -> list:

@@ -11,9 +11,15 @@ batch order (:func:`compute_outputs`).
   ``embed=False`` uses no embedding (logit heads only). Models following shiftguard's own
   ``embed()`` / ``classifier`` contract (``shiftguard.models``) use it: one pass gives both.
 - ``output="embedding"``: ``model(x)`` is the embedding; there are no logits (embedding heads only).
+- ``output="probabilities"``: ``model(x)`` are class probabilities (non-negative rows summing to
+  1, e.g. a model ending in a softmax); their logarithms serve as the logits (a softmax of them
+  gives the probabilities back), so every logit head and the attacks' cross-entropy work on them.
 
-Pixels reach the model as float in [0, 1] (uint8 / 255), then ``preprocess`` (the user's
+Pixels reach the model as floats in [0, 1] (uint8 / 255) in the dtype of the model's first
+floating parameter (float32 for a model without one), then ``preprocess`` (the user's
 normalisation, resizing, ...) is applied -- after any corruption, as ImageNet-C and robustbench do.
+Every output must have one row per input image: a model that returns more or fewer rows is an
+error naming it, never scored against shifted labels.
 """
 
 from __future__ import annotations
@@ -23,7 +29,21 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
-__all__ = ["ModelOutputs", "batch_order", "compute_outputs"]
+__all__ = ["ModelOutputs", "OUTPUTS", "batch_order", "compute_outputs", "model_dtype"]
+
+#: What ``model(x)`` may return (``ModelOutputs(output=...)``).
+OUTPUTS = ("logits", "embedding", "probabilities")
+#: How far from 1 a row of ``output="probabilities"`` may sum (float32 softmax rounding is ~1e-6).
+PROBABILITY_TOLERANCE = 1e-3
+
+
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype ``model`` computes in: its first floating parameter's, else its first
+    floating buffer's, else float32."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
 
 EmbedSpec = Union[None, bool, str, Callable[[torch.Tensor], torch.Tensor]]
 
@@ -34,7 +54,7 @@ class ModelOutputs:
     Args:
         model: any ``nn.Module``.
         embed: where the embedding comes from (module docstring); ``None`` = the default.
-        output: ``"logits"`` or ``"embedding"``: what ``model(x)`` returns.
+        output: ``"logits"``, ``"embedding"`` or ``"probabilities"``: what ``model(x)`` returns.
         preprocess: callable applied to the float pixel batch before the model (``None``: none).
 
     ``has_logits`` / ``has_embeddings`` say what :meth:`__call__` returns; ``embedding_source``
@@ -45,13 +65,14 @@ class ModelOutputs:
                  preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-        if output not in ("logits", "embedding"):
-            raise ValueError(f"output: expected 'logits' or 'embedding', got {output!r}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output: expected one of {', '.join(map(repr, OUTPUTS))}, got {output!r}")
         if preprocess is not None and not callable(preprocess):
             raise TypeError(f"preprocess: expected a callable or None, got {type(preprocess).__name__}")
         self.model = model
         self.output = output
         self.preprocess = preprocess
+        self.dtype = model_dtype(model)
         self._embed = embed
         self._layer: Optional[nn.Module] = None
         self._embed_fn: Optional[Callable] = None
@@ -105,9 +126,15 @@ class ModelOutputs:
                              "a submodule instead")
         return ModelOutputs(model, embed=self._embed, output=self.output, preprocess=self.preprocess)
 
+    def model_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Floating pixels in [0, 1] as the model takes them: in its dtype, then ``preprocess``
+        (differentiable: the attacks take gradients through it)."""
+        x = pixels.to(self.dtype)
+        return self.preprocess(x) if self.preprocess is not None else x
+
     def _model_input(self, pixels: torch.Tensor, device) -> torch.Tensor:
         x = pixels.to(device)
-        x = x.float().div_(255.0) if x.dtype == torch.uint8 else x.float()
+        x = x.to(self.dtype).div_(255.0) if x.dtype == torch.uint8 else x.to(self.dtype)
         return self.preprocess(x) if self.preprocess is not None else x
 
     def __call__(self, pixels: torch.Tensor, device="cpu") -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -120,6 +147,18 @@ class ModelOutputs:
         model's dtype and shape, attached to the autograd graph when gradients are enabled (what a
         test-time adaptation step differentiates)."""
         x = self._model_input(pixels, device)
+        emb, out = self._forward(x)
+        n = pixels.shape[0]
+        for t, what in ((emb, f"the embedding ({self.embedding_source})"), (out, "model(x)")):
+            if t is not None and t.shape[0] != n:
+                raise ValueError(f"model: {what} has {t.shape[0]} rows for a batch of {n} images; the model must "
+                                 "return one row per input image (outputs would be scored against other images' "
+                                 "labels)")
+        if self.output == "probabilities" and out is not None:
+            out = log_probabilities(out)
+        return emb, out
+
+    def _forward(self, x: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         if self.output == "embedding":
             return _checked(self.model(x), "model output"), None
         if self._own_contract:
@@ -150,6 +189,26 @@ class ModelOutputs:
             where = self.embedding_source
             raise RuntimeError(f"embed: the forward pass never reached the embedding layer ({where})")
         return _checked(captured["emb"], self.embedding_source), _checked(logits, "model(x)")
+
+
+def looks_like_probabilities(out: torch.Tensor) -> bool:
+    """Whether every row of ``out`` ``(N, C)`` is non-negative and sums to 1 (within
+    :data:`PROBABILITY_TOLERANCE`): the output of a softmax, not logits."""
+    out = out.detach().reshape(out.shape[0], -1).double()
+    return bool(out.numel() and out.shape[1] > 1 and (out >= 0).all()
+                and ((out.sum(1) - 1).abs() <= PROBABILITY_TOLERANCE).all())
+
+
+def log_probabilities(p: torch.Tensor) -> torch.Tensor:
+    """``log p`` of the class probabilities ``p`` (N, C) a model returned with
+    ``output="probabilities"``, as logits; refuses rows that are not probabilities."""
+    flat = p.reshape(p.shape[0], -1)
+    if not looks_like_probabilities(flat):
+        bad = (flat.detach() < 0).any(1) | ((flat.detach().double().sum(1) - 1).abs() > PROBABILITY_TOLERANCE)
+        i = int(torch.nonzero(bad)[0]) if bad.any() else 0
+        raise ValueError(f"output: 'probabilities' was given, but row {i} of model(x) is not a probability vector "
+                         f"(min {float(flat[i].min()):.4g}, sum {float(flat[i].double().sum()):.6g})")
+    return torch.log(flat.clamp_min(torch.finfo(flat.dtype).tiny))
 
 
 def _checked(t, what: str) -> torch.Tensor:

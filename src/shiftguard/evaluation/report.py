@@ -316,8 +316,19 @@ def csv_text(rows: list[dict]) -> str:
     w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in keys})
+        w.writerow({k: _csv_cell(r.get(k)) for k in keys})
     return buf.getvalue()
+
+
+def _csv_cell(v):
+    """A value as a CSV field: ``None`` empty; text that a spreadsheet would read as a formula (a
+    leading ``=``, ``+``, ``-``, ``@``, tab or carriage return) behind a ``'`` (OWASP's CSV
+    injection rule); numbers as they are."""
+    if v is None:
+        return ""
+    if isinstance(v, str) and v[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + v
+    return v
 
 
 def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> dict[str, Path]:
