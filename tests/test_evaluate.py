@@ -255,8 +255,15 @@ def test_bad_arguments_are_errors_naming_them(model, kwargs, match):
 
 def test_labels_beyond_the_models_classes_are_an_error(model):
     x, _ = _data(30)
-    with pytest.raises(ValueError, match="test: labels reach 7, but the model has 3 classes"):
+    with pytest.raises(ValueError, match=r"test: labels run 0\.\.7, but the model has 3 classes \(labels 0\.\.2\)"):
         shiftguard.evaluate(model, (x, torch.arange(30) % 8), heads=["softmax"], **FAST)
+
+
+def test_labels_that_never_take_the_value_0_are_an_error(model):
+    x, _ = _data(30)
+    shifted = torch.arange(30) % 2 + 1  # 1..2 of a 3-class model: every label one too high
+    with pytest.raises(ValueError, match=r"labels: the labels of test, support run 1\.\.2 and none is 0"):
+        shiftguard.evaluate(model, (x, shifted), support=(x, shifted), heads=["softmax"], **FAST)
 
 
 def test_not_a_module_is_an_error_naming_model():

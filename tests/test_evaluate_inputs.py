@@ -147,3 +147,18 @@ def test_csv_cells_that_a_spreadsheet_would_run_are_neutralised():
                       "severity": 1, "n": 2, "accuracy": -0.5}])
     row = text.splitlines()[1].split(",")
     assert row[:4] == ["'=1+2", "'@x", "'-y", "'+z"] and row[-1] == "-0.5"
+
+
+# --------------------------------------------------------------------------- half-precision inputs to the heads
+@pytest.mark.parametrize("head", ["ned", "knn", "wknn", "1nn", "logistic", "temperature", "distance_ratio"])
+def test_heads_given_bfloat16_inputs_compute_in_float32(head):
+    from shiftguard.heads import build_head
+    from shiftguard.metrics import ece
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(200, 4, generator=g).bfloat16(), torch.arange(200) % 4
+    h = build_head(head, 4)
+    h.fit(x, y, x, y) if head == "temperature" else h.fit(x, y)
+    p = h.predict_proba(x)
+    assert p.dtype == torch.float32 and (p.sum(1) - 1).abs().max() < 1e-5
+    ece(p, y)  # the metrics take them

@@ -137,7 +137,19 @@ def _heads_for(heads, names: list[str]) -> dict[str, list[str]]:
 
 def _labels_range(num_classes: int, labels: torch.Tensor, name: str) -> None:
     if labels.numel() and int(labels.max()) >= num_classes:
-        raise ValueError(f"{name}: labels reach {int(labels.max())}, but the model has {num_classes} classes")
+        raise ValueError(f"{name}: labels run {int(labels.min())}..{int(labels.max())}, but the model has "
+                         f"{num_classes} classes (labels 0..{num_classes - 1})")
+
+
+def _labels_from_zero(parts: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Classes are numbered from 0: labels that never take the value 0 in any split are shifted
+    (1..C from another tool), and would be scored against the wrong class."""
+    found = [y for _, y in parts if y.numel()]
+    if found and min(int(y.min()) for y in found) > 0:
+        lo, hi = min(int(y.min()) for y in found), max(int(y.max()) for y in found)
+        names = ", ".join(n for n, _ in parts)
+        raise ValueError(f"labels: the labels of {names} run {lo}..{hi} and none is 0; classes are numbered 0..C-1 "
+                         f"(subtract {lo} if they start at {lo})")
 
 
 def _baseline_rows(baseline, key: Optional[str]) -> tuple[Optional[list[dict]], Optional[str]]:
@@ -461,6 +473,8 @@ def evaluate(
         for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val)):
             if part is not None:
                 _labels_range(num_classes, part[1], nm)
+        _labels_from_zero([(nm, part[1]) for nm, part in (("test", (test_x, test_y)), ("support", sup),
+                                                          ("validation", val)) if part is not None])
         base_rows, base_name = _baseline_rows(baseline, baseline_key)
         if suite_attacks is not None:
             suite_attacks.check_models(entries)

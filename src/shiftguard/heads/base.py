@@ -18,6 +18,13 @@ from shiftguard._validation import check_labels, check_positive, check_same_leng
 __all__ = ["EmbeddingHead", "NotFittedError"]
 
 
+def _compute_dtype(emb: torch.Tensor) -> torch.Tensor:
+    """Half-precision embeddings (float16, bfloat16) as float32: a head's distances, softmax and
+    normalisation in 8 bits of mantissa leave probability rows summing to 0.994-1.006, which the
+    metrics rightly refuse."""
+    return emb.float() if emb.dtype in (torch.float16, torch.bfloat16) else emb
+
+
 class NotFittedError(RuntimeError):
     """Raised when ``predict_proba`` is called before ``fit``."""
 
@@ -47,7 +54,7 @@ class EmbeddingHead:
     # -- helpers for subclasses -----------------------------------------------------------------
     def _check_fit_inputs(self, embeddings, labels, name="train_embeddings", label_name="train_labels",
                           require_all_classes: bool = True):
-        emb = check_tensor(embeddings, name, ndim=2, floating=True, finite=True, nonempty=True)
+        emb = _compute_dtype(check_tensor(embeddings, name, ndim=2, floating=True, finite=True, nonempty=True))
         y = check_labels(labels, label_name, num_classes=self.num_classes)
         check_same_length([(name, emb), (label_name, y)])
         y = y.to(emb.device)
@@ -69,7 +76,8 @@ class EmbeddingHead:
             raise ValueError("val_embeddings and val_labels: give both or neither")
         if val_embeddings is None:
             return None, None
-        emb = check_tensor(val_embeddings, "val_embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+        emb = _compute_dtype(check_tensor(val_embeddings, "val_embeddings", ndim=2, floating=True, finite=True,
+                                          nonempty=True))
         y = check_labels(val_labels, "val_labels", num_classes=num_classes)
         check_same_length([("val_embeddings", emb), ("val_labels", y)])
         if emb.shape[1] != dim:
@@ -78,7 +86,7 @@ class EmbeddingHead:
 
     def _check_query(self, embeddings, dim: int, name: str = "embeddings") -> torch.Tensor:
         self._check_is_fitted()
-        emb = check_tensor(embeddings, name, ndim=2, floating=True, finite=True)
+        emb = _compute_dtype(check_tensor(embeddings, name, ndim=2, floating=True, finite=True))
         if emb.shape[1] != dim:
             raise ValueError(f"{name}: expected {dim} features (as in fit), got {emb.shape[1]}")
         return emb

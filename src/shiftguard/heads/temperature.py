@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from shiftguard._validation import check_labels, check_same_length, check_tensor
 from shiftguard.heads._optim import minimize_lbfgs
-from shiftguard.heads.base import EmbeddingHead
+from shiftguard.heads.base import EmbeddingHead, _compute_dtype
 
 __all__ = ["TemperatureScaling", "fit_temperature"]
 
@@ -53,7 +53,7 @@ class TemperatureScaling(EmbeddingHead):
     def _logits(self, x, name: str) -> torch.Tensor:
         x = check_tensor(x, name, ndim=2, floating=True, finite=True)
         logits = self.logit_fn(x) if self.logit_fn is not None else x
-        logits = check_tensor(logits, f"logit_fn({name})", ndim=2, floating=True, finite=True)
+        logits = _compute_dtype(check_tensor(logits, f"logit_fn({name})", ndim=2, floating=True, finite=True))
         if self.num_classes is not None and logits.shape[1] != self.num_classes:
             raise ValueError(f"{name}: logits have {logits.shape[1]} columns, num_classes={self.num_classes}")
         return logits
