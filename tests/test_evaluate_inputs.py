@@ -162,3 +162,15 @@ def test_heads_given_bfloat16_inputs_compute_in_float32(head):
     p = h.predict_proba(x)
     assert p.dtype == torch.float32 and (p.sum(1) - 1).abs().max() < 1e-5
     ece(p, y)  # the metrics take them
+
+
+# --------------------------------------------------------------------------- gradient modes of the caller
+@pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
+def test_attacks_inside_the_callers_inference_mode_give_the_same_rows(mode):
+    x, y = _data()
+    kw = dict(heads=["softmax"], attacks=["fgsm"], attack_eps=[0.1], **FAST)
+    ref = shiftguard.evaluate(_net(), (x, y), **kw)
+    with getattr(torch, mode)():
+        xi, yi = x.clone(), y.clone()
+        res = shiftguard.evaluate(_net(), (xi, yi), **kw)
+    assert res.rows == ref.rows

@@ -160,6 +160,11 @@ class AttackSuite:
             model = _LogProbabilities(model)
         spec = self.specs[name].with_eps(self.eps[index - 1])
         # the pixels in the model's dtype, then the user's preprocess: float64 pixels attack a float32
-        # model (and the reverse) as its own evaluation feeds it
-        return spec.run(model, self.test_x, self.test_y, preprocess=outs.model_input, loss_fn=loss, seed=self.seed,
-                        batch_size=self.batch_size, device=self.device)
+        # model (and the reverse) as its own evaluation feeds it. An evaluation called under
+        # torch.inference_mode() or no_grad() still needs input gradients here: both are lifted for
+        # the attack, and images made under inference mode are copied into ordinary tensors.
+        with torch.inference_mode(False), torch.enable_grad():
+            x = self.test_x.clone() if self.test_x.is_inference() else self.test_x
+            y = self.test_y.clone() if self.test_y.is_inference() else self.test_y
+            return spec.run(model, x, y, preprocess=outs.model_input, loss_fn=loss, seed=self.seed,
+                            batch_size=self.batch_size, device=self.device)
