@@ -169,8 +169,13 @@ def test_heads_given_bfloat16_inputs_compute_in_float32(head):
 def test_attacks_inside_the_callers_inference_mode_give_the_same_rows(mode):
     x, y = _data()
     kw = dict(heads=["softmax"], attacks=["fgsm"], attack_eps=[0.1], **FAST)
-    ref = shiftguard.evaluate(_net(), (x, y), **kw)
+    net = _net()
+    ref = shiftguard.evaluate(net, (x, y), **kw)
     with getattr(torch, mode)():
         xi, yi = x.clone(), y.clone()
-        res = shiftguard.evaluate(_net(), (xi, yi), **kw)
+        res = shiftguard.evaluate(net, (xi, yi), **kw)
+        if mode == "inference_mode":  # a model built under inference mode cannot be differentiated at all
+            with pytest.raises(ValueError, match="attacks: model 'Sequential' has parameters created under "
+                                                 "torch.inference_mode"):
+                shiftguard.evaluate(_net(), (xi, yi), **kw)
     assert res.rows == ref.rows

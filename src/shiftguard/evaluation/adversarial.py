@@ -142,8 +142,12 @@ class AttackSuite:
                 for name, s in self.specs.items()}
 
     def check_models(self, entries: Sequence[dict]) -> None:
-        """Every model can be attacked: it has logits, or a loss on its embeddings is given."""
+        """Every model can be attacked: it has logits, or a loss on its embeddings is given, and its
+        parameters can be differentiated."""
         for m in entries:
+            if any(p.is_inference() for p in m["model"].parameters()):
+                raise ValueError(f"attacks: model {m['name']!r} has parameters created under torch.inference_mode(), "
+                                 "which autograd cannot differentiate; build the model outside inference mode")
             if self.losses.get(m["name"]) is None and not m["outputs"].has_logits:
                 raise ValueError(f"attack_loss: model {m['name']!r} returns embeddings; attacking it needs a loss on "
                                  "its embeddings (e.g. its training loss), none was given")
