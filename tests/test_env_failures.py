@@ -270,7 +270,7 @@ def evaluate_argv(tmp_path, monkeypatch):
     sys.modules.pop("envnets", None)
     return ["evaluate", "--model", "envnets:make_net", "--test-subset", "60", "--support-size", "120",
             "--val-size", "0", "--corruptions", "rotate", "--severities", "5", "--n-boot", "10", "--no-progress",
-            "--heads", "softmax"]
+            "--heads", "softmax", "--random-weights"]
 
 
 def test_evaluate_with_a_file_as_out_is_refused_before_evaluating(evaluate_argv, tmp_path, monkeypatch, capsys):

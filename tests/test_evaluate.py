@@ -381,7 +381,7 @@ def test_cli_evaluates_a_factory_with_safely_loaded_weights(tmp_path, monkeypatc
     save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(tmp_path / "w.safetensors"))
     assert cli(_cli_args(tmp_path, "--weights", str(tmp_path / "w.pt"), "--out", str(tmp_path / "a"))) == 0
     assert cli(_cli_args(tmp_path, "--weights", str(tmp_path / "w.safetensors"), "--out", str(tmp_path / "b"))) == 0
-    assert cli(_cli_args(tmp_path, "--out", str(tmp_path / "c"))) == 0
+    assert cli(_cli_args(tmp_path, "--random-weights", "--out", str(tmp_path / "c"))) == 0
     a, b, c = (EvaluationResult.load(tmp_path / d) for d in "abc")
     assert a.rows == b.rows and a.rows != c.rows
     assert (tmp_path / "a" / "report.html").is_file()
@@ -396,7 +396,7 @@ def test_cli_bad_model_spec_is_one_line_naming_the_option(tmp_path, monkeypatch,
 
     (tmp_path / "usernets.py").write_text(FACTORY)
     monkeypatch.syspath_prepend(str(tmp_path))
-    args = _cli_args(tmp_path, "--out", str(tmp_path / "o"))
+    args = _cli_args(tmp_path, "--random-weights", "--out", str(tmp_path / "o"))
     args[2] = spec
     assert cli(args) == 2
     err = capsys.readouterr().err

@@ -122,7 +122,7 @@ def write_run(d: Path, results: dict) -> Path:
     (d / "plots").mkdir(parents=True)
     (d / "config.json").write_text(json.dumps({"config": results["config"], "source": "synthetic.toml"}))
     (d / "results.json").write_text(json.dumps(results))
-    (d / "plots" / "corruption_gallery.png").write_bytes(b"\x89PNG gallery")
+    (d / "plots" / "corruption_gallery.png").write_bytes(b"\x89PNG\r\n\x1a\n gallery")  # the PNG signature
     (d / "COMPLETE").write_text("done\n")
     return d
 

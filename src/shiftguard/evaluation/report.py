@@ -331,9 +331,36 @@ def _csv_cell(v):
     return v
 
 
+#: The largest corruption gallery a report embeds (the ones shiftguard draws are well under 1 MB).
+MAX_GALLERY_BYTES = 16 * 1024 * 1024
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def safe_png(path: Optional[Path], folder: Path) -> Optional[Path]:
+    """``path`` when it is a PNG that a report may embed: a regular file (not a symbolic link) inside
+    ``folder``, at most :data:`MAX_GALLERY_BYTES`, starting with the PNG signature; else None. A
+    report inlines the file's bytes, so anything else (a link to a private file, a huge file) is
+    left out."""
+    if path is None:
+        return None
+    path = Path(path)
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        if Path(folder).resolve() not in path.resolve().parents:
+            return None
+        if path.stat().st_size > MAX_GALLERY_BYTES:
+            return None
+        with open(path, "rb") as fh:
+            return path if fh.read(len(_PNG_SIGNATURE)) == _PNG_SIGNATURE else None
+    except OSError:
+        return None
+
+
 def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> dict[str, Path]:
     """Write the report's figures into ``out_dir/plots``; ``gallery``: an existing corruption gallery PNG
-    copied in (default: the one already in ``out_dir/plots``, if any)."""
+    copied in (default: the one already in ``out_dir/plots``, if any). A gallery is embedded only when
+    :func:`safe_png` accepts it (inside its own folder, or inside ``out_dir``)."""
     d = Path(out_dir) / "plots"
     metrics = {r_k for r in results["rows"] for r_k in r}
     out = {
@@ -351,9 +378,10 @@ def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> 
     if results.get("reliability"):
         out["reliability"] = P.reliability_diagrams(results, d / "reliability_diagrams.png")
     target = d / "corruption_gallery.png"
-    if gallery is not None and Path(gallery).resolve() != target.resolve():
-        atomic_write_bytes(target, Path(gallery).read_bytes())
-    if target.is_file():
+    source = safe_png(gallery, Path(gallery).parent.parent) if gallery is not None else None
+    if source is not None and source.resolve() != target.resolve():
+        atomic_write_bytes(target, source.read_bytes())
+    if safe_png(target, Path(out_dir)) is not None:
         out["gallery"] = target
     return out
 

@@ -32,7 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="import path of a function returning the nn.Module, e.g. mypkg.nets:make_cnn "
                         "(the current directory is importable)")
     p.add_argument("--weights", metavar="FILE",
-                   help="state dict: .pt/.pth (torch.load weights_only=True) or .safetensors")
+                   help="state dict: .pt/.pth (torch.load weights_only=True) or .safetensors (required unless "
+                        "--random-weights)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="evaluate the model as its factory initialises it, without --weights (a baseline of chance)")
     p.add_argument("--dataset", default="mnist-default",
                    help="a shiftguard.data.load name (mnist, fashion-mnist, cifar10, ...) or mnist-default "
                         "(the embedded MNIST subset; default)")
@@ -65,8 +68,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the 95%% intervals")
     p.add_argument("--name", default="evaluation", help="name shown in the report")
     p.add_argument("--out", required=True, metavar="DIR",
-                   help="folder for results.json, results.csv, plots, report.html")
+                   help="folder for results.json, results.csv, plots, report.html: new or empty (see --overwrite)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the report files of an earlier evaluation in --out (never a shiftguard run folder)")
     p.add_argument("--no-progress", action="store_true")
+
+
+def _clear_report(out: Path) -> None:
+    """Remove an earlier report from ``out`` (``--overwrite``): ``results.json`` first, so that a
+    failure from here on never leaves old and new files side by side looking complete."""
+    for name in _REPORT_FILES:
+        (out / name).unlink(missing_ok=True)
+    plots = out / "plots"
+    if plots.is_dir() and not plots.is_symlink():
+        for f in plots.iterdir():
+            if f.suffix == ".png" and (f.is_file() or f.is_symlink()):
+                f.unlink()
 
 
 def load_weights(model: torch.nn.Module, path: str | Path) -> None:
@@ -147,20 +164,34 @@ def _data(args):
 
 
 def main(args) -> int:
-    from shiftguard.evaluation import evaluate
+    from shiftguard._lock import DirectoryLock
 
     for flag in ("test_subset", "support_size", "val_size"):
         if getattr(args, flag) < 0:
             raise ValueError(f"--{flag.replace('_', '-')}: expected >= 0, got {getattr(args, flag)}")
-    name, test, support, val, num_classes, channels = _data(args)
-    from shiftguard.models import build_user_model
-
     if ":" not in args.model:
         raise ValueError(f"--model: expected 'module:function', got {args.model!r}")
+    if not args.weights and not args.random_weights:
+        raise ValueError("--weights: no weights given; the model would be evaluated as initialised (chance level). "
+                         "Pass --weights FILE, or --random-weights to evaluate the untrained model on purpose")
+    if args.weights and args.random_weights:
+        raise ValueError("--random-weights: given with --weights; choose one")
+    out = _output_folder(args.out, args.overwrite)
+    lock = DirectoryLock(out).acquire()
+    try:
+        return _evaluate_into(args, out)
+    finally:
+        lock.release()
+
+
+def _evaluate_into(args, out: Path) -> int:
+    from shiftguard.evaluation import evaluate
+    from shiftguard.models import build_user_model
+
+    name, test, support, val, num_classes, channels = _data(args)
     model = build_user_model(args.model, num_classes=num_classes, in_channels=channels, what="--model")
     if args.weights:
         load_weights(model, args.weights)
-    out = _output_folder(args.out)
     result = evaluate(
         model, test, support=support, validation=val, suite=args.suite, corruptions=args.corruptions,
         severities=args.severities, extra=args.extra, heads=args.heads, embed=args.embed,
@@ -173,6 +204,7 @@ def main(args) -> int:
     result.results["command"] = f"shiftguard evaluate --model {args.model}"
     # The numbers are shown before the files are written: a disk that fills up now loses no result.
     print(result.summary())
+    _clear_report(out)
     for s in result.skipped_heads:
         print(f"skipped {s['model']}/{s['head']}: {s['reason']}")
     for s in result.results.get("skipped_adaptations") or []:
@@ -182,13 +214,37 @@ def main(args) -> int:
     return 0
 
 
-def _output_folder(out: str) -> Path:
+#: What an evaluation writes into --out (``EvaluationResult.write_report``); ``results.json`` is
+#: written last and removed first, so a folder holding it holds one complete report.
+_REPORT_FILES = ("results.json", "report.html", "results.csv")
+
+
+def _output_folder(out: str, overwrite: bool = False) -> Path:
     """``--out`` created (with its parents) before the evaluation, so that a place which cannot hold
-    the results fails at once: ``ValueError`` when a file is in the way, the ``OSError`` of a folder
-    that cannot be created, ``PermissionError`` (``EROFS``/``EACCES``) when it cannot be written into."""
+    the results fails at once: ``ValueError`` when a file is in the way, when the folder holds
+    anything but an earlier evaluation's report (which ``--overwrite`` replaces) or is a
+    ``shiftguard run`` folder; the ``OSError`` of a folder that cannot be created;
+    ``PermissionError`` (``EROFS``/``EACCES``) when it cannot be written into."""
+    from shiftguard._lock import LOCK_NAME
+
+    from .rundir import COMPLETE_MARKER
+
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise ValueError(f"--out: {path} exists and is not a folder")
+    if path.is_dir():
+        if (path / COMPLETE_MARKER).exists() or (path / "config.json").exists():
+            raise ValueError(f"--out: {path} is a shiftguard run folder; its report belongs to that run. Give a new "
+                             "folder (shiftguard report rebuilds a run's report elsewhere)")
+        others = [p.name for p in path.iterdir() if p.name != LOCK_NAME]
+        if others and not overwrite:
+            raise ValueError(f"--out: {path} is not empty ({', '.join(sorted(others)[:5])}"
+                             f"{', ...' if len(others) > 5 else ''}); give a new folder, or --overwrite to replace an "
+                             "earlier evaluation's report there")
+        foreign = [n for n in others if n not in (*_REPORT_FILES, "plots")]
+        if others and overwrite and foreign:
+            raise ValueError(f"--overwrite: {path} holds files that are not a shiftguard report "
+                             f"({', '.join(sorted(foreign)[:5])}); give a new folder")
     path.mkdir(parents=True, exist_ok=True)
     if not os.access(path, os.W_OK):
         raise PermissionError(errno.EACCES, "cannot write into this folder (read-only or no permission)", str(path))
