@@ -421,3 +421,24 @@ def test_fit_context_errors_name_the_argument():
         fit_context(model, [torch.randn(4, 3)], batch_size=2)
     with pytest.raises(ValueError, match="^data:"):
         fit_context(model, [])
+
+
+def test_an_optimizer_built_before_the_blocks_exist_is_refused_at_its_first_step():
+    net = convert_activations(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)))
+    early = torch.optim.SGD(net.parameters(), lr=0.1)
+    part = torch.optim.SGD(net[2].parameters(), lr=0.1)  # a deliberate subset is not this mistake
+    net(torch.randn(16, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="optimizer: .* not the 32 parameters that its converted activations"):
+        early.step()
+    part.step()
+    late = torch.optim.SGD(net.parameters(), lr=0.1)
+    late.step()
+
+
+def test_with_example_input_the_blocks_exist_before_any_optimizer():
+    net = convert_activations(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+                              example_input=torch.randn(2, 4))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    net(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    assert all(p.grad is not None for p in net.parameters())

@@ -41,7 +41,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -401,7 +401,9 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
             a tuple of positional inputs or a dict of keyword inputs) that creates the blocks now;
             no running statistic of BatchNorm or QACT moves, torch's global RNG is left as it was and
             every module's training flag is restored. Without it the blocks are created at the first
-            forward. **Build the optimizer after that** (parameters created later are not in it).
+            forward. **Build the optimizer after that** (parameters created later are not in it): an
+            optimiser built from ``model.parameters()`` before the first forward is refused at its
+            first step (a global step hook; its message says how to fix it).
         **kwargs: for ``"qact"``, keyword arguments of :class:`~shiftguard.nn.QuantileActivation`
             (``n_tau``, ``c``, ``n_samples``, ``context``, ``momentum``, ``bandwidth``; and ``dim`` of
             :class:`~shiftguard.nn.QACTBlock` with ``block=True``); the channel count is inferred.
@@ -498,11 +500,62 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
         probe = _materialise(root, example_input, watched)
         if probe is not None and probe.found:
             warnings.warn(probe.message(), UserWarning, stacklevel=2)
-    elif watched:
-        check = _FirstForwardCheck(watched)
-        root.register_forward_pre_hook(check.before)
-        root.register_forward_hook(check.after, always_call=True)
+    else:
+        if watched:
+            check = _FirstForwardCheck(watched)
+            root.register_forward_pre_hook(check.before)
+            root.register_forward_hook(check.after, always_call=True)
+        if any(isinstance(m, ConvertedActivation) for m in replaced.values()):
+            _OptimizerCheck(root).install()
     return root
+
+
+class _OptimizerCheck:
+    """Without ``example_input`` the converted blocks' parameters appear at the model's first
+    forward, so an optimiser built from ``model.parameters()`` before it never updates them. A
+    global optimiser step hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``) refuses
+    the first step of an optimiser that holds every parameter the model had when it was converted but
+    none of those the blocks created since. It is done once an optimiser holding the model's
+    parameters has passed it, or once the model is gone; done hooks are unregistered at the next
+    installation (torch iterates over the hooks while calling them, so none may leave during a step)."""
+
+    _installed: list = []
+
+    def __init__(self, root: nn.Module):
+        import weakref
+
+        self._root = weakref.ref(root)
+        self._before = {id(p) for p in root.parameters()}
+        self._handle: Any = None
+        self.done = False
+
+    def install(self) -> None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        for old in [c for c in _OptimizerCheck._installed if c.done or c._root() is None]:
+            old._handle.remove()
+            _OptimizerCheck._installed.remove(old)
+        self._handle = register_optimizer_step_pre_hook(self)
+        _OptimizerCheck._installed.append(self)
+
+    def __call__(self, optimizer, args, kwargs) -> None:
+        root = self._root()
+        if self.done or root is None:
+            self.done = True
+            return
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if not self._before or not self._before <= held:
+            return  # an optimiser of other parameters (or of part of this model): not this check's case
+        created = [p for m in _converted_in(root) for p in m.sites.parameters() if p.requires_grad]
+        if not created:
+            return  # no forward yet: nothing to miss so far
+        if not any(id(p) in held for p in created):
+            n = sum(p.numel() for p in created)
+            raise RuntimeError(
+                f"optimizer: it holds the model's parameters from before its first forward but not the {n} parameters "
+                "that its converted activations (convert_activations) created at that forward, which would never be "
+                "trained; build the optimizer after a first forward, or pass example_input to convert_activations")
+        self.done = True
 
 
 # --------------------------------------------------------------------------- context management
