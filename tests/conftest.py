@@ -1,8 +1,19 @@
-"""Shared test fixtures.
+"""Shared test fixtures, and the conventions every test follows.
 
 Real data lives in ``../shared/data`` beside the repository (MNIST and Fashion-MNIST in the
 official IDX gzip format). ``SHIFTGUARD_SHARED_DATA`` overrides the location. Tests that need it
 use the fixtures below and skip with a clear reason when it is absent.
+
+Portability: the suite passes on any x86-64 CPU (with or without AVX-512), on any thread count
+and BLAS. Float results differ in their last bits between instruction sets (torch's vectorised
+kernels), BLAS builds and thread counts, so
+
+- bit-exactness is checked only between two computations made in the same test run (two code
+  paths, the same computation twice, before and after a resume);
+- a value recorded in a test is either exact on every machine (integers, counts, pixel sums of
+  uint8 data, digests of integer data) or compared within a tolerance that bounds the rounding
+  (``tests/test_qact.py``'s record: relative 1e-5 in float32, 1e-9 in float64);
+- never a digest of floating-point results.
 """
 
 from __future__ import annotations
