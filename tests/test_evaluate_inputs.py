@@ -179,3 +179,26 @@ def test_attacks_inside_the_callers_inference_mode_give_the_same_rows(mode):
                                                  "torch.inference_mode"):
                 shiftguard.evaluate(_net(), (xi, yi), **kw)
     assert res.rows == ref.rows
+
+
+# --------------------------------------------------------------------------- validation data a head does not read
+@pytest.mark.parametrize("head", ["knn", "wknn", "1nn", "logistic", "distance_ratio", "quantile"])
+def test_heads_that_do_not_read_validation_data_refuse_it(head):
+    from shiftguard.heads import build_head
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 4, generator=g), torch.arange(40) % 4
+    h = build_head(head, 4)
+    assert not h.uses_validation
+    with pytest.raises(ValueError, match="val_embeddings: .* does not use validation data"):
+        h.fit(x, y, x, y)
+
+
+def test_heads_that_read_validation_data_say_so_and_the_grid_gives_it_to_them_only():
+    from shiftguard.heads import build_head
+
+    assert build_head("ned", 3).uses_validation and build_head("temperature", 3).uses_validation
+    x, y = _data()
+    res = shiftguard.evaluate(_net(), (x, y), support=(x, y), validation=(x, y),
+                              heads=["softmax", "temperature", "ned", "knn", "logistic"], **FAST)
+    assert {r["head"] for r in res.rows} == {"softmax", "temperature", "ned", "knn", "logistic"}

@@ -256,7 +256,8 @@ def run_grid(
                     if field == "embeddings":
                         # applicable_heads keeps the embedding heads only when a support set is given
                         assert sup is not None
-                        head.fit(sup["embeddings"], support_y, val_x, val_y)
+                        use_val = getattr(head, "uses_validation", False)
+                        head.fit(sup["embeddings"], support_y, *((val_x, val_y) if use_val else ()))
                     elif h == "temperature":
                         head.fit(val_x, val_y, val_x, val_y)
                     # softmax: nothing to learn but the logit width, and no labels

@@ -34,6 +34,9 @@ class EmbeddingHead:
 
     #: names of ``__init__`` parameters shown by ``repr``
     _param_names: tuple[str, ...] = ("num_classes",)
+    #: whether ``fit`` reads ``val_*`` (NED's and temperature scaling's temperature); a head that
+    #: does not refuses them, so that held-out data given to it is never silently ignored
+    uses_validation: bool = False
 
     def __init__(self, num_classes: Optional[int] = None):
         if num_classes is not None:
@@ -90,6 +93,12 @@ class EmbeddingHead:
         if emb.shape[1] != dim:
             raise ValueError(f"{name}: expected {dim} features (as in fit), got {emb.shape[1]}")
         return emb
+
+    def _no_validation(self, val_embeddings, val_labels, what: str = "val_embeddings") -> None:
+        """Refuse ``val_*`` given to a head whose fit does not read them."""
+        if val_embeddings is not None or val_labels is not None:
+            raise ValueError(f"{what}: {type(self).__name__} does not use validation data (its fit reads the "
+                             "training data only); leave val_* unset")
 
     def _check_is_fitted(self) -> None:
         if not hasattr(self, "num_classes_"):

@@ -82,6 +82,7 @@ class DistanceRatioHead(EmbeddingHead):
         self.max_iter = max_iter
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels,
                                                      require_all_classes=self.proxies is None)
         if self.proxies is not None:

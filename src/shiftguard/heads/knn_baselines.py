@@ -52,7 +52,8 @@ class KNNHeadBase(EmbeddingHead):
         self.backend = backend
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
-        """Store the support set (``val_*`` are unused: these heads have no fitted parameter)."""
+        """Store the support set (``val_*`` are refused: these heads have no fitted parameter)."""
+        self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         if self.k > emb.shape[0]:
             raise ValueError(f"k: {self.k} neighbours requested but the support has {emb.shape[0]} rows")

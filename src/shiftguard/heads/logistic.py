@@ -52,7 +52,8 @@ class LogisticRegressionHead(EmbeddingHead):
         self.tol = tol
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
-        """Fit on ``train_*`` (``val_*`` are not used: the protocol of [QACT] fits on train only)."""
+        """Fit on ``train_*`` (``val_*`` are refused: the protocol of [QACT] fits on train only)."""
+        self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         x = emb.double()
         if self.standardize:

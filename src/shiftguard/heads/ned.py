@@ -107,6 +107,7 @@ class NED(KNNHeadBase):
     """
 
     _param_names = ("k", "fit_mode", "holdout_fraction", "backend", "max_fit_queries", "num_classes")
+    uses_validation = True
 
     def __init__(self, k: int = 10, fit_mode: str = "loo", holdout_fraction: float = 0.2,
                  backend: str = "torch", max_fit_queries: Optional[int] = 5000, seed: int = 0,

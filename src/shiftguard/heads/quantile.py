@@ -105,6 +105,7 @@ class QuantileClassifierHead(EmbeddingHead):
         self.fit_kwargs = dict(fit_kwargs or {})
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         clf = QuantileClassifier(emb.shape[1], num_classes, **self.classifier_kwargs).to(emb.device)
         fit_quantile_classifier(clf, emb, y, **self.fit_kwargs)

@@ -22,6 +22,7 @@ class SoftmaxHead(EmbeddingHead):
     """
 
     def fit(self, train_logits, train_labels=None, val_logits=None, val_labels=None):
+        self._no_validation(val_logits, val_labels, "val_logits")
         logits = check_tensor(train_logits, "train_logits", ndim=2, floating=True, finite=True)
         self.num_classes_ = logits.shape[1]
         if self.num_classes is not None and self.num_classes_ != self.num_classes:

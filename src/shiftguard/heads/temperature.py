@@ -43,6 +43,7 @@ class TemperatureScaling(EmbeddingHead):
     """
 
     _param_names = ("logit_fn", "num_classes")
+    uses_validation = True
 
     def __init__(self, logit_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  num_classes: Optional[int] = None, max_iter: int = 100):
