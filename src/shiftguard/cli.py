@@ -29,9 +29,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 # Errors a user can cause (bad names, missing files, bad configs, a run directory another process
-# is using). Anything else is a bug and keeps its traceback.
+# is using, a training that diverges with the learning rate given). Anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, KeyError,
-               DirectoryInUseError)
+               DirectoryInUseError, FloatingPointError)
 
 # OSErrors that the environment causes, not the program: a full disk or quota, a read-only or
 # forbidden place, a file where a folder should be (or the reverse), a path that cannot resolve, a

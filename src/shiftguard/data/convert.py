@@ -10,6 +10,7 @@ negative values and values above 1, and clipping it to [0, 1] would silently des
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any, Optional
 
@@ -321,6 +322,25 @@ def _item_pair(item, name: str, index: int):
     return image, int(label)
 
 
+def _physical_memory() -> Optional[int]:
+    """Bytes of physical memory, or None where the system does not say."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _check_fits_in_memory(n: int, shape: tuple, itemsize: int, name: str) -> None:
+    """``len(dataset)`` images are gathered into one array: refuse a length whose array would not
+    fit in this machine's memory before allocating it (a ``__len__`` of 1e12 asked for 784 TB)."""
+    need = n * itemsize * int(np.prod(shape))
+    have = _physical_memory()
+    if have is not None and need > have:
+        raise ValueError(f"{name}: len(dataset) is {n:,}: {n:,} images of shape {shape} take {need / 1e9:,.1f} GB, "
+                         f"more than this machine's {have / 1e9:.1f} GB of memory; pass fewer images (e.g. a "
+                         "torch.utils.data.Subset)")
+
+
 @torch.no_grad()
 def _from_dataset(ds: Dataset, layout: str, name: str, max_items: Optional[int]):
     if isinstance(ds, IterableDataset) or not hasattr(ds, "__len__"):
@@ -350,6 +370,8 @@ def _from_dataset(ds: Dataset, layout: str, name: str, max_items: Optional[int])
             if len(shape) not in (2, 3):
                 want = "(C, H, W)" if layout == "nchw" and not pil else "(H, W, C)"
                 raise ValueError(f"{name}: item 0: expected an image of shape {want} or (H, W), got shape {shape}")
+            if n is not None:
+                _check_fits_in_memory(n, shape, image.element_size() if tensor_items else image.itemsize, name)
             if n is None:  # unknown length: grow a list of items, stacked once at the end
                 buf = []
             elif tensor_items:

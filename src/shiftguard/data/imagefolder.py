@@ -99,7 +99,7 @@ def decode_images(files: Sequence[Path], mode: Optional[str] = None, image_size=
                     if im.mode not in _GRAY_MODES:
                         mode = "RGB"
                         break
-            except (OSError, SyntaxError, ValueError) as exc:
+            except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
                 raise file_error(f, f"unreadable image ({type(exc).__name__}: {exc})") from None
     channels = 1 if mode == "L" else 3
     first = _decode_one(files[0], mode, size)

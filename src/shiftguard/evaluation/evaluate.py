@@ -135,6 +135,21 @@ def _heads_for(heads, names: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def check_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` this machine has; one line naming ``device`` otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: not a torch device: {device!r} (e.g. 'cpu', 'cuda', 'cuda:1')") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} needs CUDA, which this torch installation or machine does not have")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device: {device!r} needs MPS, which is not available here")
+    return dev
+
+
 def _labels_range(num_classes: int, labels: torch.Tensor, name: str) -> None:
     if labels.numel() and int(labels.max()) >= num_classes:
         raise ValueError(f"{name}: labels run {int(labels.min())}..{int(labels.max())}, but the model has "
@@ -377,6 +392,8 @@ def evaluate(
         raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed: expected an int, got {type(seed).__name__}")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed: expected an integer in 0..2**63-1 (what torch's generators take), got {seed}")
     if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
         raise ValueError(f"n_boot: expected an integer >= 10, got {n_boot!r}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -396,7 +413,7 @@ def evaluate(
         raise ValueError(f"layout: expected 'nchw' or 'nhwc', got {layout!r}")
     if not isinstance(distributed, bool):
         raise TypeError(f"distributed: expected a bool, got {type(distributed).__name__}")
-    dev = torch.device(device)
+    dev = check_device(device)
 
     def tensors(d, nm):
         # canonical NCHW strides: a channels-last view (even one that counts as contiguous, C = 1)
@@ -407,6 +424,9 @@ def evaluate(
         return x, y
 
     test_x, test_y = tensors(test, "test")
+    if max(ks) >= test_y.numel():
+        raise ValueError(f"retrieval_ks: the largest cut-off, {max(ks)}, needs more than {max(ks)} test images (each "
+                         f"test image is ranked against the others); the test set has {test_y.numel()}")
     sup = tensors(support, "support") if support is not None else None
     val = tensors(validation, "validation") if validation is not None else None
     for nm, part in (("support", sup), ("validation", val)):

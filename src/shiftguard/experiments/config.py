@@ -334,7 +334,8 @@ _RULES: dict[str, dict[str, Any]] = {
         # the trainer drops batches of fewer than 2 images (BatchNorm and QACT need a context of
         # 2), so a batch size of 1 would run no step at all
         "batch_size": _ints(2, why=" (a training step needs a context of 2 images)"),
-        "lr": _reals(0, open_lo=True),
+        # every optimiser shiftguard trains with diverges far below 10 (Adam's and SGD's rates are <= 1)
+        "lr": _reals(0, 10, open_lo=True, open_hi=False),
         "weight_decay": _reals(0),
         # ReduceLROnPlateau multiplies the rate by lr_factor: 1 or more would never reduce it
         "lr_factor": _reals(0, 1, open_lo=True),

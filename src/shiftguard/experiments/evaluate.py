@@ -117,15 +117,25 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
                     break
     if not isinstance(state, dict):
         raise ValueError(f"--weights: {p} holds a {type(state).__name__}, not a state dict")
+    for key, t in state.items():
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all():
+            raise ValueError(f"--weights: {p} holds non-finite values (NaN or inf) in {key!r}")
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
         raise ValueError(f"--weights: {p} does not fit the model: {' '.join(str(exc).split())}") from None
 
 
-def _normalizer(pairs):
+def _normalizer(pairs, channels: int | None = None):
     if not pairs:
         return None
+    import math
+
+    if any(not math.isfinite(v) for pair in pairs for v in pair):
+        raise ValueError(f"--normalize: expected finite numbers, got {[list(p) for p in pairs]}")
+    if channels is not None and len(pairs) not in (1, channels):
+        raise ValueError(f"--normalize: given {len(pairs)} times for images of {channels} channel(s); give it once "
+                         f"(every channel) or once per channel")
     mean = torch.tensor([m for m, _ in pairs]).view(1, -1, 1, 1)
     std = torch.tensor([s for _, s in pairs]).view(1, -1, 1, 1)
     if (std <= 0).any():
@@ -164,7 +174,7 @@ def _data(args):
 
 
 def main(args) -> int:
-    from shiftguard._lock import DirectoryLock
+    from shiftguard._lock import LOCK_NAME, DirectoryLock
 
     for flag in ("test_subset", "support_size", "val_size"):
         if getattr(args, flag) < 0:
@@ -176,10 +186,28 @@ def main(args) -> int:
                          "Pass --weights FILE, or --random-weights to evaluate the untrained model on purpose")
     if args.weights and args.random_weights:
         raise ValueError("--random-weights: given with --weights; choose one")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed: expected an integer in 0..2**63-1, got {args.seed}")
+    from shiftguard.evaluation.evaluate import check_device
+
+    try:
+        check_device(args.device)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
+    _normalizer(args.normalize)  # values checked before any work; the channel count once the data is read
+    if 0 < args.test_subset <= 5:
+        raise ValueError(f"--test-subset: expected more than 5 test images (MAP@5 ranks each against the others), "
+                         f"got {args.test_subset}")
+    created = not Path(args.out).exists()
     out = _output_folder(args.out, args.overwrite)
     lock = DirectoryLock(out).acquire()
     try:
         return _evaluate_into(args, out)
+    except BaseException:
+        if created and {p.name for p in out.iterdir()} <= {LOCK_NAME}:
+            (out / LOCK_NAME).unlink(missing_ok=True)  # a folder this call made and nothing was written into
+            out.rmdir()
+        raise
     finally:
         lock.release()
 
@@ -195,8 +223,8 @@ def _evaluate_into(args, out: Path) -> int:
     result = evaluate(
         model, test, support=support, validation=val, suite=args.suite, corruptions=args.corruptions,
         severities=args.severities, extra=args.extra, heads=args.heads, embed=args.embed,
-        preprocess=_normalizer(args.normalize), batch_size=args.batch_size, adapt=args.adapt, device=args.device,
-        seed=args.seed,
+        preprocess=_normalizer(args.normalize, channels), batch_size=args.batch_size, adapt=args.adapt,
+        device=args.device, seed=args.seed,
         baseline=args.baseline, baseline_key=args.baseline_key, n_boot=args.n_boot, name=args.name,
         progress=not args.no_progress,
     )

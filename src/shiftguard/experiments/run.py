@@ -28,7 +28,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -372,6 +372,13 @@ def preflight(cfg: C.RunConfig) -> None:
         if m.loss not in C.LOGIT_LOSSES and m.loss not in LOSS_NAMES:
             raise ValueError(f"{src}: models {m.name!r}: unknown loss {m.loss!r}; expected one of "
                              f"{', '.join(sorted({*C.LOGIT_LOSSES, *LOSS_NAMES}))}")
+        if m.loss not in C.LOGIT_LOSSES:  # a dummy build checks loss_kwargs before anything is written
+            from shiftguard.losses import build_loss
+
+            try:
+                build_loss(m.loss, embedding_dim=16, num_classes=10, **m.loss_kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{src}: models {m.name!r}: loss {m.loss!r}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- run dir
@@ -502,7 +509,7 @@ def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str],
 
 
 def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool = False, progress: bool = True,
-            log: Callable[[str], None] = print, compile_s: float = 0.0) -> dict:
+            log: Callable[[str], None] = print, compile_s: float = 0.0, data: Optional[dict] = None) -> dict:
     """Run the whole pipeline into ``run_dir`` and return the results dict.
 
     Training is this module's; the evaluation is :func:`shiftguard.evaluate`, called with the
@@ -525,7 +532,7 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     t_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
     corruptions = corruption_list(cfg)
-    data = load_data(cfg)
+    data = load_data(cfg) if data is None else data
     shifted, source = make_shift_source(cfg, data, corruptions)
     log(f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / "
         f"{len(data['val'][1])} val / {len(data['test'][1])} test; {len(corruptions)} corruptions x severities "
@@ -605,6 +612,7 @@ def main(args) -> int:
     cfg = resolve_config(args)
     device = check_device(args.device)
     preflight(cfg)
+    data = load_data(cfg)  # missing or damaged dataset files end the run before its directory exists
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads: expected >= 1, got {args.threads}")
@@ -639,7 +647,8 @@ def main(args) -> int:
         log = lambda s: print(s, flush=True)
         # Before execute: the compile time is its own step, outside every training time.
         compile_s = compile_kernels(cfg, info.device, announce=info.is_main)
-        execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log, compile_s=compile_s)
+        execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log, compile_s=compile_s,
+                data=data)
     finally:
         if lock is not None:
             lock.release()

@@ -45,12 +45,15 @@ Every random draw comes from the run's seed: the same command gives the same num
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -838,9 +841,17 @@ def main(argv=None) -> int:
         add_arguments(parser)
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.report:
-        with open(args.report, encoding="utf-8") as f:
-            saved = json.load(f)
-        print(format_table(summarize(saved["runs"]), markdown=args.markdown))
+        try:
+            with open(args.report, encoding="utf-8") as f:
+                saved = json.load(f)
+            runs = saved["runs"]
+            table = format_table(summarize(runs), markdown=args.markdown)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--report: no such file: {args.report}") from None
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
+            raise ValueError(f"--report: {args.report} is not a shiftguard transfer results file "
+                             f"({type(exc).__name__}: {exc})") from None
+        print(table)
         return 0
     if args.preset and args.splits:
         raise ValueError("--preset/--splits: give one of them")
@@ -855,6 +866,14 @@ def main(argv=None) -> int:
     if args.threads is not None:
         check_positive(args.threads, "--threads", integer=True)
         torch.set_num_threads(args.threads)
+    if args.out:  # a place that cannot hold the results fails now, not after the benchmark
+        out = Path(args.out)
+        if out.is_dir():
+            raise ValueError(f"--out: {out} is a folder; give the path of a JSON file to write")
+        if not out.parent.is_dir():
+            raise ValueError(f"--out: the folder {out.parent} does not exist")
+        if not os.access(out.parent, os.W_OK):
+            raise PermissionError(errno.EACCES, "cannot write into this folder", str(out.parent))
     subset = None if args.train_subset == 0 else args.train_subset
     result = run_benchmark(splits, methods, seeds, root=args.root, train_subset=subset, epochs=args.epochs,
                            batch_size=args.batch_size, log=lambda s: print(s, file=sys.stderr, flush=True))

@@ -298,7 +298,9 @@ class Trainer:
                 loss = self.loss_fn(emb, y)
                 self._accumulate_means(emb.detach().float(), y, num_classes)
             if not torch.isfinite(loss):
-                raise FloatingPointError(f"{self.desc}: loss became {loss.item()} at epoch {epoch}")
+                lr = self.optimizer.param_groups[0]["lr"]
+                raise FloatingPointError(f"{self.desc}: the training diverged (loss {loss.item()} at epoch {epoch}, "
+                                         f"learning rate {lr:g}); lower the learning rate")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
