@@ -183,3 +183,12 @@ def test_missing_dataset_files_end_the_run_before_its_directory_exists(tmp_path,
     assert cli(["run", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "runs"), "--name", "x"]) == 2
     assert "fashion-mnist: expected files" in _one_line(capsys, "run")
     assert not (tmp_path / "runs" / "x").exists()
+
+
+def test_official_corrupted_sets_asked_for_but_absent_end_the_run_before_its_directory_exists(tmp_path, capsys,
+                                                                                            mnist_dir):
+    config = BASE.replace("[data]", f'[data]\ndataset = "mnist"\nroot = "{mnist_dir}"\ncorrupted_source = "official"')
+    (tmp_path / "c.toml").write_text(config + '[[models]]\narch = "lenet"\n')
+    assert cli(["run", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "runs"), "--name", "x"]) == 2
+    assert "mnist-c: expected files" in _one_line(capsys, "run")
+    assert not (tmp_path / "runs" / "x").exists()

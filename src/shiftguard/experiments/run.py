@@ -612,7 +612,10 @@ def main(args) -> int:
     cfg = resolve_config(args)
     device = check_device(args.device)
     preflight(cfg)
-    data = load_data(cfg)  # missing or damaged dataset files end the run before its directory exists
+    # missing or damaged dataset files (and official corrupted sets asked for but absent) end the run
+    # before its directory exists
+    data = load_data(cfg)
+    make_shift_source(cfg, data, corruption_list(cfg))
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads: expected >= 1, got {args.threads}")
