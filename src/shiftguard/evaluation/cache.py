@@ -2,7 +2,7 @@
 
 Outputs are reused only for the evaluation that wrote them: each model's folder holds a
 ``fingerprint.json`` of everything that determines its outputs (:func:`fingerprint`: a digest of
-the weights and buffers, of the test, support and validation images, of what ``preprocess`` does
+the weights and buffers, of the test, support, validation and calibration images, of what ``preprocess`` does
 to a fixed probe batch, and the batch size, output kind, embedding, corruption source and seed).
 A folder whose fingerprint differs is refused with the fields that differ
 (:func:`check_fingerprint`), never read: another model under the same name (every
@@ -58,7 +58,7 @@ def _callable_name(fn) -> Optional[str]:
 
 def fingerprint(model: torch.nn.Module, *, test: tuple, support: Optional[tuple], validation: Optional[tuple],
                 preprocess: Optional[Callable], probe: torch.Tensor, batch_size: int, output: str, embed: Any,
-                corruption_source: str, seed: int) -> dict:
+                corruption_source: str, seed: int, calibration: Optional[tuple] = None) -> dict:
     """What determines one model's cached outputs, as a JSON-able dict (module docstring).
     ``probe``: a fixed float batch shaped like the images, passed through ``preprocess``."""
     from shiftguard._version import __version__
@@ -72,6 +72,7 @@ def fingerprint(model: torch.nn.Module, *, test: tuple, support: Optional[tuple]
         "test": tensor_digest(*test),
         "support": tensor_digest(*support) if support is not None else None,
         "validation": tensor_digest(*validation) if validation is not None else None,
+        "calibration": tensor_digest(*calibration) if calibration is not None else None,
         "preprocess": {"name": _callable_name(preprocess),
                        "probe": tensor_digest(probed) if isinstance(probed, torch.Tensor) else repr(probed)},
         "batch_size": int(batch_size),

@@ -30,6 +30,7 @@ from . import aggregate as A
 from .adaptation import AdaptSpec, adapt_specs
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
 from .cache import check_fingerprint, fingerprint
+from .conformal import conformal_spec, split_validation
 from .grid import Cell, model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs, looks_like_probabilities
 from .result import EvaluationResult
@@ -270,6 +271,10 @@ def evaluate(
     batch_size: int = 500,
     contexts: Sequence[str] = ("batch", "frozen"),
     adapt: Union[str, AdaptSpec, Sequence[Union[str, AdaptSpec]]] = ("none",),
+    conformal: Sequence[str] = (),
+    alpha: float = 0.1,
+    conformal_weighted: bool = False,
+    calibration=None,
     device: Union[str, torch.device] = "cpu",
     seed: int = 0,
     k: int = 10,
@@ -324,6 +329,13 @@ def evaluate(
             :class:`~.adaptation.AdaptSpec` s. Rows name the arm in ``"adaptation"``; an arm a model
             cannot use is skipped and listed with the reason (``skipped_adaptations``). Every arm
             adapts a private copy of the model, reset to the trained state at every cell.
+        conformal, alpha, conformal_weighted, calibration: conformal prediction sets
+            (:mod:`.conformal`, ``docs/conformal.md``): methods of ``shiftguard.conformal.METHODS``
+            (``"lac"``, ``"aps"``, ``"raps"``) at level ``1 - alpha``; rows gain
+            ``coverage_<method>`` and ``set_size_<method>`` (and ``*_weighted`` for the weighted
+            split conformal of covariate shift with ``conformal_weighted``). The sets are calibrated
+            on ``calibration`` (data of the same form as ``test``), or else on half of
+            ``validation`` (the other half then fits temperature scaling and NED's temperature).
         seed: seed of the corruption engine and of the bootstrap intervals.
         k: neighbours of the NED / kNN heads. knn_backend: their exact kNN search
             (``shiftguard.neighbors.BACKENDS``): ``"pruned"`` skips the support clusters a lower
@@ -405,6 +417,7 @@ def evaluate(
     if isinstance(ece_bins, bool) or not isinstance(ece_bins, int) or not 1 <= ece_bins <= 10_000:
         raise ValueError(f"ece_bins: expected an integer in 1..10000, got {ece_bins!r}")
     arms = adapt_specs(adapt)
+    sets_spec = conformal_spec(conformal, alpha, conformal_weighted)
     contexts = list(contexts)
     if not contexts or any(c not in ("batch", "frozen") for c in contexts):
         raise ValueError(f"contexts: expected a non-empty subset of ('batch', 'frozen'), got {contexts!r}")
@@ -429,7 +442,21 @@ def evaluate(
                          f"test image is ranked against the others); the test set has {test_y.numel()}")
     sup = tensors(support, "support") if support is not None else None
     val = tensors(validation, "validation") if validation is not None else None
-    for nm, part in (("support", sup), ("validation", val)):
+    cal = tensors(calibration, "calibration") if calibration is not None else None
+    if calibration is not None and sets_spec is None:
+        raise ValueError("calibration: given without conformal methods (conformal=...)")
+    cal_source = None
+    if sets_spec is not None:
+        if cal is not None:
+            cal_source = "calibration= data"
+        elif val is not None:
+            val, cal = split_validation(val, seed)
+            cal_source = ("half of validation= (seeded split); the other half fits temperature scaling and NED's "
+                          "temperature")
+        else:
+            raise ValueError("conformal: the prediction sets need calibration data the heads were not fitted on; "
+                             "give calibration=, or validation= to split in two")
+    for nm, part in (("support", sup), ("validation", val), ("calibration", cal)):
         if part is not None and part[0].shape[1:] != test_x.shape[1:]:
             raise ValueError(f"{nm}: images of shape {tuple(part[0].shape[1:])}, test images "
                              f"{tuple(test_x.shape[1:])}")
@@ -490,7 +517,7 @@ def evaluate(
             num_classes = int(probe["logits"].shape[1])
         else:
             num_classes = int(max(int(y.max()) for y in [test_y] + [p[1] for p in (sup, val) if p is not None]) + 1)
-        for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val)):
+        for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val), ("calibration", cal)):
             if part is not None:
                 _labels_range(num_classes, part[1], nm)
         _labels_from_zero([(nm, part[1]) for nm, part in (("test", (test_x, test_y)), ("support", sup),
@@ -500,21 +527,28 @@ def evaluate(
             suite_attacks.check_models(entries)
         if cache_dir is not None:
             _check_cache(Path(cache_dir), entries, test=(test_x, test_y), support=sup, validation=val,
-                         preprocess=preprocess, batch_size=batch_size, output=output, embed=embed,
+                         calibration=cal, preprocess=preprocess, batch_size=batch_size, output=output, embed=embed,
                          source=f"engine:{suite}" if source == "engine" else source, seed=seed,
                          distributed=distributed, device=dev)
 
         grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
                         support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
                         contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
-                        distributed=distributed, attacks=suite_attacks, knn_backend=knn_backend, adapt=arms, seed=seed)
+                        distributed=distributed, attacks=suite_attacks, knn_backend=knn_backend, adapt=arms, seed=seed,
+                        conformal=sets_spec, calibration=cal)
     data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
             "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
             "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}
     results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
                             ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name,
                             attacks=suite_attacks, adapt=arms)
+    if sets_spec is not None:
+        assert cal is not None and cal_source is not None
+        results["conformal"] = sets_spec.describe(cal_source, int(cal[1].numel()))
+        results["data"]["n_val"] = 0 if val is None else int(val[1].numel())
     results["config"] = {"batch_size": batch_size, "contexts": contexts, "adapt": [a.label for a in arms],
+                         "conformal": list(sets_spec.methods) if sets_spec else [], "alpha": alpha,
+                         "conformal_weighted": conformal_weighted,
                          "k": k, "knn_backend": knn_backend,
                          "retrieval_ks": ks, "ece_bins": ece_bins, "preprocess": _describe(preprocess),
                          "layout": layout, "output": output}
@@ -526,7 +560,8 @@ def evaluate(
     return EvaluationResult(results)
 
 
-def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validation, preprocess, batch_size: int,
+def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validation, calibration, preprocess,
+                 batch_size: int,
                  output: str, embed, source: str, seed: int, distributed: bool, device: torch.device) -> None:
     """Each model's cache folder belongs to this evaluation (``cache.check_fingerprint``); the
     fingerprint of a new folder is written by one process."""
@@ -535,7 +570,8 @@ def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validat
     probe = torch.rand((2, *test[0].shape[1:]), generator=torch.Generator().manual_seed(0))
     write = not distributed or is_main_process()
     for e in entries:
-        fp = fingerprint(e["model"], test=test, support=support, validation=validation, preprocess=preprocess,
+        fp = fingerprint(e["model"], test=test, support=support, validation=validation, calibration=calibration,
+                         preprocess=preprocess,
                          probe=probe.to(device=device, dtype=e["outputs"].dtype), batch_size=batch_size,
                          output=output, embed=embed, corruption_source=source, seed=seed)
         check_fingerprint(cache_dir / e["name"], fp, write=write)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ from .adaptation import AdaptedModel, AdaptSpec, arm_contexts, skip_reason
 from .adversarial import ADVERSARIAL, AttackSuite
 from .aggregate import CLEAN
 from .cache import OutputCache
+from .conformal import ConformalSpec, cell_uniform, cell_weights, fit_calibrators, set_metrics
 from .outputs import ModelOutputs, compute_outputs
 from .scoring import calibration_view, reliability_bins, score_cell, score_retrieval
 
@@ -151,6 +152,8 @@ def run_grid(
     knn_backend: str = "auto",
     adapt: Sequence[AdaptSpec] = (AdaptSpec("none"),),
     seed: int = 0,
+    conformal: Optional[ConformalSpec] = None,
+    calibration: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> dict:
     """Score the grid; returns ``{"rows", "reliability", "per_image", "skipped_heads",
     "skipped_adaptations", "timings", "knn_backend"}``.
@@ -160,7 +163,11 @@ def run_grid(
     the contexts :func:`~.adaptation.arm_contexts` gives (rows say which in ``"adaptation"``); the
     heads of a (model, context) are fitted once, on the static model's clean outputs, and score
     every arm. Adversarial cells are scored for the ``"none"`` arm only: attacking an adapting
-    model is another threat model. ``seed``: the batch order of the ``refresh`` arm's passes.
+    model is another threat model. ``seed``: the batch order of the ``refresh`` arm's passes, and
+    the draws of the conformal sets.
+    ``conformal`` (:mod:`.conformal`): every head is also calibrated on ``calibration`` (clean data
+    none of the heads was fitted on) and each cell's rows record the coverage and mean size of its
+    prediction sets per method.
     ``shifted(corruption, severity)`` returns the corrupted test images (same order and labels as
     ``test``). Severity 0 (the clean test set) is scored once, as ``corruption="clean"``.
     Cells of group "adversarial" (``attacks.cells()``) are attacked per (model, context) by
@@ -192,6 +199,8 @@ def run_grid(
     knn_backend = grid_knn_backend(knn_backend, 0 if support_y is None else int(support_y.numel()),
                                    int(test_y.numel()))
     validation_x, validation_y = validation if validation is not None else (None, None)
+    if conformal is not None and calibration is None:
+        raise ValueError("calibration: conformal prediction sets need calibration data")
     all_cells: list[Cell] = [(CLEAN, 0, "benchmark")] + list(cells)
     top = max((s for _, s, _ in cells), default=0)
     rank, world = (get_rank(), get_world_size()) if distributed and is_distributed() else (0, 1)
@@ -238,7 +247,7 @@ def run_grid(
 
     # 1. fit the heads on clean data, per model and context (this process's share of the jobs)
     def fit_jobs() -> dict:
-        fitted = {}
+        fitted: dict[tuple, Any] = {}
         for j in fit_share:
             m, ctx, heads = fit_jobs_list[j]
             emb_heads = [h for h in heads if head_input(h) == "embeddings"]
@@ -266,6 +275,17 @@ def run_grid(
                     elif sup is not None:
                         head.fit(sup["logits"], None)
                 fitted[m["name"], ctx, h] = head
+            if conformal is not None:
+                assert calibration is not None
+                cal = outputs_of(m, ctx, none, "calibration", lambda: calibration[0])
+                fitted[m["name"], ctx, "calibration-features"] = (
+                    cal["embeddings"] if cal["embeddings"] is not None else cal["logits"])
+                for h in heads:
+                    head = fitted[m["name"], ctx, h]
+                    with _seeded():
+                        probs = torch.as_tensor(head.predict_proba(
+                            cal["logits"] if head_input(h) == "logits" else cal["embeddings"]))
+                    fitted[m["name"], ctx, h, "conformal"] = fit_calibrators(conformal, probs, calibration[1], seed)
             timings["fit_heads_s"] += time.perf_counter() - t0
         return fitted
 
@@ -307,9 +327,17 @@ def run_grid(
             key = attacks.key(corruption, severity) if group == ADVERSARIAL and attacks else f"{corruption}-s{severity}"
             out = outputs_of(m, ctx, spec, key, make_images)
             t0 = time.perf_counter()
+            sets = None
+            if conformal is not None:
+                weights = None
+                if conformal.weighted:
+                    features = out["embeddings"] if out["embeddings"] is not None else out["logits"]
+                    weights = cell_weights(fitted[m["name"], ctx, "calibration-features"], features, seed)
+                sets = {"spec": conformal, "uniform": cell_uniform(int(test_y.numel()), seed, c),
+                        "weights": weights}
             results[u] = _score_unit(out, fitted, m["name"], ctx, spec.label, heads, all_cells[c], test_y,
                                      retrieval_ks, ece_bins, keep=severity == 0 or group == "benchmark",
-                                     indexes=indexes)
+                                     indexes=indexes, conformal=sets)
             timings["score_s"] += time.perf_counter() - t0
         bar.close()
         return {"units": results, "timings": timings}
@@ -430,10 +458,12 @@ def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor],
 
 def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, heads: Sequence[str], cell: Cell,
                 test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool,
-                indexes: Optional[dict] = None) -> dict:
+                indexes: Optional[dict] = None, conformal: Optional[dict] = None) -> dict:
     """Rows of every head of one (model, context, adaptation arm) on one cell; with ``keep``, also each head's
     per-image ``(correct, confidence, hit)``, for the intervals and reliability pools. ``indexes``:
-    the search indexes kept across units (:func:`_shared_neighbors`)."""
+    the search indexes kept across units (:func:`_shared_neighbors`). ``conformal``: ``{"spec",
+    "uniform", "weights"}`` of the cell; each head's calibrators are ``fitted[name, ctx, head,
+    "conformal"]``."""
     corruption, severity, group = cell
     if out["embeddings"] is not None:
         retrieval, miss = score_retrieval(out["embeddings"], test_y, retrieval_ks)
@@ -457,9 +487,13 @@ def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, h
         hit = top_class == test_y            # the top-label event the ECE is about
         correct = norm.argmax(1) == test_y   # the prediction accuracy counts
         kept.append((correct, conf, hit) if keep else None)
+        sets = {}
+        if conformal is not None:
+            sets = set_metrics(conformal["spec"], fitted[name, ctx, h, "conformal"], probs, test_y,
+                               conformal["uniform"], conformal["weights"])
         rows.append({
             "model": name, "context": ctx, "adaptation": adaptation, "head": h, "corruption": corruption,
             "severity": severity, "n": int(test_y.numel()), "group": group,
-            **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr), **retrieval,
+            **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr), **retrieval, **sets,
         })
     return {"rows": rows, "kept": kept}

@@ -53,11 +53,16 @@ _CONTEXT_ORDER = {"none": 0, "batch": 1, "frozen": 2}
 
 
 def is_rate(metric: str) -> bool:
-    """Whether ``metric`` is a rate in [0, 1], shown in % (everything but NLL and Brier score)."""
-    return metric not in PLAIN_METRICS
+    """Whether ``metric`` is a rate in [0, 1], shown in % (everything but NLL, Brier score and the
+    conformal set sizes)."""
+    return metric not in PLAIN_METRICS and not metric.startswith("set_size_")
 
 
 def metric_label(metric: str) -> str:
+    for prefix, what in (("coverage_", "coverage"), ("set_size_", "set size")):
+        if metric.startswith(prefix):
+            method, _, weighted = metric[len(prefix):].partition("_")
+            return f"{method.upper()} {what}" + (" (weighted)" if weighted else "")
     if metric.startswith("map_at_"):
         return "MAP@" + metric[len("map_at_"):]
     if metric.startswith("recall_at_"):
@@ -266,9 +271,10 @@ def _finish_panels(fig, axes, n_panels: int, rate: bool, ylabel: str, title: str
     fig.suptitle(title, fontsize=10)
 
 
-def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
+def metric_vs_severity(results: dict, metric: str, path: Path, target: Optional[float] = None) -> Path:
     """``metric`` against severity per (model, context, adaptation) panel, one line per head, +/- std over the
-    benchmark corruptions as a band clipped to the metric's range."""
+    benchmark corruptions as a band clipped to the metric's range; ``target`` (a rate) drawn as a
+    dashed line in every panel (the ``1 - alpha`` of the conformal coverage)."""
     plt = pyplot()
     rate = is_rate(metric)
     scale = 100.0 if rate else 1.0
@@ -283,6 +289,8 @@ def metric_vs_severity(results: dict, metric: str, path: Path) -> Path:
             s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
             (line,) = ax.plot(s, m * scale, marker="o", ms=3, label=_text(head))
             _band(ax, s, m * scale, sd * scale, rate, alpha=0.15, color=line.get_color())
+        if target is not None:
+            ax.axhline(target * scale, color="k", ls="--", lw=0.8, label=f"target {target * scale:g}")
         ax.set_title(_label(*panel), fontsize=9)
         ax.set_xticks([0, *severities(results)])
         ax.set_xlabel("severity (0 = clean)")

@@ -377,6 +377,14 @@ def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> 
         out["adversarial_ece"] = P.metric_vs_eps(results, "ece_top_label", d / "ece_vs_attack_eps.png")
     if results.get("reliability"):
         out["reliability"] = P.reliability_diagrams(results, d / "reliability_diagrams.png")
+    sets = results.get("conformal") or {}
+    for m in sets.get("methods") or []:
+        for variant in ("", "_weighted"):
+            cov, size = f"coverage_{m}{variant}", f"set_size_{m}{variant}"
+            if cov in metrics:
+                out[cov] = P.metric_vs_severity(results, cov, d / f"{cov}_vs_severity.png",
+                                                target=as_number(sets.get("target_coverage")))
+                out[size] = P.metric_vs_severity(results, size, d / f"{size}_vs_severity.png")
     target = d / "corruption_gallery.png"
     source = safe_png(gallery, Path(gallery).parent.parent) if gallery is not None else None
     if source is not None and source.resolve() != target.resolve():
@@ -777,7 +785,57 @@ _CAPTIONS = {
     "adversarial_accuracy": "Accuracy (%) under each attack vs its budget eps (pixel units of [0, 1] images), "
                             "one line per head and attack; eps 0 = clean test set.",
     "adversarial_ece": "Top-label ECE (%) under each attack vs its budget eps.",
+    "coverage": "Coverage (%) of the conformal prediction sets vs severity, one line per head; dashed: the "
+                "target 1 - alpha the sets guarantee on clean (exchangeable) data.",
+    "set_size": "Mean size of the conformal prediction sets vs severity.",
 }
+
+
+def _caption(key: str) -> str:
+    if key in _CAPTIONS:
+        return _CAPTIONS[key]
+    for prefix, cap in (("coverage_", "coverage"), ("set_size_", "set_size")):
+        if key.startswith(prefix):
+            return f"{P.metric_label(key)}: " + _CAPTIONS[cap]
+    return key
+
+
+def _conformal_section(results: dict) -> str:
+    """Coverage and set size of every series' prediction sets at each severity (rates in %)."""
+    sets = results.get("conformal") or {}
+    methods = sets.get("methods") or []
+    if not methods:
+        return ""
+    index = cell_index(results)
+    sevs = P.severities(results)
+    arms = _has_arms(results)
+    trans = _transductive(results)
+    variants = ["", "_weighted"] if sets.get("weighted") else [""]
+    head = [*_label_head(arms), "method"]
+    for s in (0, *sevs):
+        head += [f"coverage s{s}", f"size s{s}"]
+    body = []
+    for key in index:
+        for m in methods:
+            for v in variants:
+                cells = []
+                for sev in (0, *sevs):
+                    pts = {x[0]: x[1] for x in severity_curve(results, key, f"coverage_{m}{v}", index)}
+                    sz = {x[0]: x[1] for x in severity_curve(results, key, f"set_size_{m}{v}", index)}
+                    cells += [_fmt(pts.get(sev)), _fmt(sz.get(sev), 1.0, 2)]
+                body.append([*_label_cells(key, arms, trans), m + (" (weighted)" if v else ""), *cells])
+    target = as_number(sets.get("target_coverage"))
+    cal = _e(sets.get("calibration"))
+    note = (f"Split conformal prediction sets at target coverage {_fmt(target)}%, calibrated on {cal} "
+            f"({_e(_int(sets.get('n_calibration')))} images) with each head's probabilities on clean data; "
+            "coverage = the share of test images whose set holds the label, size = the mean number of labels "
+            "per set; at severities above 0, means over the benchmark corruptions. The guarantee holds for "
+            "exchangeable data only: below the target under shift is what the shift costs.")
+    if sets.get("weighted"):
+        note += (" <i>weighted</i>: the weighted split conformal of Tibshirani et al. (2019), with a likelihood "
+                 "ratio estimated on each unlabelled cell (transductive).")
+    return ("<h2>Conformal prediction sets</h2><p class='small'>" + note + "</p>"
+            + _table(head, body, left=len(_label_head(arms)) + 1))
 
 
 def render_html(results: dict, plots: dict[str, Path], source: Optional[str] = None) -> str:
@@ -785,7 +843,7 @@ def render_html(results: dict, plots: dict[str, Path], source: Optional[str] = N
     rows = summary_rows(results)
     kind = results.get("kind") or "run"
     bins = _ece_bins(results)
-    figs = "".join(_img(p, _CAPTIONS.get(k, k)) for k, p in plots.items())
+    figs = "".join(_img(p, _caption(k)) for k, p in plots.items())
     sevs = P.severities(results)
     top = sevs[-1] if sevs else None
     ece_note = f"ECE is top-label with {_e(_int(bins))} equal-width bins" if bins is not None else "ECE is top-label"
@@ -812,6 +870,7 @@ def render_html(results: dict, plots: dict[str, Path], source: Optional[str] = N
 {_per_corruption_table(results)}
 {sev_tables}
 {_robustness_section(results)}
+{_conformal_section(results)}
 {_adversarial_section(results)}
 {_intervals_table(results)}
 {_skipped_section(results)}

@@ -120,6 +120,13 @@ class EvalConfig:
     #: docs/evaluate.md): "none" (static), "bn-batch", "bn" ("bn:prior=N"), "tent", "refresh"
     #: ("refresh:passes=N").
     adapt: list = field(default_factory=lambda: ["none"])
+    #: conformal prediction sets of every head (``shiftguard.evaluate(conformal=)``, docs/conformal.md):
+    #: some of "lac", "aps", "raps"; [] = none. Calibrated on half of the validation split.
+    conformal: list = field(default_factory=list)
+    #: the sets' miscoverage level: they hold the label with probability >= 1 - conformal_alpha.
+    conformal_alpha: float = 0.1
+    #: also the weighted split conformal of covariate shift (likelihood ratio estimated on each cell).
+    conformal_weighted: bool = False
     #: neighbours used by NED / kNN heads.
     k: int = 10
     #: their exact kNN search (``shiftguard.neighbors.BACKENDS``): "pruned" skips the support
@@ -358,6 +365,9 @@ _RULES: dict[str, dict[str, Any]] = {
         "batch_size": _ints(2, why=" (QACT needs a context of 2 images)"),
         "frozen_context": None,
         "adapt": _name_list("adaptation arms", " (an arm would be scored twice)"),
+        "conformal": _name_list("conformal methods", " (a method would be scored twice)"),
+        "conformal_alpha": _reals(0, 1, open_lo=True),
+        "conformal_weighted": None,
         "k": _ints(1),
         "knn_backend": _text(BACKENDS),
         "retrieval_ks": _int_list(1, None, "cut-offs", " (a repeated cut-off would be reported twice)"),
@@ -481,6 +491,14 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         adapt_specs(e.adapt)
     except ValueError as exc:
         raise ValueError(f"{src}: key eval.{exc}") from None
+    from shiftguard.evaluation.conformal import conformal_spec
+
+    try:
+        conformal_spec(e.conformal, e.conformal_alpha, e.conformal_weighted)
+    except (TypeError, ValueError) as exc:
+        key = str(exc).split(":")[0]
+        key = {"alpha": "conformal_alpha"}.get(key, key)
+        raise ValueError(f"{src}: key eval.{key}:{str(exc).split(':', 1)[1]}") from None
     if e.attacks:
         from shiftguard.evaluation.adversarial import attack_specs
 

@@ -60,6 +60,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="test-time adaptation arms scored side by side: none (default), bn-batch, bn, tent, refresh "
                         "(options as 'bn:prior=16', 'tent:lr=0.00025,optimizer=sgd', 'refresh:passes=2'; "
                         "docs/evaluate.md)")
+    p.add_argument("--conformal", nargs="+", default=[], metavar="METHOD",
+                   help="conformal prediction sets of every head: some of lac, aps, raps (calibrated on half of the "
+                        "validation images; docs/conformal.md)")
+    p.add_argument("--alpha", type=float, default=0.1,
+                   help="miscoverage level of the sets (default 0.1: 90%% coverage)")
+    p.add_argument("--conformal-weighted", action="store_true",
+                   help="also the weighted split conformal of covariate shift (transductive)")
     p.add_argument("--baseline", metavar="RESULTS", help="results.json (or its folder) of a baseline for CE / mCE")
     p.add_argument("--baseline-key", metavar="MODEL/CONTEXT/HEAD",
                    help="which of the baseline's rows (MODEL/CONTEXT/ADAPTATION/HEAD for an adapted one)")
@@ -224,6 +231,7 @@ def _evaluate_into(args, out: Path) -> int:
         model, test, support=support, validation=val, suite=args.suite, corruptions=args.corruptions,
         severities=args.severities, extra=args.extra, heads=args.heads, embed=args.embed,
         preprocess=_normalizer(args.normalize, channels), batch_size=args.batch_size, adapt=args.adapt,
+        conformal=args.conformal, alpha=args.alpha, conformal_weighted=args.conformal_weighted,
         device=args.device, seed=args.seed,
         baseline=args.baseline, baseline_key=args.baseline_key, n_boot=args.n_boot, name=args.name,
         progress=not args.no_progress,

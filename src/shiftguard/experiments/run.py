@@ -54,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapt", nargs="+", metavar="ARM",
                    help="override eval.adapt: test-time adaptation arms scored side by side, any of none, bn-batch, "
                         "bn, tent, refresh (options as 'bn:prior=16', 'refresh:passes=2'; docs/evaluate.md)")
+    p.add_argument("--conformal", nargs="+", metavar="METHOD",
+                   help="override eval.conformal: conformal prediction sets of every head, some of lac, aps, raps "
+                        "(docs/conformal.md)")
     p.add_argument("--name", help="run name (default: the config's name, else a timestamp)")
     p.add_argument("--out", default="runs", help="parent folder of run directories (default: runs)")
     p.add_argument("--resume", action="store_true",
@@ -101,13 +104,16 @@ def resolve_config(args) -> C.RunConfig:
     adapt = getattr(args, "adapt", None)
     if adapt is not None:
         cfg.eval.adapt = list(adapt)
-    if args.quick or args.epochs is not None or args.seed is not None or adapt is not None:
+    conformal = getattr(args, "conformal", None)
+    if conformal is not None:
+        cfg.eval.conformal = list(conformal)
+    if args.quick or args.epochs is not None or args.seed is not None or adapt is not None or conformal is not None:
         # the command-line overrides pass the same checks as the file's own values
         source = cfg.source
         try:
             cfg = C.config_from_dict(cfg.to_dict(), source=source)
         except ValueError as exc:
-            raise ValueError(f"{exc} (after --quick/--epochs/--seed/--adapt)") from None
+            raise ValueError(f"{exc} (after --quick/--epochs/--seed/--adapt/--conformal)") from None
     return cfg
 
 
@@ -566,7 +572,8 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     evaluated = evaluate(
         trained, data["test"], support=support, validation=data["val"], suite=cfg.data.suite,
         corruptions=corruptions, severities=cfg.data.severities, heads={m.name: list(m.heads) for m in cfg.models},
-        preprocess=to_model_input, batch_size=e.batch_size, contexts=contexts, adapt=e.adapt, device=device,
+        preprocess=to_model_input, batch_size=e.batch_size, contexts=contexts, adapt=e.adapt, conformal=e.conformal,
+        alpha=e.conformal_alpha, conformal_weighted=e.conformal_weighted, device=device,
         seed=cfg.seed, k=e.k, knn_backend=e.knn_backend, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
         n_boot=e.n_boot, shifted=shifted, attacks=e.attacks, attack_eps=e.attack_eps, attack_steps=e.attack_steps,
         attack_loss=attack_losses if e.attacks else None, name=run_dir.name, cache_dir=run_dir / "cache",
