@@ -105,6 +105,7 @@ def test_the_report_shows_coverage_against_severity_and_a_table(tmp_path):
     assert (tmp_path / "plots" / "coverage_lac_vs_severity.png").is_file()
     assert (tmp_path / "plots" / "set_size_raps_vs_severity.png").is_file()
     assert "Conformal prediction sets" in page and "coverage s3" in page
+    assert "LAC coverage (%) at severity 3, per corruption" in page and "RAPS coverage (%) at severity 3" in page
 
 
 def test_run_configs_and_the_command_line_ask_for_conformal_sets():

@@ -834,8 +834,21 @@ def _conformal_section(results: dict) -> str:
     if sets.get("weighted"):
         note += (" <i>weighted</i>: the weighted split conformal of Tibshirani et al. (2019), with a likelihood "
                  "ratio estimated on each unlabelled cell (transductive).")
-    return ("<h2>Conformal prediction sets</h2><p class='small'>" + note + "</p>"
-            + _table(head, body, left=len(_label_head(arms)) + 1))
+    out = ("<h2>Conformal prediction sets</h2><p class='small'>" + note + "</p>"
+           + _table(head, body, left=len(_label_head(arms)) + 1))
+    # per corruption: the coverage at the highest severity of every series, one table per method
+    bench, _ = benchmark_corruptions(results)
+    if sevs and bench:
+        top = sevs[-1]
+        keys = list(index)
+        for m in methods:
+            for v in variants:
+                metric = f"coverage_{m}{v}"
+                chead = ["corruption", *(_key_label(*k) for k in keys)]
+                cbody = [[str(c), *(_fmt(index[k].get((c, top), {}).get(metric)) for k in keys)] for c in bench]
+                out += (f"<h3>{_e(P.metric_label(metric))} (%) at severity {_e(top)}, per corruption</h3>"
+                        + _table(chead, cbody, left=1))
+    return out
 
 
 def render_html(results: dict, plots: dict[str, Path], source: Optional[str] = None) -> str:
