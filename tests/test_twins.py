@@ -12,6 +12,8 @@ import types
 
 import pytest
 import torch
+from test_convert import PlainCNN  # the user-style CNN of the conversion tests
+from test_models import SMALL
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -32,16 +34,7 @@ from shiftguard.nn.qact import ACTIVATION_REGISTRY
 
 TWINS = ["bn-relu-bn", "bn-prelu-bn", "bn-selu-bn"]
 BASE = {"bn-relu-bn": nn.ReLU, "bn-prelu-bn": nn.PReLU, "bn-selu-bn": nn.SELU}
-# Small settings keep every architecture fast; DenseNet-121 gets one dense layer per block (the same
-# code path: dense layers, transitions, final norm-activation).
-SMALL = {
-    "lenet": {},
-    "mlp": {"hidden": (32, 16)},
-    "resnet18": {"base_width": 4},
-    "vgg11": {},
-    "densenet121": {"growth_rate": 2},
-}
-ARCHS = sorted(SMALL)
+ARCHS = sorted(SMALL)  # the small constructors of tests/test_models.py keep every architecture fast
 QACT_KW = dict(n_tau=20, n_samples=200)
 
 
@@ -193,19 +186,6 @@ def test_twin_model_state_dict_round_trip():
 
 
 # ----------------------------------------------------------------------------- user models
-class PlainCNN(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        )
-        self.fc = nn.Linear(16 * 2 * 2, 5)
-
-    def forward(self, x):
-        return self.fc(self.features(x).flatten(1))
-
-
 class TwiceCalled(nn.Module):
     """One ``self.relu`` called at two sites, as in torchvision's BasicBlock."""
 
