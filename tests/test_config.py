@@ -148,3 +148,20 @@ def test_augmix_keys_are_checked_with_the_model_they_train():
     with pytest.raises(ValueError, match="the Jensen-Shannon term needs class logits"):
         config_from_dict({"train": {"augmix": True, "jsd_weight": 1.0},
                             "models": [{"arch": "lenet", "loss": "watershed", "heads": ["quantile"]}]})
+
+
+def test_the_mce_baseline_is_the_relu_softmax_unless_eval_baseline_names_another():
+    from shiftguard.experiments.config import baseline_key
+
+    assert baseline_key(default_config()) == "lenet-relu-ce/none/softmax"
+    two = {"models": [{"arch": "lenet", "name": "a", "activation": "qact", "loss": "watershed", "heads": ["quantile"]},
+                      {"arch": "lenet", "name": "b", "heads": ["softmax", "knn"]}]}
+    assert baseline_key(config_from_dict(two)) == "b/none/softmax"
+    assert baseline_key(config_from_dict({**two, "eval": {"baseline": "b/none/knn"}})) == "b/none/knn"
+    assert baseline_key(config_from_dict({**two, "eval": {"baseline": "none"}})) is None
+    assert baseline_key(config_from_dict({"models": two["models"][:1]})) is None
+    for bad, match in (("b/softmax", "eval.baseline must be 'model/context/head'"),
+                       ("c/none/softmax", "eval.baseline must name a model of this run"),
+                       ("b/none/quantile", "eval.baseline must name a head of model 'b'")):
+        with pytest.raises(ValueError, match=match):
+            config_from_dict({**two, "eval": {"baseline": bad}})

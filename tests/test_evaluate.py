@@ -209,6 +209,34 @@ def test_mce_against_a_baseline_the_user_passes(model):
         shiftguard.evaluate(model, (x, y), heads=["softmax"], baseline=base, baseline_key="x/none/softmax", **FAST)
 
 
+def test_each_head_is_compared_with_the_same_head_of_the_baseline(model):
+    x, y = _data()
+    sup, val = _data(120, seed=2), _data(60, seed=4)
+    base = shiftguard.evaluate(model, (x, y), support=sup, validation=val, heads=["softmax", "temperature"],
+                               name="base", **FAST)
+    own = shiftguard.evaluate(model, (x, y), support=sup, validation=val, heads=["softmax", "temperature", "knn"],
+                              baseline=base, **FAST)
+    by_head = {r["head"]: r for r in own.robustness}
+    # The same model and data: each head the baseline scored has CE 1 against itself; a head it did
+    # not score is compared with the baseline's primary head, its softmax.
+    assert by_head["softmax"]["baseline"] == "base: TinyCNN/none/softmax"
+    assert by_head["temperature"]["baseline"] == "base: TinyCNN/none/temperature"
+    assert by_head["knn"]["baseline"] == "base: TinyCNN/none/softmax"
+    assert by_head["temperature"]["mce"] == pytest.approx(1.0)
+
+
+def test_baseline_key_alone_names_a_series_of_this_evaluation(model):
+    x, y = _data()
+    res = shiftguard.evaluate({"a": model, "b": model}, (x, y), heads=["softmax"], baseline_key="a/none/softmax",
+                              **FAST)
+    assert {r["baseline"] for r in res.robustness} == {"this evaluation: a/none/softmax"}
+    assert all(r["mce"] == pytest.approx(1.0) for r in res.robustness)
+    with pytest.raises(ValueError, match="baseline_key: 'c/none/softmax' names no model and head"):
+        shiftguard.evaluate({"a": model}, (x, y), heads=["softmax"], baseline_key="c/none/softmax", **FAST)
+    with pytest.raises(ValueError, match="baseline_key: 'a/none/bn/softmax' names an adaptation arm"):
+        shiftguard.evaluate({"a": model}, (x, y), heads=["softmax"], baseline_key="a/none/bn/softmax", **FAST)
+
+
 def test_compare_gives_deltas_and_names_protocol_differences(model):
     x, y = _data()
     a = shiftguard.evaluate(model, (x, y), heads=["softmax"], **FAST)
@@ -327,9 +355,12 @@ def test_run_and_evaluate_give_identical_numbers_for_the_same_trained_model(tmp_
     res = shiftguard.evaluate({"relu": model}, data["test"], support=data["train"], validation=data["val"],
                               corruptions=["fog", "rotate"], severities=[3], heads=["softmax", "temperature",
                                                                                     "logistic", "knn"],
-                              preprocess=to_model_input, batch_size=60, seed=cfg.data.corruption_seed, n_boot=50)
+                              preprocess=to_model_input, batch_size=60, seed=cfg.data.corruption_seed, n_boot=50,
+                              baseline_key=C.baseline_key(cfg))  # the run's mCE baseline: its ReLU model's softmax
+    assert C.baseline_key(cfg) == "relu/none/softmax"
     assert res.rows == run["rows"]
     assert res.results["robustness"] == run["robustness"]
+    assert {r["baseline"] for r in run["robustness"]} == {"this evaluation: relu/none/softmax"}
 
 
 # ----------------------------------------------------------------------------------------- the documented example

@@ -14,7 +14,7 @@ reported apart (``mca_extra``), as the benchmark does.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
@@ -123,21 +123,24 @@ def _mean(values: list) -> Optional[float]:
     return float(np.mean(v)) if v else None
 
 
-def robustness_table(rows: list[dict], baseline_rows: Optional[list[dict]] = None,
-                     baseline_name: Optional[str] = None) -> list[dict]:
+def robustness_table(rows: list[dict], baseline: Optional[Callable[[str], tuple[list[dict], str]]] = None
+                     ) -> list[dict]:
     """Per (model, context, adaptation, head): ``mca`` (mean corruption accuracy), ``mca_extra``,
     ``corrupted_accuracy`` / ``corrupted_nll`` / ``corrupted_ece`` (means over the benchmark
-    corrupted cells), and with ``baseline_rows`` (the cells of ONE baseline head, same corruptions
-    and severities) ``ce`` per corruption, ``mce``, and ``relative_ce`` / ``relative_mce``
-    (Hendrycks & Dietterich 2019, Sec. 3)."""
-    base_err = base_clean = None
-    if baseline_rows:
-        base_err = {(r["corruption"], r["severity"]): 1.0 - r["accuracy"] for r in _benchmark(baseline_rows)
-                    if r["severity"] > 0}
-        clean = [r for r in baseline_rows if r["severity"] == 0]
-        base_clean = 1.0 - clean[0]["accuracy"] if clean else None
+    corrupted cells), and with ``baseline`` (``baseline(head) -> (the cells of one baseline series,
+    its name)``, same corruptions and severities) ``ce`` per corruption, ``mce``, and
+    ``relative_ce`` / ``relative_mce`` (Hendrycks & Dietterich 2019, Sec. 3); ``baseline`` names
+    the series used."""
     out = []
     for key, rs in _group(rows).items():
+        base_err = base_clean = None
+        baseline_name = None
+        if baseline is not None:
+            baseline_rows, baseline_name = baseline(key[3])
+            base_err = {(r["corruption"], r["severity"]): 1.0 - r["accuracy"] for r in _benchmark(baseline_rows)
+                        if r["severity"] > 0}
+            base_clean_rows = [r for r in baseline_rows if r["severity"] == 0]
+            base_clean = 1.0 - base_clean_rows[0]["accuracy"] if base_clean_rows else None
         bench = [r for r in _benchmark(rs) if r["severity"] > 0]
         extra = [r for r in rs if r.get("group") == "extra" and r["severity"] > 0]
         clean = [r for r in rs if r["severity"] == 0]

@@ -44,9 +44,12 @@ DEFAULT_HEADS = ("softmax", "temperature", "logistic", "ned", "knn")
 
 
 def primary_head(heads: Sequence[str]) -> str:
-    """The protocol head of a model [QACT, Sec. 4, Remark]: the quantile classifier when present,
-    else the logistic refit, else the model's own softmax, else the first head."""
-    for h in ("quantile", "logistic", "softmax"):
+    """The head a model's model-level views show (the per-corruption table, the drop heatmap, mCE):
+    its own trained classifier, ``softmax``, when it was scored (a model's logits are trained
+    whenever ``softmax`` may be asked for: configs refuse it for embedding losses); else the
+    protocol head of [QACT, Sec. 4, Remark], the quantile classifier, else the logistic refit,
+    else the first head. The other heads are comparisons beside it."""
+    for h in ("softmax", "quantile", "logistic"):
         if h in heads:
             return h
     return heads[0]
@@ -168,45 +171,74 @@ def _labels_from_zero(parts: Sequence[tuple[str, torch.Tensor]]) -> None:
                          f"(subtract {lo} if they start at {lo})")
 
 
-def _baseline_rows(baseline, key: Optional[str]) -> tuple[Optional[list[dict]], Optional[str]]:
-    """The cells of one series of ``baseline`` (``key`` = "model/context/head", the static arm, or
-    "model/context/adaptation/head"; default: its first model's protocol head, static) and its name."""
-    if baseline is None:
-        return None, None
-    if isinstance(baseline, EvaluationResult):
-        res = baseline.results
-    elif isinstance(baseline, Mapping):
-        res = dict(baseline)
-    elif isinstance(baseline, (str, Path)):
-        res = EvaluationResult.load(baseline).results
-    else:
-        raise TypeError(f"baseline: expected an EvaluationResult, a results dict or a results.json path, "
-                        f"got {type(baseline).__name__}")
-    rows = res.get("rows") or []
-    if key is None:
-        models = res.get("models") or [{"name": rows[0]["model"], "heads": [rows[0]["head"]]}] if rows else []
-        if not models:
-            raise ValueError("baseline: has no result rows")
-        m = models[0]
-        ctx = next(r["context"] for r in rows if r["model"] == m["name"])
-        key = f"{m['name']}/{ctx}/{m.get('primary_head') or primary_head(m['heads'])}"
+def _baseline_key(key: str) -> tuple:
     parts = key.split("/")
     if len(parts) == 3:
         parts.insert(2, "none")
-    if len(parts) != 4:
+    if len(parts) != 4 or not all(parts):
         raise ValueError(f"baseline_key: expected 'model/context/head' or 'model/context/adaptation/head', "
                          f"got {key!r}")
-    sel = [r for r in rows if A.series_key(r) == tuple(parts)]
-    if not sel:
-        have = sorted({"/".join(A.series_key(r)) if A.series_key(r)[2] != "none"
-                       else f"{r['model']}/{r['context']}/{r['head']}" for r in rows})
-        raise ValueError(f"baseline_key: {key!r} is not in the baseline; it has {', '.join(have)}")
-    return sel, f"{res.get('name', 'baseline')}: {key}"
+    return tuple(parts)
+
+
+def _key_text(key: tuple) -> str:
+    return "/".join(key) if key[2] != "none" else f"{key[0]}/{key[1]}/{key[3]}"
+
+
+def _baseline_results(baseline) -> Optional[dict]:
+    if baseline is None:
+        return None
+    if isinstance(baseline, EvaluationResult):
+        return baseline.results
+    if isinstance(baseline, Mapping):
+        return dict(baseline)
+    if isinstance(baseline, (str, Path)):
+        return EvaluationResult.load(baseline).results
+    raise TypeError(f"baseline: expected an EvaluationResult, a results dict or a results.json path, "
+                    f"got {type(baseline).__name__}")
+
+
+def baseline_chooser(res: dict, key: Optional[str], name: Optional[str] = None) -> Callable[[str], tuple]:
+    """``head -> (baseline rows, "name: key")`` for :func:`.aggregate.robustness_table`.
+
+    ``key`` ("model/context/head" of the static arm, or "model/context/adaptation/head") names one
+    series of ``res`` for every head. Without it, each head is compared with the *same head* of the
+    baseline's first model (its first context, static arm) when the baseline scored that head, else
+    with that model's primary head (:func:`primary_head`).
+
+    Raises:
+        ValueError: a ``key`` that is malformed or not in ``res`` (the message lists what it has).
+    """
+    rows = res.get("rows") or []
+    if not rows:
+        raise ValueError("baseline: has no result rows")
+    label = name or res.get("name", "baseline")
+    have = list(dict.fromkeys(A.series_key(r) for r in rows))
+    by_key: dict = {}
+    for r in rows:
+        by_key.setdefault(A.series_key(r), []).append(r)
+    if key is not None:
+        k = _baseline_key(key)
+        if k not in by_key:
+            raise ValueError(f"baseline_key: {key!r} is not in the baseline; it has "
+                             f"{', '.join(sorted(_key_text(h) for h in have))}")
+        return lambda head: (by_key[k], f"{label}: {_key_text(k)}")
+    models = res.get("models") or [{"name": have[0][0], "heads": [h for m, _, _, h in have if m == have[0][0]]}]
+    first = models[0]["name"]
+    ctx = next(c for m, c, a, _ in have if m == first and a == "none") if any(
+        m == first and a == "none" for m, _, a, _ in have) else next(c for m, c, _, _ in have if m == first)
+    heads = [h for m, c, a, h in have if (m, c, a) == (first, ctx, "none")]
+    primary = models[0].get("primary_head") or primary_head(heads)
+
+    def choose(head: str) -> tuple:
+        k = (first, ctx, "none", head if head in heads else primary)
+        return by_key[k], f"{label}: {_key_text(k)}"
+    return choose
 
 
 def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cells: list[Cell], seed: int,
                   device, ece_bins: int, n_boot: int, level: float = 0.95,
-                  baseline_rows: Optional[list[dict]] = None, baseline_name: Optional[str] = None,
+                  baseline: Optional[Callable[[str], tuple]] = None,
                   kind: str = "evaluate", attacks: Optional[AttackSuite] = None,
                   adapt: Sequence[AdaptSpec] = (AdaptSpec("none"),)) -> dict:
     """The JSON-able results dict shared by ``evaluate`` and ``shiftguard run`` (``results.json``)."""
@@ -241,7 +273,7 @@ def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cell
         "aggregates": A.aggregate(rows),
         "drops": A.accuracy_drops(rows),
         "reliability": grid["reliability"],
-        "robustness": A.robustness_table(rows, baseline_rows, baseline_name),
+        "robustness": A.robustness_table(rows, baseline),
         "intervals": A.intervals(grid["per_image"], n_bins=ece_bins, n_boot=n_boot, level=level, seed=seed),
         "interval_info": {"level": level, "n_boot": n_boot, "seed": seed,
                           "method": "percentile bootstrap over test images", "metrics": A.INTERVAL_METRICS},
@@ -345,9 +377,14 @@ def evaluate(
             large searches (at least 24,000 support rows and 4e7 distances per cell) and
             ``"torch"`` otherwise (:func:`.grid.grid_knn_backend`); ``result.results["knn_backend"]``
             records the one used.
-        baseline: an ``EvaluationResult`` (or results dict / results.json path) whose
-            ``baseline_key`` ("model/context/head"; default: its first model's protocol head)
-            normalises CE / mCE (Hendrycks & Dietterich 2019).
+        baseline, baseline_key: the errors that normalise CE / mCE (Hendrycks & Dietterich 2019):
+            ``baseline`` an ``EvaluationResult`` (or results dict / results.json path);
+            ``baseline_key`` one of its series, "model/context/head" (static) or
+            "model/context/adaptation/head", for every head; without a key each head is compared
+            with the same head of the baseline's first model where it has one, else with that
+            model's primary head (:func:`baseline_chooser`). ``baseline_key`` without ``baseline``
+            names a series of this evaluation itself (e.g. the ReLU model's own softmax).
+            ``robustness[i]["baseline"]`` says which series each row was compared with.
         n_boot: bootstrap resamples of the 95% intervals (over test images).
         shifted: advanced: ``shifted(corruption, severity) -> images`` instead of the engine, e.g.
             the official pre-corrupted files, in the order and with the labels of ``test``.
@@ -522,7 +559,17 @@ def evaluate(
                 _labels_range(num_classes, part[1], nm)
         _labels_from_zero([(nm, part[1]) for nm, part in (("test", (test_x, test_y)), ("support", sup),
                                                           ("validation", val)) if part is not None])
-        base_rows, base_name = _baseline_rows(baseline, baseline_key)
+        base_results = _baseline_results(baseline)
+        choose = baseline_chooser(base_results, baseline_key) if base_results is not None else None
+        if base_results is None and baseline_key is not None:  # a series of this evaluation: checked now
+            own = _baseline_key(baseline_key)
+            if own[0] not in head_map or own[3] not in head_map[own[0]]:
+                listed = "; ".join(f"{m}: {', '.join(h)}" for m, h in head_map.items())
+                raise ValueError(f"baseline_key: {baseline_key!r} names no model and head of this evaluation "
+                                 f"(models and heads: {listed})")
+            if own[2] not in {a.label for a in arms}:
+                raise ValueError(f"baseline_key: {baseline_key!r} names an adaptation arm this evaluation does "
+                                 f"not score ({', '.join(a.label for a in arms)})")
         if suite_attacks is not None:
             suite_attacks.check_models(entries)
         if cache_dir is not None:
@@ -539,9 +586,10 @@ def evaluate(
     data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
             "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
             "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}
+    if choose is None and baseline_key is not None:
+        choose = baseline_chooser({"rows": grid["rows"]}, baseline_key, name="this evaluation")
     results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
-                            ece_bins=ece_bins, n_boot=n_boot, baseline_rows=base_rows, baseline_name=base_name,
-                            attacks=suite_attacks, adapt=arms)
+                            ece_bins=ece_bins, n_boot=n_boot, baseline=choose, attacks=suite_attacks, adapt=arms)
     if sets_spec is not None:
         assert cal is not None and cal_source is not None
         results["conformal"] = sets_spec.describe(cal_source, int(cal[1].numel()))

@@ -192,7 +192,11 @@ def _sort_contexts(ctxs) -> list[str]:
 
 
 def _protocol_head(heads: Sequence[str]) -> str:
-    return "quantile" if "quantile" in heads else "logistic" if "logistic" in heads else heads[0]
+    """``evaluate.primary_head``'s rule, for results that do not record their primary heads."""
+    for h in ("softmax", "quantile", "logistic"):
+        if h in heads:
+            return h
+    return heads[0]
 
 
 def _settings(results: dict, model: str, ctxs: Sequence[str]) -> list[tuple[str, str]]:
@@ -210,8 +214,8 @@ def primary_keys(results: dict) -> list[tuple[str, str, str, str]]:
     adaptation arm it was evaluated in and that has result rows.
 
     From ``results["models"]`` (``primary_head``, ``contexts``) when present; otherwise from
-    ``results["config"]["models"]`` or the rows, with the protocol head of [QACT, Sec. 4, Remark] (the
-    quantile classifier for QACT models, the logistic refit otherwise, else the model's first head)."""
+    ``results["config"]["models"]`` or the rows, with the rule of ``evaluate.primary_head`` (the
+    model's own softmax, else the quantile classifier, else the logistic refit, else the first head)."""
     present = {series_key(r) for r in results["rows"]}
     contexts: dict = {}
     for m, c, _, _ in present:

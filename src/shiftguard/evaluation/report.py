@@ -498,18 +498,21 @@ def _summary_tables(results: dict, rows: list[dict]) -> str:
     if top is not None:
         cols += [(f"acc {t}", lambda r, c: _pm(r.get(f"acc_{t}"), r.get(f"acc_{t}_std"))),
                  (f"drop 0→{top}", lambda r, c: _pm(r.get("drop"), r.get("drop_std"), 1.0))]
-    cols += [("ECE clean", lambda r, c: _cell(r, "ece_clean", ci=c("ece_clean"))),
-             ("ECE corrupted", lambda r, c: _cell(r, "ece_corrupted"))]
-    if any(k[4] == "ece_corrupted" for k in ivs):
+    cols.append(("ECE clean", lambda r, c: _cell(r, "ece_clean", ci=c("ece_clean"))))
+    pooled = any(k[4] == "ece_corrupted" for k in ivs)
+    if pooled:
         # The interval's estimate pools the corrupted cells into one ECE, which differs from the mean
-        # of the per-cell ECEs: its own column, so one header never carries two quantities.
+        # of the per-cell ECEs: the summary shows the pooled one with its interval, the details the mean.
         cols.append(("ECE corrupted, pooled",
                      lambda r, c: _ci(None, c("ece_corrupted")) if c("ece_corrupted") else "—"))
+    else:
+        cols.append(("ECE corrupted", lambda r, c: _cell(r, "ece_corrupted")))
     if top is not None:
         cols += [(f"ECE {t}", lambda r, c: _cell(r, f"ece_{t}")), ("ECE range", lambda r, c: _cell(r, "ece_range"))]
     cols += [("NLL clean", lambda r, c: _cell(r, "nll_clean", 1.0, 3)),
              ("NLL corrupted", lambda r, c: _cell(r, "nll_corrupted", 1.0, 3))]
-    second = [("R-AUROC clean", "r_auroc_clean", 100.0, 1), ("R-AUROC corrupted", "r_auroc_corrupted", 100.0, 1),
+    second = [("ECE corrupted, mean of cells", "ece_corrupted", 100.0, 1)] if pooled else []
+    second += [("R-AUROC clean", "r_auroc_clean", 100.0, 1), ("R-AUROC corrupted", "r_auroc_corrupted", 100.0, 1),
               ("error-AUROC clean", "auroc_error_clean", 100.0, 1),
               ("error-AUROC corrupted", "auroc_error_corrupted", 100.0, 1),
               ("Brier clean", "brier_clean", 1.0, 4), ("Brier corrupted", "brier_corrupted", 1.0, 4),
@@ -621,13 +624,14 @@ def _robustness_section(results: dict) -> str:
     has_extra = any(r.get("mca_extra") is not None for r in rob)
     arms = _has_arms(results)
     trans = _transductive(results)
+    # mCA is the mean accuracy over the corrupted cells (the summary's "acc corrupted"): one column
     head = [*_label_head(arms), "baseline", "mCA", *(["mCA (extra)"] if has_extra else []),
-            "acc corrupted", "ECE corrupted", "NLL corrupted", "mCE", "relative mCE"]
+            "ECE corrupted", "NLL corrupted", "mCE", "relative mCE"]
     body = []
     for r in rob:
         body.append([*_label_cells(series_key(r), arms, trans),
                      "—" if r.get("baseline") is None else str(r.get("baseline")), _fmt(r.get("mca")),
-                     *([_fmt(r.get("mca_extra"))] if has_extra else []), _fmt(r.get("corrupted_accuracy")),
+                     *([_fmt(r.get("mca_extra"))] if has_extra else []),
                      _fmt(r.get("corrupted_ece")), _plain(r.get("corrupted_nll")), _fmt(r.get("mce")),
                      _fmt(r.get("relative_mce"))])
     baselines = list(dict.fromkeys(str(r["baseline"]) for r in rob if r.get("baseline") is not None))

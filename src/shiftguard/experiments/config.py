@@ -39,6 +39,7 @@ else:  # pragma: no cover - Python 3.10
 __all__ = [
     "DataConfig", "TrainConfig", "EvalConfig", "ModelConfig", "RunConfig",
     "load_config", "config_from_dict", "default_config", "quick_config", "shipped_configs", "config_diff",
+    "baseline_key",
     "HEAD_NAMES", "LOGIT_LOSSES",
 ]
 
@@ -127,6 +128,10 @@ class EvalConfig:
     conformal_alpha: float = 0.1
     #: also the weighted split conformal of covariate shift (likelihood ratio estimated on each cell).
     conformal_weighted: bool = False
+    #: the series whose errors normalise CE / mCE (Hendrycks & Dietterich 2019): "model/context/head"
+    #: or "model/context/adaptation/head" of this run; "" = the ReLU model's own softmax when the run
+    #: has a ReLU cross-entropy model scored by it, else none; "none" = no mCE.
+    baseline: str = ""
     #: neighbours used by NED / kNN heads.
     k: int = 10
     #: their exact kNN search (``shiftguard.neighbors.BACKENDS``): "pruned" skips the support
@@ -368,6 +373,7 @@ _RULES: dict[str, dict[str, Any]] = {
         "conformal": _name_list("conformal methods", " (a method would be scored twice)"),
         "conformal_alpha": _reals(0, 1, open_lo=True),
         "conformal_weighted": None,
+        "baseline": _text(empty_ok=True),
         "k": _ints(1),
         "knn_backend": _text(BACKENDS),
         "retrieval_ks": _int_list(1, None, "cut-offs", " (a repeated cut-off would be reported twice)"),
@@ -576,6 +582,17 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         apply(rules["train"], m.train, f"{where}.train.")
         _check_train_together(cfg, i, bad)
 
+    # --- the baseline of mCE: one of this run's series
+    if e.baseline and e.baseline != "none":
+        parts = e.baseline.split("/")
+        if len(parts) not in (3, 4) or not all(parts):
+            bad("eval.baseline", "be 'model/context/head', 'model/context/adaptation/head', '' or 'none'", e.baseline)
+        model = next((m for m in cfg.models if m.name == parts[0]), None)
+        if model is None:
+            bad("eval.baseline", f"name a model of this run ({', '.join(m.name for m in cfg.models)})", e.baseline)
+        elif parts[-1] not in model.heads:
+            bad("eval.baseline", f"name a head of model {model.name!r} ({', '.join(model.heads)})", e.baseline)
+
     # --- the support the kNN heads search (k nearest of at most this many training embeddings)
     if any(h in _K_HEADS for m in cfg.models for h in m.heads):
         support, parts = None, []
@@ -662,6 +679,20 @@ def load_config(path: str | os.PathLike) -> RunConfig:
     except UnicodeDecodeError as exc:
         raise ValueError(f"{p}: not valid TOML: not UTF-8 text ({exc})") from None
     return config_from_dict(raw, source=str(p))
+
+
+def baseline_key(cfg: RunConfig) -> Optional[str]:
+    """The series of the run that normalises CE / mCE: ``eval.baseline`` when set ("none": no mCE),
+    else the first ReLU cross-entropy model's own softmax, when the run has one scored by it."""
+    from shiftguard.nn.qact import ACTIVATION_REGISTRY
+
+    if cfg.eval.baseline:
+        return None if cfg.eval.baseline == "none" else cfg.eval.baseline
+    for m in cfg.models:
+        relu = m.activation in ACTIVATION_REGISTRY and ACTIVATION_REGISTRY.canonical(m.activation) == "relu"
+        if relu and m.loss in LOGIT_LOSSES and not m.estimator and "softmax" in m.heads and ":" not in m.arch:
+            return f"{m.name}/none/softmax"
+    return None
 
 
 def default_config() -> RunConfig:

@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also the weighted split conformal of covariate shift (transductive)")
     p.add_argument("--baseline", metavar="RESULTS", help="results.json (or its folder) of a baseline for CE / mCE")
     p.add_argument("--baseline-key", metavar="MODEL/CONTEXT/HEAD",
-                   help="which of the baseline's rows (MODEL/CONTEXT/ADAPTATION/HEAD for an adapted one)")
+                   help="which of the baseline's series (MODEL/CONTEXT/ADAPTATION/HEAD for an adapted one); "
+                        "without --baseline, a series of this evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the 95%% intervals")
