@@ -6,7 +6,8 @@ writes one PNG atomically and returns the path:
 - :func:`metric_vs_severity`: a metric against severity, mean over the benchmark corruptions with a
   +/- std band, one panel per (model, context), one line per head [QACT, Fig. 4, 7, 10];
 - :func:`drop_heatmap`: accuracy drop clean -> highest severity per corruption [QACT, Tables 1-2];
-- :func:`reliability_diagrams`: clean vs highest severity, with the bin counts [NED, Fig. 1];
+- :func:`reliability_diagrams`: clean vs highest severity, with the bin counts [NED, Fig. 1], per
+  primary head; :func:`reliability_every_head` the same as small multiples of every head;
 - :func:`corruption_gallery`: the corruptions x severities on one test image;
 - :func:`compare_runs`: several results dicts' curves overlaid on one axis.
 
@@ -36,7 +37,7 @@ __all__ = [
     "pyplot", "save_png", "metric_vs_severity", "drop_heatmap", "reliability_diagrams", "corruption_gallery",
     "compare_runs", "primary_keys", "cell_index", "severity_curve", "benchmark_corruptions", "as_number",
     "is_rate", "metric_label", "mean_std", "severities", "per_corruption_drops", "run_labels", "CLEAN",
-    "adversarial_cells", "metric_vs_eps",
+    "adversarial_cells", "metric_vs_eps", "reliability_every_head", "head_color", "HEAD_COLORS", "FEW_IMAGES",
 ]
 
 #: The corruption name of the clean test set's cell (severity 0).
@@ -50,6 +51,30 @@ METRIC_LABELS = {
 #: Metrics that are not rates: drawn and tabulated as they are, never in %.
 PLAIN_METRICS = ("nll", "brier")
 _CONTEXT_ORDER = {"none": 0, "batch": 1, "frozen": 2}
+
+#: One colour per head in every figure of a report, so a head is recognised across panels; heads
+#: outside this table take the unused colours of the palette in sorted-name order.
+HEAD_COLORS = {
+    "softmax": "#1f77b4", "temperature": "#ff7f0e", "logistic": "#2ca02c", "quantile": "#d62728",
+    "ned": "#9467bd", "knn": "#8c564b", "wknn": "#e377c2", "1nn": "#7f7f7f", "distance_ratio": "#bcbd22",
+}
+_SPARE_COLORS = ("#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d")
+#: A reliability bin with fewer images than this is drawn as an outline: its accuracy is one of a
+#: handful of 0/1 outcomes, not a rate.
+FEW_IMAGES = 10
+
+
+def head_color(head: str, heads: Sequence[str] = ()) -> str:
+    """The colour of ``head`` in every figure; ``heads``: all heads of the results (fixes the spare
+    colours of unlisted heads by their sorted position)."""
+    if head in HEAD_COLORS:
+        return HEAD_COLORS[head]
+    others = sorted({h for h in (*heads, head) if h not in HEAD_COLORS})
+    return _SPARE_COLORS[others.index(head) % len(_SPARE_COLORS)]
+
+
+def _all_heads(results: dict) -> list[str]:
+    return sorted({str(r.get("head")) for r in results.get("rows") or []})
 
 
 def is_rate(metric: str) -> bool:
@@ -285,14 +310,16 @@ def metric_vs_severity(results: dict, metric: str, path: Path, target: Optional[
     index = cell_index(results)
     panels = _panels(results) or [("", "none", "none")]
     fig, axes = _panel_grid(plt, len(panels))
+    heads = _all_heads(results)
     for ax, panel in zip(axes.flat, panels):
         for head in dict.fromkeys(k[3] for k in index if k[:3] == panel):
             pts = severity_curve(results, (*panel, head), metric, index)
             if not pts:
                 continue
             s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
-            (line,) = ax.plot(s, m * scale, marker="o", ms=3, label=_text(head))
-            _band(ax, s, m * scale, sd * scale, rate, alpha=0.15, color=line.get_color())
+            color = head_color(str(head), heads)
+            ax.plot(s, m * scale, marker="o", ms=3, label=_text(head), color=color)
+            _band(ax, s, m * scale, sd * scale, rate, alpha=0.12, color=color)
         if target is not None:
             ax.axhline(target * scale, color="k", ls="--", lw=0.8, label=f"target {target * scale:g}")
         ax.set_title(_label(*panel), fontsize=9)
@@ -308,36 +335,43 @@ def metric_vs_severity(results: dict, metric: str, path: Path, target: Optional[
 
 
 def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
-    """``metric`` against the attack budget per (model, context, adaptation) panel, one line per (head, attack),
-    from the clean cell (eps 0) through every budget of the adversarial cells
-    (:func:`adversarial_cells`)."""
+    """``metric`` against the attack budget: one row of panels per (model, context, adaptation), one
+    panel per attack, one line per head in the head's colour (:func:`head_color`) from the clean cell
+    (eps 0) through every budget of the adversarial cells (:func:`adversarial_cells`)."""
     plt = pyplot()
     rate = is_rate(metric)
     scale = 100.0 if rate else 1.0
     cells = adversarial_cells(results)
     index = cell_index(results)
-    panels = list(dict.fromkeys(k[:3] for k in cells)) or [("", "none", "none")]
-    fig, axes = _panel_grid(plt, len(panels))
-    for ax, panel in zip(axes.flat, panels):
-        for key, per in cells.items():
-            if key[:3] != panel:
-                continue
-            head = key[3]
-            clean = as_number(index.get(key, {}).get((CLEAN, 0), {}).get(metric))
-            for attack, pts in per.items():
-                xs = ([0.0] if clean is not None else []) + [eps for eps, _ in pts]
-                ys = ([clean] if clean is not None else []) + [as_number(r.get(metric)) for _, r in pts]
+    heads = _all_heads(results)
+    series = list(dict.fromkeys(k[:3] for k in cells)) or [("", "none", "none")]
+    attacks = list(dict.fromkeys(a for per in cells.values() for a in per)) or ["none"]
+    fig, axes = plt.subplots(len(series), len(attacks), figsize=(4.2 * len(attacks), 3.2 * len(series)),
+                             squeeze=False, sharey=True, sharex="col")
+    for i, panel in enumerate(series):
+        for j, attack in enumerate(attacks):
+            ax = axes[i, j]
+            for key, per in cells.items():
+                if key[:3] != panel or attack not in per:
+                    continue
+                clean = as_number(index.get(key, {}).get((CLEAN, 0), {}).get(metric))
+                xs = ([0.0] if clean is not None else []) + [eps for eps, _ in per[attack]]
+                ys = ([clean] if clean is not None else []) + [as_number(r.get(metric)) for _, r in per[attack]]
                 keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
                 if keep:
                     ax.plot([x for x, _ in keep], [y * scale for _, y in keep], marker="o", ms=3,
-                            label=_text(f"{head} / {attack}"))
-        ax.set_title(_label(*panel), fontsize=9)
-        ax.set_xlabel("attack budget eps (0 = clean)")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize=6)
-    _finish_panels(fig, axes, len(panels), rate, metric_label(metric) + (" (%)" if rate else ""),
-                   f"{metric_label(metric)} vs attack budget")
+                            color=head_color(str(key[3]), heads), label=_text(key[3]))
+            ax.set_title(f"{_label(*panel)}\n{_text(attack)}", fontsize=8)
+            ax.grid(alpha=0.3)
+            if i == len(series) - 1:
+                ax.set_xlabel("attack budget eps (0 = clean)", fontsize=8)
+            if j == 0:
+                ax.set_ylabel(metric_label(metric) + (" (%)" if rate else ""), fontsize=8)
+            if ax.lines:
+                ax.legend(fontsize=6)
+    if rate:
+        axes[0, 0].set_ylim(0, 100)
+    fig.suptitle(f"{metric_label(metric)} vs attack budget", fontsize=10)
     fig.tight_layout()  # a second row's titles clear the first row's axis labels
     return save_png(fig, path)
 
@@ -395,10 +429,68 @@ def _reliability_entry(results: dict, key: tuple, severity) -> Optional[dict]:
     return None
 
 
+def _reliability_panel(sub, results: dict, key: tuple, series: list[tuple], title: str) -> None:
+    """One reliability diagram in subfigure ``sub``: accuracy per confidence bin above (a bin with
+    fewer than :data:`FEW_IMAGES` images as a hatched outline), images per bin below (log scale)."""
+    ax, hx = sub.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    any_count = False
+    for sev, color, name, offset in series:
+        r = _reliability_entry(results, key, sev)
+        if r is None:
+            continue
+        edges = np.array([as_number(e) for e in r["edges"]], dtype=float) * 100.0
+        acc = np.array([np.nan if as_number(a) is None else as_number(a) for a in r["accuracy"]]) * 100.0
+        count = np.array([as_number(c) or 0.0 for c in r["count"]], dtype=float)
+        filled = (count >= FEW_IMAGES) & np.isfinite(acc)
+        few = (count > 0) & (count < FEW_IMAGES) & np.isfinite(acc)
+        width = np.diff(edges) / 2
+        left = edges[:-1] + offset * np.diff(edges)
+        ax.bar(left[filled], acc[filled], width=width[filled], align="edge", alpha=0.45, color=color,
+               edgecolor=color, label=name)
+        if few.any():
+            ax.bar(left[few], acc[few], width=width[few], align="edge", fill=False, hatch="///",
+                   edgecolor=color, linewidth=0.6, alpha=0.7)
+        ax.plot((left + width / 2)[filled | few], acc[filled | few], "o", ms=2.5, color=color)
+        if (count > 0).any():
+            hx.bar(left[count > 0], count[count > 0], width=width[count > 0], align="edge", color=color, alpha=0.6)
+            any_count = True
+    ax.plot([0, 100], [0, 100], "k--", lw=0.8)
+    ax.set_xlim(0, 100)
+    ax.set_ylim(0, 100)
+    ax.set_title(title, fontsize=8)
+    ax.set_ylabel("accuracy (%)", fontsize=8)
+    ax.tick_params(labelsize=7)
+    if ax.patches:
+        ax.legend(fontsize=6, loc="upper left")
+    if any_count:
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+
+        hx.set_yscale("log")
+        hx.axhline(FEW_IMAGES, color="0.5", lw=0.6, ls=":")
+        hx.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        hx.yaxis.set_minor_formatter(NullFormatter())
+    hx.set_ylabel("images", fontsize=8)
+    hx.set_xlabel("confidence (%)", fontsize=8)
+    hx.tick_params(labelsize=7)
+
+
+def _reliability_series(results: dict) -> list[tuple]:
+    sevs = severities(results)
+    top = sevs[-1] if sevs else None
+    series = [(0, "tab:blue", "clean", 0.0)]
+    if top is not None:
+        series.append((top, "tab:red", f"severity {top} (all corruptions)", 0.5))
+    return series
+
+
+_FEW_NOTE = f"hatched: a bin of fewer than {FEW_IMAGES} images; empty bins have no bar"
+
+
 def reliability_diagrams(results: dict, path: Path) -> Path:
     """Clean vs highest severity (pooled over corruptions) per primary head, plus NED / kNN heads
     [NED, Fig. 1]: accuracy per confidence bin above, the number of images per bin below (log
-    scale). An empty bin has neither bar nor marker, so it cannot be read as zero accuracy."""
+    scale). An empty bin has neither bar nor marker, so it cannot be read as zero accuracy; a bin of
+    fewer than :data:`FEW_IMAGES` images is a hatched outline, so one image cannot read as a 100% bar."""
     plt = pyplot()
     rel = results.get("reliability") or []
     present = list(dict.fromkeys(series_key(r) for r in rel))
@@ -406,52 +498,39 @@ def reliability_diagrams(results: dict, path: Path) -> Path:
     # protocol heads first, then NED / kNN for the comparison of [NED]
     keys += [k for k in present if k not in keys and k[3] in ("ned", "knn")]
     keys = [k for k in keys if k in present]
-    sevs = severities(results)
-    top = sevs[-1] if sevs else None
     ncol = min(4, len(keys)) or 1
     nrow = (len(keys) + ncol - 1) // ncol or 1
     fig = plt.figure(figsize=(3.6 * ncol, 4.4 * nrow), layout="constrained")
     subs = fig.subfigures(nrow, ncol, squeeze=False)
-    series = [(0, "tab:blue", "clean", 0.0)]
-    if top is not None:
-        series.append((top, "tab:red", f"severity {top} (all corruptions)", 0.5))
+    series = _reliability_series(results)
     for sub, (model, ctx, arm, head) in zip(subs.flat, keys):
-        ax, hx = sub.subplots(2, 1, sharex=True, height_ratios=[3, 1])
-        any_count = False
-        for sev, color, name, offset in series:
-            r = _reliability_entry(results, (model, ctx, arm, head), sev)
-            if r is None:
-                continue
-            edges = np.array([as_number(e) for e in r["edges"]], dtype=float) * 100.0
-            acc = np.array([np.nan if as_number(a) is None else as_number(a) for a in r["accuracy"]]) * 100.0
-            count = np.array([as_number(c) or 0.0 for c in r["count"]], dtype=float)
-            filled = (count > 0) & np.isfinite(acc)
-            width = np.diff(edges) / 2
-            left = edges[:-1] + offset * np.diff(edges)
-            ax.bar(left[filled], acc[filled], width=width[filled], align="edge", alpha=0.45, color=color,
-                   edgecolor=color, label=name)
-            ax.plot((left + width / 2)[filled], acc[filled], "o", ms=2.5, color=color)
-            if (count > 0).any():
-                hx.bar(left[count > 0], count[count > 0], width=width[count > 0], align="edge", color=color, alpha=0.6)
-                any_count = True
-        ax.plot([0, 100], [0, 100], "k--", lw=0.8)
-        ax.set_xlim(0, 100)
-        ax.set_ylim(0, 100)
-        ax.set_title(f"{_label(model, ctx, arm)}\n{_text(head)}", fontsize=8)
-        ax.set_ylabel("accuracy (%)", fontsize=8)
-        ax.legend(fontsize=6, loc="upper left")
-        if any_count:
-            from matplotlib.ticker import FuncFormatter, NullFormatter
-
-            hx.set_yscale("log")
-            hx.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            hx.yaxis.set_minor_formatter(NullFormatter())
-        hx.set_ylabel("images", fontsize=8)
-        hx.set_xlabel("confidence (%)", fontsize=8)
-        hx.tick_params(labelsize=7)
+        _reliability_panel(sub, results, (model, ctx, arm, head), series, f"{_label(model, ctx, arm)}\n{_text(head)}")
     for sub in list(subs.flat)[len(keys):]:
         sub.subplots().axis("off")
-    fig.suptitle("Reliability diagrams: clean vs highest severity (empty bins have no bar)", fontsize=10)
+    fig.suptitle(f"Reliability diagrams: clean vs highest severity ({_FEW_NOTE})", fontsize=10)
+    return save_png(fig, path)
+
+
+def reliability_every_head(results: dict, path: Path) -> Path:
+    """Small multiples of :func:`reliability_diagrams` for every head that was scored: one row per
+    (model, context, adaptation), one column per head (the same head in the same column)."""
+    plt = pyplot()
+    present = list(dict.fromkeys(series_key(r) for r in results.get("reliability") or []))
+    rows = list(dict.fromkeys(k[:3] for k in present))
+    heads = [h for h in _all_heads(results) if any(k[3] == h for k in present)]
+    heads.sort(key=lambda h: (list(HEAD_COLORS).index(h) if h in HEAD_COLORS else len(HEAD_COLORS), h))
+    nrow, ncol = len(rows) or 1, len(heads) or 1
+    fig = plt.figure(figsize=(2.9 * ncol, 3.5 * nrow), layout="constrained")
+    subs = fig.subfigures(nrow, ncol, squeeze=False)
+    series = _reliability_series(results)
+    for i, panel in enumerate(rows):
+        for j, head in enumerate(heads):
+            if (*panel, head) in present:
+                _reliability_panel(subs[i, j], results, (*panel, head), series,
+                                   f"{_label(*panel)}\n{_text(head)}")
+            else:
+                subs[i, j].subplots().axis("off")
+    fig.suptitle(f"Reliability of every head: clean vs highest severity ({_FEW_NOTE})", fontsize=10)
     return save_png(fig, path)
 
 

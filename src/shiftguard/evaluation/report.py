@@ -377,6 +377,7 @@ def make_plots(out_dir: Path, results: dict, gallery: Optional[Path] = None) -> 
         out["adversarial_ece"] = P.metric_vs_eps(results, "ece_top_label", d / "ece_vs_attack_eps.png")
     if results.get("reliability"):
         out["reliability"] = P.reliability_diagrams(results, d / "reliability_diagrams.png")
+        out["reliability_every_head"] = P.reliability_every_head(results, d / "reliability_every_head.png")
     sets = results.get("conformal") or {}
     for m in sets.get("methods") or []:
         for variant in ("", "_weighted"):
@@ -587,16 +588,82 @@ def _per_severity_table(results: dict, metric: str) -> str:
     return _table(head, body, left=len(_label_head(arms)))
 
 
+#: Accuracy above chance, in points, that an undefended model should not keep under an iterative
+#: white-box attack at a budget of at least :data:`_LARGE_EPS` (pixel units of [0, 1] images): at
+#: 0.1 L-inf the standard PGD removes all accuracy of every undefended MNIST / CIFAR model in the
+#: literature (Madry et al. 2018; Carlini et al. 2019, "On evaluating adversarial robustness").
+_KEPT_POINTS = 10.0
+_LARGE_EPS = 0.1
+
+
+def masking_signs(results: dict) -> list[str]:
+    """Signs of gradient masking in the adversarial cells (Athalye, Carlini & Wagner 2018, Sec. 3.1;
+    Carlini et al. 2019, Sec. 5): per series, (1) a one-step attack (FGSM) removes more accuracy
+    than an iterative one (BIM / PGD, same norm) at the same budget, (2) accuracy rises with the
+    budget under an attack, (3) an iterative L-inf attack at a budget >= ``_LARGE_EPS`` leaves
+    more than ``_KEPT_POINTS`` points above chance. One sentence per sign found."""
+    cells = P.adversarial_cells(results)
+    attacks = results["data"].get("attacks")
+    attacks = attacks if isinstance(attacks, dict) else {}
+    k = as_number(results["data"].get("num_classes"))
+    chance = 100.0 / k if k else None
+    out = []
+    for key, per in cells.items():
+        label = _e(_key_label(*key))
+        acc = {a: [(as_number(eps), as_number(r.get("accuracy"))) for eps, r in pts if as_number(eps) is not None]
+               for a, pts in per.items()}
+        for a, pts in acc.items():
+            vals = [(e, v * 100.0) for e, v in pts if v is not None]
+            rises = [(e1, v0, v1) for (_, v0), (e1, v1) in zip(vals, vals[1:]) if v1 > v0 + 1.0]
+            if rises:
+                e1, v0, v1 = rises[0]
+                out.append(f"{label}: accuracy under {_e(a)} rises with the budget ({v0:.1f}% → {v1:.1f}% at eps "
+                           f"{e1:.4g})")
+            spec = attacks.get(a) if isinstance(attacks.get(a), dict) else {}
+            if spec.get("attack") in ("bim", "pgd") and spec.get("norm", "linf") == "linf" and chance is not None:
+                big = [(e, v) for e, v in vals if e >= _LARGE_EPS and v > chance + _KEPT_POINTS]
+                if big:
+                    e, v = big[-1]
+                    out.append(f"{label}: keeps {v:.1f}% under {_e(a)} at eps {e:.4g} (chance {chance:.1f}%), "
+                               "a budget at which an iterative white-box attack leaves an undefended model at "
+                               "chance")
+        kind = {a: attacks[a] for a in acc if isinstance(attacks.get(a), dict)}
+        one = [a for a in kind if kind[a].get("attack") == "fgsm"]
+        multi = [a for a in kind if kind[a].get("attack") in ("bim", "pgd")]
+        for a1 in one:
+            for am in multi:
+                if kind[a1].get("norm", "linf") != kind[am].get("norm", "linf"):
+                    continue
+                m_at = dict(acc[am])
+                worse = [(e, v1, m_at[e]) for e, v1 in acc[a1] if v1 is not None and m_at.get(e) is not None
+                         and v1 * 100.0 < m_at[e] * 100.0 - 1.0]
+                if worse:
+                    e, v1, vm = worse[0]
+                    out.append(f"{label}: one-step {_e(a1)} ({v1 * 100:.1f}%) beats iterative {_e(am)} "
+                               f"({vm * 100:.1f}%) at eps {e:.4g}")
+    return out
+
+
 def _adversarial_section(results: dict) -> str:
-    """Accuracy, top-label ECE, NLL and R-AUROC of every head under each attack and budget
-    ([NED, Sec. 5]); empty without attacks."""
+    """Accuracy of every head under each attack and budget as a pivot (rows the series, columns
+    attack x eps), the signs of gradient masking found (:func:`masking_signs`), and every metric
+    (accuracy, top-label ECE, NLL, R-AUROC) per cell in a folded table ([NED, Sec. 5]); empty
+    without attacks."""
     cells = P.adversarial_cells(results)
     if not cells:
         return ""
     index = cell_index(results)
+    arms = _has_arms(results)
+    cols = list(dict.fromkeys((a, eps) for per in cells.values() for a, pts in per.items() for eps, _ in pts))
+    pivot_head = [*_label_head(arms), "clean", *(f"{a} {eps:.4g}" for a, eps in cols)]
+    pivot = []
+    for key, per in cells.items():
+        at = {(a, eps): r for a, pts in per.items() for eps, r in pts}
+        clean = index.get(key, {}).get((CLEAN, 0)) or {}
+        pivot.append([*_label_cells(key, arms), _fmt(clean.get("accuracy")),
+                      *(_fmt(at[c].get("accuracy")) if c in at else "—" for c in cols)])
     metrics = (("accuracy", "acc (%)", 100.0, 1), ("ece_top_label", "ECE (%)", 100.0, 1), ("nll", "NLL", 1.0, 3),
                ("r_auroc", "R-AUROC", 1.0, 3))
-    arms = _has_arms(results)
     head = [*_label_head(arms), "attack", "eps", *(label for _, label, _, _ in metrics)]
     body = []
     for key, per in cells.items():
@@ -611,10 +678,22 @@ def _adversarial_section(results: dict) -> str:
     attacks = results["data"].get("attacks") or {}
     desc = "; ".join(f"{_e(n)}: {_e(a.get('steps'))} steps" if a.get("attack") != "fgsm" else f"{_e(n)}: one step"
                      for n, a in attacks.items())
+    signs = masking_signs(results)
+    caveat = ""
+    if signs:
+        caveat = ("<div class='warn'><b>Possible gradient masking.</b> Accuracy kept under a white-box attack is "
+                  "evidence of robustness only when the attack's gradient is informative (Athalye, Carlini &amp; "
+                  "Wagner 2018). Signs found:<ul>" + "".join(f"<li>{s}</li>" for s in signs)
+                  + "</ul>A model whose forward is piecewise constant in its input (QACT's quantiles) is attacked "
+                  "through a surrogate gradient; a transfer or gradient-free attack is needed before this "
+                  "accuracy can be read as robustness.</div>")
     return ("<h2>Adversarial shift</h2><p class='small'>White-box attacks on each model in each context (eps in "
             f"pixel units of images in [0, 1]; {desc}); every head is scored on the same adversarial images. "
             "Not part of any corruption mean; scored without test-time adaptation.</p>"
-            + _table(head, body, left=len(head) - len(metrics)))
+            + caveat + "<h3>Accuracy (%) per attack and budget</h3>"
+            + _table(pivot_head, pivot, left=len(_label_head(arms)))
+            + "<details><summary>Every metric per cell</summary>"
+            + _table(head, body, left=len(head) - len(metrics)) + "</details>")
 
 
 def _robustness_section(results: dict) -> str:
@@ -783,8 +862,12 @@ _CAPTIONS = {
     "nll": "NLL vs severity (band clipped at 0).",
     "brier": "Brier score vs severity (band clipped at 0).",
     "drop_heatmap": "Accuracy drop (points) clean → highest severity per corruption, primary heads.",
-    "reliability": "Reliability diagrams, clean vs highest severity pooled over corruptions; below each, the number "
-                   "of images per confidence bin (log scale). An empty bin has no bar.",
+    "reliability": "Reliability diagrams of the primary heads (and NED / kNN), clean vs highest severity pooled over "
+                   "corruptions; below each, the number of images per confidence bin (log scale, dotted at "
+                   f"{P.FEW_IMAGES}). An empty bin has no bar; a bin of fewer than {P.FEW_IMAGES} images is a "
+                   "hatched outline.",
+    "reliability_every_head": "Reliability diagrams of every head that was scored, one row per model, context and "
+                              "adaptation arm, one column per head.",
     "gallery": "The corruptions at each severity on one test image.",
     "adversarial_accuracy": "Accuracy (%) under each attack vs its budget eps (pixel units of [0, 1] images), "
                             "one line per head and attack; eps 0 = clean test set.",
