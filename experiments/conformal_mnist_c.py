@@ -72,6 +72,8 @@ def _mean_ci(values: list[float]) -> tuple[float, float, float]:
     m = statistics.mean(values)
     if len(values) < 2:
         return m, math.nan, math.nan
+    if len(values) == 2:  # a t-interval on one degree of freedom (x12.7) says little: the two values
+        return m, min(values), max(values)
     half = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
     return m, m - half, m + half
 
@@ -94,7 +96,8 @@ def table(a) -> None:
                  "series": {}}
     L = [f"# {a.dataset}: conformal prediction sets under MNIST-C (alpha = {out['alpha']})", "",
          f"{out['n_test']} test images per cell, sets calibrated on {out['n_calibration']} clean validation images; "
-         f"seeds {seeds}. Coverage in %, set size in labels; each cell: mean over the seeds [95% t-interval]; "
+         f"seeds {seeds}. Coverage in %, set size in labels; each cell: mean over the seeds [95% t-interval; "
+         "with two seeds, the two seeds' values]; "
          "s3 / s5: mean over the 15 corruptions at that severity. Target coverage: "
          f"{100 * (1 - out['alpha']):.0f}%.", "",
          "| model | head | method | coverage s0 | coverage s3 | coverage s5 | size s0 | size s3 | size s5 |",

@@ -122,6 +122,8 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
     m = statistics.mean(values)
     if len(values) < 2:
         return m, math.nan, math.nan
+    if len(values) == 2:  # a t-interval on one degree of freedom (x12.7) says little: the two values
+        return m, min(values), max(values)
     half = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
     return m, m - half, m + half
 
@@ -179,7 +181,8 @@ def markdown(out: dict, keys: list[tuple]) -> str:
     L = [f"# {out['dataset']}: QACT vs its BatchNorm twin under test-time adaptation", "",
          f"LeNet, {out['n_train']} training images, {out['n_test']} test images, 15 MNIST-C corruptions x 5 "
          f"severities (engine), seeds {out['seeds']}. Accuracy and top-label ECE in %, drop in points. "
-         f"Each cell: mean over the {n} seeds [95% t-interval over the seeds]. s5 = mean over the 15 "
+         f"Each cell: mean over the {n} seeds [95% t-interval over the seeds; with two seeds, the two seeds' "
+         "values]. s5 = mean over the 15 "
          "corruptions at severity 5.", "",
          "| model | context | arm | head | " + " | ".join(lab for _, lab in FIELDS) + " |",
          "|---|---|---|---|" + "---|" * len(FIELDS)]
@@ -187,7 +190,8 @@ def markdown(out: dict, keys: list[tuple]) -> str:
         s = out["series"]["/".join(k)]
         L.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(_fmt(*s[f]) for f, _ in FIELDS) + " |")
     L += ["", f"## Paired differences against the twin ({TWIN}, softmax) under the same arm", "",
-          "Own heads; per seed the difference, then mean [95% t-interval over the seeds]. Positive accuracy "
+          "Own heads; per seed the difference, then mean [95% t-interval over the seeds; with two seeds, the two "
+          "values]. Positive accuracy "
           "= better than the twin; positive drop or ECE = worse.", "",
           "| model | context | arm | head | Δ acc s0 | Δ acc s5 | Δ drop 0→5 | Δ ECE s5 |",
           "|---|---|---|---|---|---|---|---|"]

@@ -4,9 +4,11 @@ same rows, tables and report as the corruptions, and never inside the corruption
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
+import torch
 from _adversarial_helpers import band_data, trained_band_mlp
 from torch import nn
 
@@ -56,6 +58,40 @@ def test_adversarial_cells_stay_out_of_the_corruption_means(attacked):
         assert rob["mca"] == pytest.approx(fog[rob["head"]])
     assert {a["severity"] for a in d["aggregates"]} == {0, 3}
     assert "Adversarial shift" in _html(res) and "adversarial shift" in res.summary()
+
+
+def test_transfer_cells_score_every_model_on_the_images_made_on_the_source(attacked):
+    net, x, y, _ = attacked
+    other = copy.deepcopy(net)
+    with torch.no_grad():
+        other[-1].bias.add_(torch.tensor([0.5, 0.0, -0.5]))  # another model, same architecture
+    res = shiftguard.evaluate({"a": net, "b": other}, (x, y), corruptions=["fog"], severities=[3],
+                              heads=["softmax"], n_boot=10, attacks=["fgsm"], attack_eps=[0.3], transfer_from=["a"])
+    acc = {(r["model"], r["corruption"]): r["accuracy"] for r in res.rows if r["group"] == "adversarial"}
+    assert set(acc) == {("a", "fgsm-linf"), ("b", "fgsm-linf"), ("a", "fgsm-linf@a"), ("b", "fgsm-linf@a")}
+    # the source scored on its own transfer images is its white-box result
+    assert acc["a", "fgsm-linf@a"] == acc["a", "fgsm-linf"]
+    made_on_a = AttackSpec.parse("fgsm", eps=0.3).run(net, x, y, preprocess=lambda t: t, batch_size=500)
+    assert acc["b", "fgsm-linf@a"] == pytest.approx(float((other(made_on_a.float() / 255).argmax(1) == y)
+                                                          .float().mean()))
+    described = res.results["data"]["attacks"]["fgsm-linf@a"]
+    assert described["source"] == "a" and described["transfer"] is True
+    with pytest.raises(ValueError, match="transfer_from: no model named 'c'"):
+        shiftguard.evaluate({"a": net}, (x, y), corruptions=["fog"], severities=[3], heads=["softmax"],
+                            attacks=["fgsm"], attack_eps=[0.3], transfer_from=["c"])
+    with pytest.raises(ValueError, match="transfer_from: given without attacks"):
+        shiftguard.evaluate({"a": net}, (x, y), corruptions=["fog"], severities=[3], heads=["softmax"],
+                            transfer_from=["a"])
+
+
+def test_run_config_transfer_sources_are_models_of_the_run():
+    two = [{"arch": "lenet", "name": "a"}, {"arch": "lenet", "name": "b"}]
+    cfg = C.config_from_dict({"eval": {"attacks": ["pgd"], "transfer_from": ["a"]}, "models": two})
+    assert cfg.eval.transfer_from == ["a"]
+    with pytest.raises(ValueError, match="eval.transfer_from must name models of this run"):
+        C.config_from_dict({"eval": {"attacks": ["pgd"], "transfer_from": ["z"]}, "models": two})
+    with pytest.raises(ValueError, match="eval.transfer_from needs eval.attacks"):
+        C.config_from_dict({"eval": {"transfer_from": ["a"]}, "models": two})
 
 
 def _html(res):

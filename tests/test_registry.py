@@ -28,6 +28,9 @@ def test_names_match_ignoring_case_dashes_underscores_and_surrounding_whitespace
     assert reg.get("Light-Blue") == "#add8e6" and reg.canonical("lightblue") == "light_blue"
     assert "GREEN" in reg and "green " in reg
     assert "dark red" not in reg  # an inner space is part of the name
+    assert reg.canonical("Dark  Red", words=True) == "dark-red"  # unless words are asked for
+    with pytest.raises(ValueError, match="unknown colour 'dark blue'"):
+        reg.canonical("dark blue", words=True)
 
 
 def test_aliases_resolve_to_the_canonical_name_and_are_not_listed():

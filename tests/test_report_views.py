@@ -76,3 +76,17 @@ def test_every_scored_head_has_a_reliability_diagram(tmp_path):
     assert plots["reliability_every_head"].stat().st_size > 0
     assert plots["adversarial_accuracy"].stat().st_size > 0
     assert "Reliability diagrams of every head" in render_html(res, plots)
+
+
+def test_images_made_on_another_model_that_beat_the_white_box_attack_are_a_masking_sign():
+    res = _attacked(pgd={0.05: 0.40, 0.3: 0.01}, fgsm={0.05: 0.55, 0.3: 0.05})
+    res["data"]["attacks"]["pgd@other"] = {**res["data"]["attacks"]["pgd"], "source": "other", "transfer": True}
+    res["rows"] += [_row("m", "softmax", "pgd@other", i + 1, acc, "adversarial") for i, acc in enumerate((0.2, 0.01))]
+    signs = masking_signs(res)
+    assert signs == ["m / softmax: images made on other (pgd@other, 20.0%) remove more accuracy than its own "
+                     "white-box pgd (40.0%) at eps 0.05"]
+    page = render_html(res, {})
+    assert "pgd@other 0.05" in page and "columns <code>attack@model</code>" in page
+    # the source's own transfer cell is its white-box attack again: never a sign
+    res["data"]["attacks"]["pgd@other"]["source"] = "m"
+    assert masking_signs(res) == []

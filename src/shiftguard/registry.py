@@ -142,8 +142,12 @@ class Registry(Generic[T]):
 
     # ------------------------------------------------------------------ lookup
 
-    def canonical(self, name: str, *, argument: Optional[str] = None) -> str:
+    def canonical(self, name: str, *, argument: Optional[str] = None, words: bool = False) -> str:
         """The canonical name that ``name`` (any case, ``-``/``_`` ignored, or an alias) refers to.
+
+        ``words=True``: whitespace between words is a separator like ``-`` and ``_`` too
+        (``"motion blur"``); by default an inner space is part of the name. An error quotes
+        ``name`` as given.
 
         Raises:
             TypeError: ``name`` is not a str (the message names ``argument``).
@@ -154,6 +158,8 @@ class Registry(Generic[T]):
         if not isinstance(name, str):
             raise TypeError(f"{argument}: expected a {self.kind} name (str), got {type(name).__name__}")
         found = self._keys.get(normalize(name))
+        if found is None and words:
+            found = self._keys.get(normalize("_".join(name.split())))
         if found is None:
             raise self._unknown(name, argument)
         return found

@@ -3,6 +3,8 @@
 >>> from shiftguard import corruptions
 >>> corruptions.names("mnist-c")[:3]
 ['shot_noise', 'impulse_noise', 'glass_blur']
+>>> corruptions.canonical_name("Motion Blur"), corruptions.canonical_suite("CIFAR_C")
+('motion_blur', 'cifar-c')
 >>> x_shifted = corruptions.corrupt(x, "fog", severity=3, seed=0)  # doctest: +SKIP
 
 Suites (the QACT and NED papers [QACT], [NED] evaluate on "MNISTC" and "CIFAR10C"):
@@ -39,14 +41,17 @@ from shiftguard.corruptions.engine import (
     SUITE_REGISTRY,
     SUITES,
     CorruptionSpec,
+    canonical_name,
+    canonical_suite,
     corrupt,
     get,
     names,
     warm_up,
 )
 
-__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "corrupt", "warm_up",
-           "gallery", "CHUNK", "AugMix", "augmix_ops", "jensen_shannon_consistency"]
+__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "canonical_name",
+           "canonical_suite", "corrupt", "warm_up", "gallery", "CHUNK", "AugMix", "augmix_ops",
+           "jensen_shannon_consistency"]
 
 
 def gallery(images, suite: Optional[str] = None, **kwargs):

@@ -15,11 +15,11 @@ from shiftguard.corruptions.mnist_c import MNIST_C
 from shiftguard.corruptions.registry import CorruptionSpec
 from shiftguard.registry import Registry
 
-__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "corrupt", "warm_up",
-           "CHUNK"]
+__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "canonical_name",
+           "canonical_suite", "corrupt", "warm_up", "CHUNK"]
 
 #: The suites by name: ``suite -> {corruption name -> CorruptionSpec}`` (benchmark order). Suite
-#: and corruption names are matched ignoring case, ``-`` and ``_``.
+#: and corruption names are matched ignoring case, ``-``, ``_`` and spaces (:func:`canonical_name`).
 SUITE_REGISTRY: Registry[dict[str, CorruptionSpec]] = Registry("suite", argument="suite")
 SUITE_REGISTRY.register("mnist-c", MNIST_C)
 SUITE_REGISTRY.register("cifar-c", CIFAR_C)
@@ -44,6 +44,41 @@ for _suite, _table in SUITES.items():
             _ANY_SUITE.register(_name, [_suite])
 del _suite, _table, _name, _spec
 
+def _canonical(registry: Registry, name, argument: Optional[str] = None) -> str:
+    """``registry``'s canonical name for ``name``, whitespace between words a separator like ``-``
+    and ``_`` (``"motion blur"`` is ``"motion_blur"``)."""
+    return registry.canonical(name, argument=argument, words=True)
+
+
+def canonical_suite(suite: str, *, argument: str = "suite") -> str:
+    """The registered name of corruption suite ``suite`` (``"MNIST_C"``, ``"mnist c"`` ->
+    ``"mnist-c"``).
+
+    Raises ``TypeError`` (not a str) or ``ValueError`` (unknown: the message lists the suites and
+    suggests the closest), naming ``argument``.
+    """
+    return _canonical(SUITE_REGISTRY, suite, argument)
+
+
+def canonical_name(name: str, suite: Optional[str] = None, *, channels: Optional[int] = None,
+                   argument: str = "name") -> str:
+    """The registered name of corruption ``name``: case, ``-``, ``_`` and spaces do not matter
+    (``"Motion-Blur"``, ``"motion blur"``, ``"MOTION_BLUR"`` -> ``"motion_blur"``). Every entry point
+    that takes corruption names (:func:`corrupt`, ``shiftguard.evaluate(corruptions=)``, the run
+    config, the command line) resolves them here, so results carry one spelling.
+
+    ``suite`` (any spelling, see :func:`canonical_suite`) restricts the lookup to that suite; a
+    qualified ``"suite/name"`` does the same. Otherwise the name may come from any suite
+    (``channels`` picks the suite of a name two suites share, as in :func:`get`).
+
+    Raises:
+        TypeError: ``name`` or ``suite`` is not a str.
+        ValueError: an unknown suite or corruption, in one line naming ``argument`` (or ``suite``)
+            that lists the valid names and suggests the closest.
+    """
+    return get(name, suite, channels, argument=argument).name
+
+
 #: Images processed per step (bounds memory; the random stream continues across chunks).
 CHUNK = 8192
 
@@ -55,33 +90,38 @@ def names(suite: str = "cifar-c", *, extra: bool = False) -> list[str]:
     Raises ``TypeError`` / ``ValueError`` naming ``suite`` for a non-str or unknown suite (the
     message lists the suites), ``ValueError`` naming ``extra`` for extras of another suite.
     """
-    out = list(SUITE_REGISTRY.get(suite))
+    out = list(SUITE_REGISTRY.get(canonical_suite(suite)))
     if extra:
-        if SUITE_REGISTRY.canonical(suite) != "cifar-c":
+        if canonical_suite(suite) != "cifar-c":
             raise ValueError(f"extra: only the 'cifar-c' suite has extra corruptions, got suite={suite!r}")
         out += list(CIFAR_C_EXTRA)
     return out
 
 
-def get(name: str, suite: Optional[str] = None, channels: Optional[int] = None) -> CorruptionSpec:
+def get(name: str, suite: Optional[str] = None, channels: Optional[int] = None, *,
+        argument: str = "name") -> CorruptionSpec:
     """The :class:`CorruptionSpec` for ``name``.
 
     ``suite`` may be given, or a qualified name ``"mnist-c/fog"`` used. Otherwise the suite is
     inferred: names that exist in both MNIST-C and CIFAR-10-C (shot_noise, impulse_noise,
     glass_blur, motion_blur, brightness, fog, spatter) resolve to MNIST-C for one-channel images
-    and to CIFAR-10-C otherwise. Names are matched ignoring case, ``-`` and ``_``.
+    and to CIFAR-10-C otherwise. Names are matched ignoring case, ``-``, ``_`` and spaces
+    (:func:`canonical_name`).
 
     Raises:
         TypeError: ``name`` or ``suite`` is not a str.
-        ValueError: an unknown suite or corruption; the message names the argument, lists the
-            valid names (of ``suite`` where one is given) and suggests the closest.
+        ValueError: an unknown suite or corruption; the message names the argument (``argument``
+            for the corruption), lists the valid names (of ``suite`` where one is given) and
+            suggests the closest.
     """
     if not isinstance(name, str):
-        raise TypeError(f"name: expected a string, got {type(name).__name__}")
+        raise TypeError(f"{argument}: expected a string, got {type(name).__name__}")
     if "/" in name and suite is None:
         suite, name = name.split("/", 1)
     if suite is not None:
-        return CORRUPTION_REGISTRIES[SUITE_REGISTRY.canonical(suite)].get(name)
+        table = CORRUPTION_REGISTRIES[canonical_suite(suite)]
+        return table.get(_canonical(table, name, argument))
+    name = _canonical(_ANY_SUITE, name, argument)
     found = _ANY_SUITE.get(name)
     if len(found) > 1:
         pick = "mnist-c" if channels == 1 else next(s for s in found if s != "mnist-c")
@@ -260,9 +300,7 @@ def warm_up(dtypes=(torch.uint8, torch.float32), suites=("mnist-c", "cifar-c")) 
             raise ValueError(f"dtypes: expected torch.uint8 or float dtypes, got {dtype}")
     if isinstance(suites, str):
         suites = (suites,)
-    for suite in suites:
-        if suite not in SUITES:
-            raise ValueError(f"suites: unknown suite {suite!r}; expected some of {', '.join(SUITES)}")
+    suites = tuple(canonical_suite(suite, argument="suites") for suite in suites)
     if not NUMBA_AVAILABLE:
         return 0.0
     t0 = time.perf_counter()

@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 from shiftguard.nn import QuantileActivation, has_qact, qact_context
+from shiftguard.registry import Registry
 
 from .outputs import ModelOutputs, batch_order, compute_outputs
 
@@ -59,6 +60,19 @@ __all__ = ["ARMS", "AdaptSpec", "AdaptedModel", "adapt_specs", "arm_contexts", "
 
 #: The adaptation arms, in the order reports list them.
 ARMS = ("none", "bn-batch", "bn", "tent", "refresh")
+
+# Arm names are matched ignoring case, '-', '_' and spaces ("BN_Batch", "bn batch" -> "bn-batch").
+_ARM_REGISTRY: Registry[str] = Registry("arm", argument="adapt")
+for _arm in ARMS:
+    _ARM_REGISTRY.register(_arm, _arm)
+del _arm
+
+
+def _canonical_arm(name) -> str:
+    """The registered spelling of arm ``name``; one-line errors naming ``adapt``."""
+    if not isinstance(name, str):
+        raise TypeError(f"adapt: expected an arm name (str), got {type(name).__name__}")
+    return _ARM_REGISTRY.canonical(name, words=True)
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
@@ -94,8 +108,7 @@ class AdaptSpec:
     batch_size: Optional[int] = None
 
     def __post_init__(self):
-        if self.name not in ARMS:
-            raise ValueError(f"adapt: unknown arm {self.name!r}; expected one of {', '.join(ARMS)}")
+        object.__setattr__(self, "name", _canonical_arm(self.name))  # frozen: the one spelling, set once
         if isinstance(self.prior, bool) or not isinstance(self.prior, (int, float)) or not (
                 math.isfinite(self.prior) and self.prior >= 0):
             raise ValueError(f"adapt: {self.name}: prior must be a finite number >= 0, got {self.prior!r}")
@@ -124,9 +137,7 @@ class AdaptSpec:
         if not isinstance(text, str):
             raise TypeError(f"adapt: expected an arm name or an AdaptSpec, got {type(text).__name__}")
         name, _, rest = text.strip().partition(":")
-        name = name.strip().lower().replace("_", "-")
-        if name not in ARMS:
-            raise ValueError(f"adapt: unknown arm {name!r}; expected one of {', '.join(ARMS)}")
+        name = _canonical_arm(name)
         kwargs: dict = {}
         types = {f.name: f.type for f in fields(cls)}
         for part in filter(None, (p.strip() for p in rest.split(","))):

@@ -14,6 +14,12 @@ ascends the loss of the model's outputs:
   embedding loss, as [NED, Sec. 5] attacks its metric-learning models through their training
   loss; ``evaluate``: ``attack_loss=``).
 
+A *transfer* cell ``"<attack>@<source>"`` (``transfer_from=``) scores every model on the images
+the white-box attack made on model ``source`` (in its first context): a black-box attack on the
+other models, the check that tells robustness from gradient masking (Athalye, Carlini & Wagner
+2018, Sec. 3.1; Papernot et al. 2017): a model that keeps accuracy under its own white-box attack
+but loses more to images made on another model has an uninformative gradient, not robustness.
+
 Adversarial cells never enter the corruption means (mCA, mCE, the bootstrap intervals, the pooled
 reliability diagrams); the report shows them in a table of their own.
 """
@@ -112,11 +118,13 @@ class AttackSuite:
             to attack its logits with cross-entropy (a model without logits needs one).
         seed: seed of PGD's random start (the same for every cell).
         batch_size: images per attack batch (the context of QACT models in the batch context).
+        transfer_from: names of models whose white-box images are also scored on every model, as
+            cells ``"<attack>@<source>"`` (module docstring).
     """
 
     def __init__(self, specs: Sequence[AttackSpec], eps: Sequence[float], test: tuple[torch.Tensor, torch.Tensor],
                  losses: Optional[Mapping[str, Optional[LossFn]]] = None, seed: int = 0, batch_size: int = 500,
-                 device: Union[str, torch.device] = "cpu"):
+                 device: Union[str, torch.device] = "cpu", transfer_from: Sequence[str] = ()):
         self.specs = {s.name: s for s in specs}
         self.eps = _check_eps(eps)
         self.test_x, self.test_y = test
@@ -124,26 +132,56 @@ class AttackSuite:
         self.seed = seed
         self.batch_size = batch_size
         self.device = torch.device(device)
+        if isinstance(transfer_from, str):
+            raise TypeError("transfer_from: expected a list of model names, got a single str")
+        self.sources = list(dict.fromkeys(transfer_from))
+        self._entries: dict[str, dict] = {}
+        self._digests: dict[str, str] = {}
+        self._last: Optional[tuple] = None  # (cell name, index, images): cells are scored cell-major
+
+    def _split(self, name: str) -> tuple[str, Optional[str]]:
+        base, _, source = name.partition("@")
+        return base, (source or None)
 
     def cells(self) -> list[tuple[str, int, str]]:
-        """``(attack name, i, "adversarial")`` for every attack and budget index ``i`` (1-based)."""
-        return [(name, i, ADVERSARIAL) for name in self.specs for i in range(1, len(self.eps) + 1)]
+        """``(attack name, i, "adversarial")`` for every attack and budget index ``i`` (1-based),
+        then the transfer cells ``("<attack>@<source>", i, "adversarial")``."""
+        names = [*self.specs, *(f"{n}@{src}" for src in self.sources for n in self.specs)]
+        return [(name, i, ADVERSARIAL) for name in names for i in range(1, len(self.eps) + 1)]
 
     def key(self, name: str, index: int) -> str:
-        """The output-cache key of a cell: every parameter that changes its images."""
-        s = self.specs[name].with_eps(self.eps[index - 1])
-        return (f"{name}-eps{s.eps:.6g}-steps{s.steps}-step{s.step_size if s.step_size is not None else 'auto'}"
-                f"-start{int(bool(s.random_start))}-seed{self.seed}")
+        """The output-cache key of a cell: every parameter that changes its images (for a transfer
+        cell, also the source model's weights and buffers)."""
+        base, source = self._split(name)
+        s = self.specs[base].with_eps(self.eps[index - 1])
+        key = (f"{base}-eps{s.eps:.6g}-steps{s.steps}-step{s.step_size if s.step_size is not None else 'auto'}"
+               f"-start{int(bool(s.random_start))}-seed{self.seed}")
+        if source is not None:
+            key += f"-from-{source}-{self._digests[source][:16]}"
+        return key
 
     def describe(self) -> dict:
-        """The protocol of each attack, for ``results["data"]["attacks"]``."""
-        return {name: {"attack": s.attack, "norm": s.norm, "eps": list(self.eps), "steps": s.steps,
-                       "step_size": s.step_size, "random_start": bool(s.random_start), "seed": self.seed}
-                for name, s in self.specs.items()}
+        """The protocol of each attack, for ``results["data"]["attacks"]``; a transfer cell's entry
+        names its ``source`` model."""
+        out = {name: {"attack": s.attack, "norm": s.norm, "eps": list(self.eps), "steps": s.steps,
+                      "step_size": s.step_size, "random_start": bool(s.random_start), "seed": self.seed}
+               for name, s in self.specs.items()}
+        for src in self.sources:
+            for name in self.specs:
+                out[f"{name}@{src}"] = {**out[name], "source": src, "transfer": True}
+        return out
 
     def check_models(self, entries: Sequence[dict]) -> None:
         """Every model can be attacked: it has logits, or a loss on its embeddings is given, and its
-        parameters can be differentiated."""
+        parameters can be differentiated; every ``transfer_from`` source is one of the models."""
+        from .cache import _state_digest
+
+        self._entries = {m["name"]: m for m in entries}
+        unknown = [s for s in self.sources if s not in self._entries]
+        if unknown:
+            raise ValueError(f"transfer_from: no model named {', '.join(map(repr, unknown))}; models: "
+                             f"{', '.join(map(repr, self._entries))}")
+        self._digests = {s: _state_digest(self._entries[s]["model"]) for s in self.sources}
         for m in entries:
             if any(p.is_inference() for p in m["model"].parameters()):
                 raise ValueError(f"attacks: model {m['name']!r} has parameters created under torch.inference_mode(), "
@@ -154,7 +192,21 @@ class AttackSuite:
 
     def __call__(self, entry: dict, context: str, name: str, index: int) -> torch.Tensor:
         """Adversarial test images of cell ``(name, index)`` for model ``entry`` (same dtype as the
-        test images); call it inside the model's QACT context."""
+        test images); call it inside the model's QACT context. A transfer cell's images are made on
+        its source model, in the source's first context, once for every model scored on them."""
+        base, source = self._split(name)
+        if source is None:
+            return self._craft(entry, base, index)
+        if self._last is None or self._last[:2] != (name, index):
+            from shiftguard.nn import has_qact, qact_context
+
+            src = self._entries[source]
+            ctx = (list(src.get("contexts") or ["batch"])[0] if has_qact(src["model"]) else "batch")
+            with qact_context(src["model"], "batch" if ctx == "none" else ctx):
+                self._last = (name, index, self._craft(src, base, index))
+        return self._last[2]
+
+    def _craft(self, entry: dict, name: str, index: int) -> torch.Tensor:
         outs = entry["outputs"]
         loss = self.losses.get(entry["name"])
         model = entry["model"]

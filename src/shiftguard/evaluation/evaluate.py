@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from shiftguard import corruptions as K
-from shiftguard.heads import HEAD_NAMES
+from shiftguard.heads.registry import canonical_head
 from shiftguard.neighbors import check_backend
 
 from . import aggregate as A
@@ -33,7 +33,7 @@ from .cache import check_fingerprint, fingerprint
 from .conformal import conformal_spec, split_validation
 from .grid import Cell, model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs, looks_like_probabilities
-from .result import EvaluationResult
+from .result import EvaluationResult, describe_preprocess, encode_per_image, images_fingerprint
 from .warmup import compile_announced, evaluation_steps
 
 __all__ = ["evaluate", "DEFAULT_HEADS", "build_cells", "build_results", "primary_head"]
@@ -59,10 +59,9 @@ def build_cells(suite: str, corruptions: Optional[Sequence[str]], severities: Se
                 extra: bool = False) -> list[Cell]:
     """The ``(corruption, severity, group)`` cells; group "extra" for CIFAR-10-C's 4 extra
     corruptions (reported apart from the benchmark means). Duplicates are an error: they would
-    re-weight the means."""
-    if suite not in K.SUITES or suite == "cifar-c-extra":
-        valid = [s for s in K.SUITES if s != "cifar-c-extra"]
-        raise ValueError(f"suite: unknown suite {suite!r}; expected one of {', '.join(valid)}")
+    re-weight the means. Suite and corruption names are canonicalised (any case, ``-``, ``_`` or
+    space), so the cells, and every row, carry the registered spelling."""
+    suite = evaluable_suite(suite)
     bench = K.names(suite)
     extras = K.names("cifar-c-extra") if suite == "cifar-c" else []
     if corruptions is None:
@@ -70,8 +69,12 @@ def build_cells(suite: str, corruptions: Optional[Sequence[str]], severities: Se
     else:
         if isinstance(corruptions, str):
             raise TypeError("corruptions: expected a list of names, got a string")
-        chosen = list(corruptions)
-        unknown = [c for c in chosen if c not in bench and c not in extras]
+        chosen, unknown = [], []
+        for c in corruptions:
+            name = _corruption_of(c, suite)
+            chosen.append(c if name is None else name)
+            if name is None:
+                unknown.append(c)
         if unknown:
             raise ValueError(f"corruptions: unknown for suite {suite!r}: {', '.join(map(repr, unknown))}; "
                              f"expected some of {', '.join(bench + extras)}")
@@ -82,6 +85,30 @@ def build_cells(suite: str, corruptions: Optional[Sequence[str]], severities: Se
             raise ValueError(f"severities: expected integers in 1..5 (severity 0 is always scored), got {s!r}")
     _check_unique(sevs, "severities")
     return [(c, s, "extra" if c in extras else "benchmark") for c in chosen for s in sorted(sevs)]
+
+
+def evaluable_suite(suite) -> str:
+    """The canonical name of a suite ``evaluate`` scores: mnist-c or cifar-c (cifar-c-extra is
+    scored as cifar-c's extras); any case, ``-``, ``_`` or space."""
+    valid = [s for s in K.SUITES if s != "cifar-c-extra"]
+    try:
+        name = K.canonical_suite(suite)
+    except ValueError:
+        name = None
+    if name not in valid:
+        raise ValueError(f"suite: unknown suite {suite!r}; expected one of {', '.join(valid)}")
+    return name
+
+
+def _corruption_of(name, suite: str) -> Optional[str]:
+    """The canonical name of corruption ``name`` in canonical ``suite`` (cifar-c: its extras too),
+    or None for an unknown one; ``TypeError`` naming ``corruptions`` for a non-str."""
+    for table in (suite, "cifar-c-extra") if suite == "cifar-c" else (suite,):
+        try:
+            return K.canonical_name(name, table, argument="corruptions")
+        except ValueError:
+            continue
+    return None
 
 
 def _check_unique(values: list, name: str) -> None:
@@ -128,10 +155,7 @@ def _heads_for(heads, names: list[str]) -> dict[str, list[str]]:
             raise ValueError(f"heads: no heads given for model {n!r}")
         if isinstance(hs, str):
             hs = [hs]
-        hs = list(hs)
-        for h in hs:
-            if h not in HEAD_NAMES:
-                raise ValueError(f"heads: unknown head {h!r}; expected some of {', '.join(HEAD_NAMES)}")
+        hs = [canonical_head(h) for h in hs]  # one spelling in the rows, and duplicates found across spellings
         _check_unique(hs, "heads")
         if not hs:
             raise ValueError("heads: expected at least one head")
@@ -321,6 +345,7 @@ def evaluate(
     attack_eps: Sequence[float] = (1 / 255, 2 / 255, 4 / 255, 8 / 255),
     attack_steps: Optional[int] = None,
     attack_loss: Union[None, Callable, Mapping[str, Callable]] = None,
+    transfer_from: Sequence[str] = (),
     name: str = "evaluation",
     cache_dir: Optional[Union[str, Path]] = None,
     progress: bool = False,
@@ -398,7 +423,9 @@ def evaluate(
             callable for every model or a mapping model name -> callable); models with logits
             are attacked through cross-entropy unless a loss is given for them (it then receives
             ``model.embed(x)`` where the model has ``embed``). Adversarial cells never enter the
-            corruption means.
+            corruption means. ``transfer_from``: model names whose white-box images are also scored
+            on every model, as cells ``"<attack>@<model>"`` (a transfer attack, the black-box check
+            of gradient masking; ``docs/adversarial.md``).
         cache_dir: keep the model outputs of every cell there (resumable). A model's folder is
             reused only by the same evaluation: a fingerprint of its weights, the data, what
             ``preprocess`` does, the batch size, output, embedding, corruption source and seed
@@ -497,8 +524,7 @@ def evaluate(
         if part is not None and part[0].shape[1:] != test_x.shape[1:]:
             raise ValueError(f"{nm}: images of shape {tuple(part[0].shape[1:])}, test images "
                              f"{tuple(test_x.shape[1:])}")
-    if suite is None:
-        suite = "mnist-c" if test_x.shape[1] == 1 else "cifar-c"
+    suite = ("mnist-c" if test_x.shape[1] == 1 else "cifar-c") if suite is None else evaluable_suite(suite)
     cells = build_cells(suite, corruptions, severities, extra)
     suite_attacks = None
     specs = attack_specs(attacks, attack_steps)
@@ -516,10 +542,13 @@ def evaluate(
         else:
             raise TypeError(f"attack_loss: expected a callable, a mapping or None, got {type(attack_loss).__name__}")
         suite_attacks = AttackSuite(specs, attack_eps, (test_x, test_y), losses, seed=seed, batch_size=batch_size,
+                                    transfer_from=transfer_from,
                                     device=dev)
         cells = cells + suite_attacks.cells()
     elif attack_loss is not None:
         raise ValueError("attack_loss: given without attacks")
+    elif transfer_from:
+        raise ValueError("transfer_from: given without attacks")
     source = "engine" if shifted is None else "user"
     extras = K.names("cifar-c-extra") if suite == "cifar-c" else []
     to_corrupt: dict[str, tuple[str, int, str]] = {}  # corruption -> one of its cells, for the compile step
@@ -583,13 +612,19 @@ def evaluate(
                         contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
                         distributed=distributed, attacks=suite_attacks, knn_backend=knn_backend, adapt=arms, seed=seed,
                         conformal=sets_spec, calibration=cal)
+    # n_support: the images the heads are fitted on; n_train: the images the model was trained on,
+    # which an evaluation is not told (None, "not known"; ``shiftguard run`` knows it).
     data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
-            "n_train": 0 if sup is None else int(sup[1].numel()), "n_val": 0 if val is None else int(val[1].numel()),
-            "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source}
+            "n_support": 0 if sup is None else int(sup[1].numel()), "n_train": None,
+            "n_val": 0 if val is None else int(val[1].numel()),
+            "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source,
+            "corruption_seed": seed if source == "engine" else None,
+            "test_sha256": images_fingerprint(test_x, test_y)}
     if choose is None and baseline_key is not None:
         choose = baseline_chooser({"rows": grid["rows"]}, baseline_key, name="this evaluation")
     results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
                             ece_bins=ece_bins, n_boot=n_boot, baseline=choose, attacks=suite_attacks, adapt=arms)
+    results["per_image_correct"] = encode_per_image(grid["per_image"], cells)
     if sets_spec is not None:
         assert cal is not None and cal_source is not None
         results["conformal"] = sets_spec.describe(cal_source, int(cal[1].numel()))
@@ -598,14 +633,12 @@ def evaluate(
                          "conformal": list(sets_spec.methods) if sets_spec else [], "alpha": alpha,
                          "conformal_weighted": conformal_weighted,
                          "k": k, "knn_backend": knn_backend,
-                         "retrieval_ks": ks, "ece_bins": ece_bins, "preprocess": _describe(preprocess),
+                         "retrieval_ks": ks, "ece_bins": ece_bins, "preprocess": describe_preprocess(preprocess),
                          "layout": layout, "output": output}
     results["timings"]["compile_s"] = compile_s
     results["timings"]["evaluate_s"] = time.perf_counter() - t_start
     results["timings"]["total_s"] = results["timings"]["evaluate_s"]
-    results["timings"]["train_s"] = {}
-    results["training"] = {}
-    return EvaluationResult(results)
+    return EvaluationResult(results)  # no "training": an evaluation trains nothing (``shiftguard run`` adds it)
 
 
 def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validation, calibration, preprocess,
@@ -652,9 +685,3 @@ def _training_flags_kept(models: Sequence[nn.Module]) -> Iterator[None]:
 
 def _unique_in_order(values) -> list:
     return list(dict.fromkeys(values))
-
-
-def _describe(fn) -> Optional[str]:
-    if fn is None:
-        return None
-    return getattr(fn, "__qualname__", None) or repr(fn)

@@ -603,44 +603,59 @@ def masking_signs(results: dict) -> list[str]:
     budget under an attack, (3) an iterative L-inf attack at a budget >= ``_LARGE_EPS`` leaves
     more than ``_KEPT_POINTS`` points above chance. One sentence per sign found."""
     cells = P.adversarial_cells(results)
-    attacks = results["data"].get("attacks")
-    attacks = attacks if isinstance(attacks, dict) else {}
+    raw = results["data"].get("attacks")
+    attacks: dict = raw if isinstance(raw, dict) else {}
     k = as_number(results["data"].get("num_classes"))
     chance = 100.0 / k if k else None
     out = []
     for key, per in cells.items():
         label = _e(_key_label(*key))
-        acc = {a: [(as_number(eps), as_number(r.get("accuracy"))) for eps, r in pts if as_number(eps) is not None]
-               for a, pts in per.items()}
-        for a, pts in acc.items():
-            vals = [(e, v * 100.0) for e, v in pts if v is not None]
+        # accuracy in % per attack: (eps, accuracy) of the cells whose both values are numbers
+        acc: dict[str, list[tuple[float, float]]] = {}
+        for a, pts in per.items():
+            acc[a] = []
+            for eps, r in pts:
+                e, v = as_number(eps), as_number(r.get("accuracy"))
+                if e is not None and v is not None:
+                    acc[a].append((e, 100.0 * v))
+        kind: dict[str, dict] = {a: attacks[a] for a in acc if isinstance(attacks.get(a), dict)}
+        for a, vals in acc.items():
             rises = [(e1, v0, v1) for (_, v0), (e1, v1) in zip(vals, vals[1:]) if v1 > v0 + 1.0]
             if rises:
                 e1, v0, v1 = rises[0]
                 out.append(f"{label}: accuracy under {_e(a)} rises with the budget ({v0:.1f}% → {v1:.1f}% at eps "
                            f"{e1:.4g})")
-            spec = attacks.get(a) if isinstance(attacks.get(a), dict) else {}
-            if spec.get("attack") in ("bim", "pgd") and spec.get("norm", "linf") == "linf" and chance is not None:
+            spec = kind.get(a, {})
+            iterative = spec.get("attack") in ("bim", "pgd") and not spec.get("transfer")
+            if iterative and spec.get("norm", "linf") == "linf" and chance is not None:
                 big = [(e, v) for e, v in vals if e >= _LARGE_EPS and v > chance + _KEPT_POINTS]
                 if big:
                     e, v = big[-1]
                     out.append(f"{label}: keeps {v:.1f}% under {_e(a)} at eps {e:.4g} (chance {chance:.1f}%), "
                                "a budget at which an iterative white-box attack leaves an undefended model at "
                                "chance")
-        kind = {a: attacks[a] for a in acc if isinstance(attacks.get(a), dict)}
-        one = [a for a in kind if kind[a].get("attack") == "fgsm"]
-        multi = [a for a in kind if kind[a].get("attack") in ("bim", "pgd")]
+        one = [a for a in kind if kind[a].get("attack") == "fgsm" and not kind[a].get("transfer")]
+        multi = [a for a in kind if kind[a].get("attack") in ("bim", "pgd") and not kind[a].get("transfer")]
         for a1 in one:
             for am in multi:
                 if kind[a1].get("norm", "linf") != kind[am].get("norm", "linf"):
                     continue
                 m_at = dict(acc[am])
-                worse = [(e, v1, m_at[e]) for e, v1 in acc[a1] if v1 is not None and m_at.get(e) is not None
-                         and v1 * 100.0 < m_at[e] * 100.0 - 1.0]
+                worse = [(e, v1, m_at[e]) for e, v1 in acc[a1] if e in m_at and v1 < m_at[e] - 1.0]
                 if worse:
                     e, v1, vm = worse[0]
-                    out.append(f"{label}: one-step {_e(a1)} ({v1 * 100:.1f}%) beats iterative {_e(am)} "
-                               f"({vm * 100:.1f}%) at eps {e:.4g}")
+                    out.append(f"{label}: one-step {_e(a1)} ({v1:.1f}%) beats iterative {_e(am)} "
+                               f"({vm:.1f}%) at eps {e:.4g}")
+        for at, spec in kind.items():
+            base, src = at.partition("@")[0], spec.get("source")
+            if not spec.get("transfer") or src == key[0] or base not in acc:
+                continue
+            white = dict(acc[base])
+            beaten = [(e, v, white[e]) for e, v in acc[at] if e in white and v < white[e] - 1.0]
+            if beaten:
+                e, v, w = beaten[0]
+                out.append(f"{label}: images made on {_e(src)} ({_e(at)}, {v:.1f}%) remove more accuracy than "
+                           f"its own white-box {_e(base)} ({w:.1f}%) at eps {e:.4g}")
     return out
 
 
@@ -667,26 +682,33 @@ def _adversarial_section(results: dict) -> str:
     head = [*_label_head(arms), "attack", "eps", *(label for _, label, _, _ in metrics)]
     body = []
     for key, per in cells.items():
-        clean = index.get(key, {}).get((CLEAN, 0))
-        if clean is not None:
+        clean_row = index.get(key, {}).get((CLEAN, 0))
+        if clean_row is not None:
             body.append([*_label_cells(key, arms), "none (clean)", "0",
-                         *(_fmt(clean.get(m), sc, nd) for m, _, sc, nd in metrics)])
+                         *(_fmt(clean_row.get(m), sc, nd) for m, _, sc, nd in metrics)])
         for attack, pts in per.items():
             for eps, r in pts:
                 body.append([*_label_cells(key, arms), attack, f"{eps:.4g}",
                              *(_fmt(r.get(m), sc, nd) for m, _, sc, nd in metrics)])
-    attacks = results["data"].get("attacks") or {}
-    desc = "; ".join(f"{_e(n)}: {_e(a.get('steps'))} steps" if a.get("attack") != "fgsm" else f"{_e(n)}: one step"
-                     for n, a in attacks.items())
+    attacks = results["data"].get("attacks")
+    attacks = attacks if isinstance(attacks, dict) else {}
+    desc = "; ".join((f"{_e(n)}: {_e(a.get('steps'))} steps" if a.get("attack") != "fgsm" else f"{_e(n)}: one step")
+                     + (f", images made on {_e(a.get('source'))} (transfer)" if a.get("transfer") else "")
+                     for n, a in attacks.items() if isinstance(a, dict))
     signs = masking_signs(results)
+    transfer = any(isinstance(a, dict) and a.get("transfer") for a in attacks.values())
     caveat = ""
     if signs:
         caveat = ("<div class='warn'><b>Possible gradient masking.</b> Accuracy kept under a white-box attack is "
                   "evidence of robustness only when the attack's gradient is informative (Athalye, Carlini &amp; "
                   "Wagner 2018). Signs found:<ul>" + "".join(f"<li>{s}</li>" for s in signs)
                   + "</ul>A model whose forward is piecewise constant in its input (QACT's quantiles) is attacked "
-                  "through a surrogate gradient; a transfer or gradient-free attack is needed before this "
-                  "accuracy can be read as robustness.</div>")
+                  "through a surrogate gradient. "
+                  + ("Where images made on another model (a transfer attack, columns <code>attack@model</code>) "
+                     "remove more accuracy than the model's own white-box attack, its gradient is uninformative "
+                     "and the kept accuracy is masking, not robustness.</div>" if transfer else
+                     "A transfer attack (<code>transfer_from=</code>, <code>[eval] transfer_from</code>) is "
+                     "needed before this accuracy can be read as robustness.</div>"))
     return ("<h2>Adversarial shift</h2><p class='small'>White-box attacks on each model in each context (eps in "
             f"pixel units of images in [0, 1]; {desc}); every head is scored on the same adversarial images. "
             "Not part of any corruption mean; scored without test-time adaptation.</p>"
@@ -804,16 +826,23 @@ def _data_paragraph(results: dict) -> str:
     parts = [f"Dataset <b>{_e(d.get('dataset'))}</b>"]
     if d.get("suite") is not None:
         parts.append(f", corruption suite <b>{_e(d['suite'])}</b>")
-    counts = [f"{_e(_int(d[k]))} {label}" for k, label in (("n_train", "train"), ("n_val", "validation"),
-                                                         ("n_test", "test")) if d.get(k) is not None]
+    # n_support (the heads' support set) is not the model's training data; results written before
+    # n_support existed call the support set n_train.
+    sizes = ((("n_train", "model training"), ("n_support", "support (the heads are fitted on them)"))
+             if "n_support" in d else (("n_train", "train"),)) + (("n_val", "validation"), ("n_test", "test"))
+    counts = [f"{_e(_int(d[k]))} {label}" for k, label in sizes if d.get(k) is not None]
     if counts:
         parts.append(": " + " / ".join(counts) + " images")
+    if "n_support" in d and d.get("n_train") is None and results.get("kind") != "run":
+        parts.append("; the images the model was trained on: not known (it was trained outside this evaluation)")
     parts.append(f"; {len(bench)} corruptions × severities {_e(', '.join(_int(s) for s in sevs))} "
                  f"({_e(d.get('corruption_source'))} corruptions).")
     if extra:
         parts.append(f" Extra corruptions, reported apart and not in any mean: {_e(', '.join(map(str, extra)))}.")
     ctxs = {r["context"] for r in results["rows"]}
-    fitted = "Heads are fitted on clean training embeddings only [QACT, Sec. 4, Remark]."
+    fitted = ("Heads are fitted on clean support embeddings only [QACT, Sec. 4, Remark]." if "n_support" in d
+              and results.get("kind") != "run" else "Heads are fitted on clean training embeddings only [QACT, "
+              "Sec. 4, Remark].")
     parts.append(" " + fitted)
     if ctxs & {"batch", "frozen"}:
         cfg = results.get("config") or {}
@@ -831,18 +860,45 @@ def _data_paragraph(results: dict) -> str:
 
 
 def _provenance(results: dict, source: Optional[str]) -> str:
+    """Where the numbers come from: seed, device, time, the config file (a run), the time spent
+    (training only where something was trained), the command, what ``shiftguard evaluate`` recorded
+    (weights and their SHA-256, normalisation, dataset folder), the preprocessing and the versions.
+    A field that does not apply to this kind of result is left out, never shown as a placeholder."""
     t = results.get("timings") or {}
-    train = sum(x for x in (as_number(v) for v in (t.get("train_s") or {}).values()) if x is not None)
+    train_s = t.get("train_s") or {}
     bits = [f"seed {_e(results.get('seed'))}", f"device {_e(results.get('device'))}",
-            f"created {_e(results.get('created'))}", f"config {_e(results.get('config_source'))}"]
+            f"created {_e(results.get('created'))}"]
+    if results.get("config_source") is not None:
+        bits.append(f"config {_e(results.get('config_source'))}")
     if t.get("total_s") is not None:
-        bits.append(f"total {_e(_fmt(t.get('total_s'), 1.0, 0))} s (training {train:.0f} s, evaluation "
-                    f"{_e(_fmt(t.get('evaluate_s'), 1.0, 0))} s)")
-    cmd = f"<br>command: <code>{_e(results['command'])}</code>" if results.get("command") else ""
+        if isinstance(train_s, dict) and train_s:
+            train = sum(x for x in (as_number(v) for v in train_s.values()) if x is not None)
+            bits.append(f"total {_e(_fmt(t.get('total_s'), 1.0, 0))} s (training {train:.0f} s, evaluation "
+                        f"{_e(_fmt(t.get('evaluate_s'), 1.0, 0))} s)")
+        else:
+            bits.append(f"evaluation {_e(_fmt(t.get('total_s'), 1.0, 0))} s")
+    lines = []
+    if results.get("command"):
+        lines.append(f"command: <code>{_e(results['command'])}</code>")
+    rec = results.get("record")
+    rec = rec if isinstance(rec, dict) else {}
+    if "weights" in rec:
+        w = rec["weights"]
+        lines.append(f"weights: <code>{_e(w.get('path'))}</code>, SHA-256 <code>{_e(w.get('sha256'))}</code>"
+                     if isinstance(w, dict) else "weights: none (the factory's initialisation, --random-weights)")
+    cfg = results.get("config")
+    if isinstance(cfg, dict) and "preprocess" in cfg:
+        pre = "none (pixels in [0, 1])" if cfg["preprocess"] is None else f"<code>{_e(cfg['preprocess'])}</code>"
+        norm = rec.get("normalize")
+        if isinstance(norm, dict):
+            pre += f" (--normalize: mean {_e(norm.get('mean'))}, std {_e(norm.get('std'))})"
+        lines.append(f"preprocessing after corruption: {pre}")
+    if rec.get("root") is not None:
+        lines.append(f"dataset folder: <code>{_e(rec['root'])}</code>")
+    lines.append(f"versions: {_e(json.dumps(results.get('versions')))}")
     src = (f"<code>{_e(source)}</code>" if source is not None else "<code>results.json</code> in this folder")
-    return (f"<h2>Provenance</h2><p class='small'>{'; '.join(bits)}.{cmd}<br>versions: "
-            f"{_e(json.dumps(results.get('versions')))}</p><p class='small'>All numbers: {src}; every cell in "
-            f"<code>results.csv</code> in this folder.</p>")
+    return (f"<h2>Provenance</h2><p class='small'>{'; '.join(bits)}.<br>{'<br>'.join(lines)}</p>"
+            f"<p class='small'>All numbers: {src}; every cell in <code>results.csv</code> in this folder.</p>")
 
 
 def _problems_box(results: dict) -> str:
@@ -1009,32 +1065,68 @@ _HEADLINE = (("acc_clean", "acc clean", True), ("mca", "mean corruption acc", Tr
              ("ece_clean", "ECE clean", True), ("ece_corrupted", "ECE corrupted", True), ("mce", "mCE", True))
 
 
-def delta_rows(runs: Sequence[dict]) -> list[dict]:
+def comparison_matches(runs: Sequence[dict], pairs: Optional[dict] = None, *, names: Optional[Sequence[str]] = None,
+                       argument: str = "pairs") -> list[tuple[list[tuple[tuple, tuple]], str]]:
+    """For each later run, ``([(first run's series key, its series key)], rule)``: which series are
+    compared, by :func:`shiftguard.evaluation.result.match_series` over every series of both (the
+    full key; when that matches nothing and each holds one model, those two models, a model
+    without QACT standing against every context of the other; ``pairs`` maps the first run's
+    model names to the later run's). ``ValueError`` (one line, the series of both) when a later run
+    matches nothing; ``names`` name the runs in it (default: their names)."""
+    from .result import match_series
+
+    names = list(names) if names is not None else P.run_labels(runs)
+    first = [series_key(r) for r in runs[0].get("rows") or []]
+    return [match_series(first, [series_key(r) for r in res.get("rows") or []], pairs, names=(names[0], name),
+                         argument=argument) for name, res in zip(names[1:], runs[1:])]
+
+
+def delta_rows(runs: Sequence[dict], pairs: Optional[dict] = None, *,
+               names: Optional[Sequence[str]] = None) -> list[dict]:
     """Each later run's headline numbers minus the first run's, in percentage points (``d_<name>`` for the
     names of :func:`headline_rows`; ``None`` where either number is missing).
 
-    A primary head is compared with the first run's row of the same (model, context, adaptation, head); without one,
-    with the first run's only primary row when it has exactly one; otherwise it has no reference
-    (``reference`` is ``None``)."""
-    first = headline_rows(runs[0])
-    by_key = {series_key(r): r for r in first}
+    One row per primary series of a later run and each series of the first run it is matched with
+    (:func:`comparison_matches`; ``match`` names the rule); a primary series matched with nothing has
+    one row with ``reference`` ``None``. ``d_acc_clean_ci`` / ``d_mca_ci``: the paired percentile
+    bootstrap interval (points) of the difference over the test images
+    (:func:`shiftguard.evaluation.result.paired_accuracy_intervals`, the first run's ``interval_info``),
+    given only where both scored the same images; ``interval_note`` says why not otherwise."""
+    from .result import bootstrap_settings, paired_accuracy_intervals, pairing_problems
+
     labels = P.run_labels(runs)
+    first = {series_key(r): r for r in summary_rows(runs[0])}
+    boot = bootstrap_settings(runs[0])
     out = []
-    for label, res in zip(labels[1:], runs[1:]):
+    for label, res, (found, rule) in zip(labels[1:], runs[1:], comparison_matches(runs, pairs, names=names)):
+        refs: dict[tuple, list[Optional[tuple]]] = {}
+        for first_key, later_key in found:
+            refs.setdefault(later_key, []).append(first_key)
+        clean_why, corrupted_why = pairing_problems(res, runs[0], names=(label, labels[0]))
         for h in headline_rows(res):
-            ref = by_key.get(series_key(h)) or (first[0] if len(first) == 1 else None)
-            row = {"run": label, **series_fields(series_key(h)),
-                   "reference": None if ref is None else _key_label(*series_key(ref))}
-            for name, _, rate in _HEADLINE:
-                a = as_number(h.get(name))
-                b = None if ref is None else as_number(ref.get(name))
-                row[f"d_{name}"] = None if a is None or b is None else (a - b) * (100.0 if rate else 1.0)
-            out.append(row)
+            key = series_key(h)
+            for ref in refs.get(key) or [None]:
+                b = first.get(ref) if ref is not None else None
+                row = {"run": label, **series_fields(key),
+                       "reference": None if ref is None else _key_label(*ref), "match": rule}
+                for name, _, rate in _HEADLINE:
+                    x = as_number(h.get(name))
+                    y = None if b is None else as_number(b.get(name))
+                    row[f"d_{name}"] = None if x is None or y is None else (x - y) * (100.0 if rate else 1.0)
+                ivs = ({} if ref is None or clean_why else
+                       paired_accuracy_intervals(res, key, runs[0], ref, corrupted=corrupted_why is None, **boot))
+                for name, metric in (("acc_clean", "accuracy_clean"), ("mca", "mca")):
+                    ci = ivs.get(metric)
+                    row[f"d_{name}_ci"] = None if ci is None else (100.0 * ci[1], 100.0 * ci[2])
+                row["interval_note"] = clean_why or (f"clean accuracy only: {corrupted_why}" if corrupted_why else None)
+                out.append(row)
     return out
 
 
-def render_comparison(runs: Sequence[dict], plots: dict[str, Path], sources: Optional[Sequence] = None) -> str:
-    """The comparison page of several results dicts (the first is the reference of the differences)."""
+def render_comparison(runs: Sequence[dict], plots: dict[str, Path], sources: Optional[Sequence] = None,
+                      pairs: Optional[dict] = None, rows: Optional[list[dict]] = None) -> str:
+    """The comparison page of several results dicts (the first is the reference of the differences;
+    ``pairs`` and ``rows``, the :func:`delta_rows` already computed, as in :func:`delta_rows`)."""
     labels = P.run_labels(runs)
     diffs = protocol_differences(runs)
     if diffs:
@@ -1059,17 +1151,41 @@ def render_comparison(runs: Sequence[dict], plots: dict[str, Path], sources: Opt
             body.append([lab, *_label_cells(series_key(h), arms, _transductive(res)),
                          *(_fmt(h.get(n), 100.0 if rate else 1.0) for n, _, rate in metrics)])
     headline = _table(head, body, left=1 + len(lh))
+    drows = delta_rows(runs, pairs) if rows is None else rows
+
+    def delta(r: dict, name: str) -> str:
+        ci = r.get(f"d_{name}_ci")
+        return _signed(r[f"d_{name}"]) + ("" if ci is None else f" [{_signed(ci[0])}, {_signed(ci[1])}]")
+
     dhead = ["run", *lh, f"compared with ({labels[0]})", *(f"Δ {lab} (points)" for _, lab, _ in metrics)]
     dbody = [[r["run"], *_label_cells(series_key(r), arms), r["reference"] or "— (no matching row)",
-              *(_signed(r[f"d_{n}"]) for n, _, _ in metrics)] for r in delta_rows(runs)]
+              *(delta(r, n) for n, _, _ in metrics)] for r in drows]
     deltas = _table(dhead, dbody, left=2 + len(lh))
+    from .result import bootstrap_settings
+
+    boot = bootstrap_settings(runs[0])
+    notes = []
+    for lab in labels[1:]:
+        mine = [r for r in drows if r["run"] == lab]
+        rule = next((r["match"] for r in mine), None)
+        why = next((r["interval_note"] for r in mine if r.get("interval_note")), None)
+        text = f"{_e(lab)}: series matched by {_e(rule)}. "
+        if why is None or why.startswith("clean accuracy only"):
+            text += (f"[lo, hi]: paired {100 * boot['level']:.4g}% percentile bootstrap interval of the difference "
+                     f"over the same test images ({boot['n_boot']} resamples)")
+            text += f"; Δ mean corruption acc has none: {_e(why.partition(': ')[2])}." if why else "."
+        else:
+            text += f"No interval for the differences: {_e(why)}."
+        notes.append(text)
+    deltas += "<p class='small'>" + "<br>".join(notes) + "</p>"
     figs = "".join(_img(p, k) for k, p in plots.items())
     parts = []
     for i, (lab, res) in enumerate(zip(labels, runs)):
         src = f", from <code>{_e(sources[i])}</code>" if sources else ""
         rows = summary_rows(res)
-        parts.append(f"<h3>{_e(lab)}</h3><p class='small'>{_e(res['data'].get('dataset'))}, config "
-                     f"{_e(res.get('config_source'))}, seed {_e(res.get('seed'))}{src}</p>"
+        config = f", config {_e(res.get('config_source'))}" if res.get("config_source") is not None else ""
+        parts.append(f"<h3>{_e(lab)}</h3><p class='small'>{_e(res.get('kind') or 'run')} on "
+                     f"{_e(res['data'].get('dataset'))}{config}, seed {_e(res.get('seed'))}{src}</p>"
                      + _units_note(res, rows) + _summary_tables(res, rows))
     names = ", ".join(_e(x) for x in labels)
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>shiftguard comparison</title>
@@ -1085,12 +1201,17 @@ number minus the first run's ({_e(labels[0])}).</p>
 </body></html>"""
 
 
-def build_comparison(out_dir: Path, runs: Sequence[dict], sources: Optional[Sequence] = None) -> Path:
+def build_comparison(out_dir: Path, runs: Sequence[dict], sources: Optional[Sequence] = None,
+                     pairs: Optional[dict] = None) -> Path:
     """Write ``plots/`` (accuracy and ECE vs severity, every run on the same axes), ``comparison.csv``
-    (the differences of :func:`delta_rows`) and ``report.html`` into ``out_dir``; return the page's path.
-    Raises ``ValueError`` for fewer than two runs."""
+    (the differences of :func:`delta_rows`, with their paired intervals where there are any) and
+    ``report.html`` into ``out_dir``; return the page's path. ``runs`` may mix ``shiftguard run`` and
+    ``shiftguard evaluate`` results; ``pairs`` maps the first run's model names to the others'
+    (:func:`comparison_matches`). Raises ``ValueError`` for fewer than two runs, or a later run
+    none of whose series matches the first's (before anything is written)."""
     if len(runs) < 2:
         raise ValueError(f"runs: expected at least 2 results dicts to compare, got {len(runs)}")
+    rows = delta_rows(runs, pairs)
     out_dir = Path(out_dir)
     d = out_dir / "plots"
     plots = {
@@ -1099,12 +1220,14 @@ def build_comparison(out_dir: Path, runs: Sequence[dict], sources: Optional[Sequ
         "Top-label ECE (%) vs severity, primary heads; mean ± std over corruptions, band clipped to 0–100%":
             P.compare_runs(list(runs), "ece_top_label", d / "ece_vs_severity.png"),
     }
-    rows = delta_rows(runs)
     buf = io.StringIO()
-    fields = ["run", "model", "context", "adaptation", "head", "reference", *(f"d_{n}" for n, _, _ in _HEADLINE)]
+    fields = ["run", "model", "context", "adaptation", "head", "reference", *(f"d_{n}" for n, _, _ in _HEADLINE),
+              "d_acc_clean_lo", "d_acc_clean_hi", "d_mca_lo", "d_mca_hi", "match", "interval_note"]
     w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     w.writeheader()
     for r in rows:
-        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in fields})
+        flat = {**r, **{f"d_{n}_{end}": (r.get(f"d_{n}_ci") or (None, None))[i]
+                        for n in ("acc_clean", "mca") for i, end in enumerate(("lo", "hi"))}}
+        w.writerow({k: _csv_cell(flat.get(k)) for k in fields})
     atomic_write_text(out_dir / "comparison.csv", buf.getvalue())
-    return atomic_write_text(out_dir / "report.html", render_comparison(runs, plots, sources))
+    return atomic_write_text(out_dir / "report.html", render_comparison(runs, plots, sources, pairs, rows))

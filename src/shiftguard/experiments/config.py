@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, get_args, get_origin, get_type_hints
 
-from shiftguard.heads.registry import HEAD_NAMES  # the heads [[models]].heads may name
+from shiftguard.heads.registry import HEAD_NAMES, canonical_head  # the heads [[models]].heads may name
 from shiftguard.neighbors import BACKENDS  # eval.knn_backend
 from shiftguard.uncertainty.registry import ESTIMATOR_NAMES, ESTIMATOR_REGISTRY  # [[models]].estimator
 
@@ -153,6 +153,9 @@ class EvalConfig:
     attack_eps: list = field(default_factory=lambda: [1 / 255, 2 / 255, 4 / 255, 8 / 255])
     #: steps of BIM / PGD.
     attack_steps: int = 10
+    #: models of this run whose white-box adversarial images are also scored on every model (a
+    #: transfer attack, cells "<attack>@<model>": the black-box check of gradient masking).
+    transfer_from: list = field(default_factory=list)
 
 
 @dataclass
@@ -383,6 +386,7 @@ _RULES: dict[str, dict[str, Any]] = {
         "attacks": _name_list("attacks", " (an attack would be reported twice)"),
         "attack_eps": _eps_list,
         "attack_steps": _ints(1),
+        "transfer_from": _name_list("models", " (a transfer attack would be scored twice)"),
     },
     "models": {
         "name": _text(empty_ok=True),
@@ -467,11 +471,50 @@ def _check_kwargs(kw: dict, key: str, src: str) -> None:
     walk(kw, key)
 
 
+def _suite_name(value: Any) -> Any:
+    """``value`` in its registered spelling when it names a corruption suite in any spelling (case,
+    ``-``, ``_``, spaces); anything else unchanged, for the key's rule to refuse."""
+    from shiftguard.corruptions import canonical_suite
+
+    try:
+        return canonical_suite(value) if isinstance(value, str) and value else value
+    except ValueError:
+        return value
+
+
+def _canonical_corruptions(d: DataConfig, src: str) -> None:
+    """``data.suite``, ``data.corruptions`` and ``train.augmix_suite`` in their registered spellings,
+    so that results carry one spelling and a corruption written two ways is a repeat; values of the
+    wrong type are left to their rules."""
+    from shiftguard.corruptions import SUITES, canonical_name
+
+    d.suite = _suite_name(d.suite)
+    if d.suite not in SUITES or not isinstance(d.corruptions, list):
+        return
+    if any(not isinstance(c, str) or not c for c in d.corruptions):
+        return
+    names = []
+    for c in d.corruptions:
+        try:
+            names.append(canonical_name(c, d.suite))
+        except ValueError:
+            raise ValueError(f"{src}: key data.corruptions has unknown corruption {_shown(c)} for suite "
+                             f"{d.suite!r}; expected one of {', '.join(SUITES[d.suite])}") from None
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:  # quoted as written: "Fog" and "fog" are one corruption
+        raise ValueError(f"{src}: key data.corruptions must list each corruption once ({', '.join(map(repr, dup))} "
+                         f"repeated) (duplicates would re-weight the means), got {_shown(d.corruptions)}")
+    d.corruptions = names
+
+
 def _check_values(cfg: RunConfig, src: str) -> None:
     from shiftguard.corruptions import SUITES
 
     def bad(key, msg, value):
         raise ValueError(f"{src}: key {key} must {msg}, got {_shown(value)}")
+
+    _canonical_corruptions(cfg.data, src)
+    cfg.train.augmix_suite = _suite_name(cfg.train.augmix_suite)
 
     def apply(rules: dict, values: dict, where: str):
         for key, value in values.items():
@@ -512,6 +555,14 @@ def _check_values(cfg: RunConfig, src: str) -> None:
             attack_specs(e.attacks, e.attack_steps)
         except ValueError as exc:
             raise ValueError(f"{src}: key eval.{exc}") from None
+    if e.transfer_from:
+        names = [m.name for m in cfg.models]
+        if not e.attacks:
+            raise ValueError(f"{src}: key eval.transfer_from needs eval.attacks (the attacks whose images transfer)")
+        unknown = [t for t in e.transfer_from if t not in names]
+        if unknown:
+            raise ValueError(f"{src}: key eval.transfer_from must name models of this run ({', '.join(names)}), "
+                             f"got {', '.join(map(repr, unknown))}")
     if not cfg.models:
         raise ValueError(f"{src}: no [[models]] given; add at least one model table")
 
@@ -558,13 +609,17 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         seen.add(m.name)
         if not m.heads:
             bad(f"{where}.heads", "name at least one head", m.heads)
-        for h in m.heads:
-            if h not in HEAD_NAMES:
+        written, heads = m.heads, []
+        for h in m.heads:  # the registered spellings: the rows carry them, and a repeat is found across spellings
+            try:
+                heads.append(canonical_head(h))
+            except (TypeError, ValueError):
                 raise ValueError(f"{src}: key {where}.heads has unknown head {_shown(h)}; expected one of "
-                                 f"{', '.join(HEAD_NAMES)}")
+                                 f"{', '.join(HEAD_NAMES)}") from None
+        m.heads = heads
         msg = _name_list("heads")(m.heads)
         if msg:
-            raise ValueError(f"{src}: key {where}.heads must {msg}, got {_shown(m.heads)}")
+            raise ValueError(f"{src}: key {where}.heads must {msg}, got {_shown(written)}")
         for h in ("softmax", "temperature"):
             if h in m.heads and m.loss not in LOGIT_LOSSES:
                 raise ValueError(f"{src}: key {where}.heads: {h!r} uses the model's trained classifier and needs a "
@@ -579,6 +634,8 @@ def _check_values(cfg: RunConfig, src: str) -> None:
                 raise ValueError(f"{src}: key {where}.train.{k} is unknown; allowed keys: "
                                  f"{', '.join(sorted(train_hints))}")
             m.train[k] = _typed(v, train_hints[k], f"{where}.train.{k}", src)
+            if k == "augmix_suite":
+                m.train[k] = _suite_name(m.train[k])
         apply(rules["train"], m.train, f"{where}.train.")
         _check_train_together(cfg, i, bad)
 

@@ -29,21 +29,30 @@ import numpy as np
 import torch
 
 from shiftguard import corruptions as C
+from shiftguard._progress import progress as make_progress
 from shiftguard._version import __version__
 from shiftguard.io import atomic_write_bytes, atomic_write_json, sha256_file
+
+from .arguments import ListAction, load_dataset, split_list, suite_name
 
 SUITE_CHOICES = ("mnist-c", "cifar-c", "cifar-c-extra", "cifar-c+extra")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="mnist", help="dataset name for shiftguard.data.load (default: mnist)")
-    parser.add_argument("--suite", default="mnist-c", choices=SUITE_CHOICES, help="corruption suite (default: mnist-c)")
+    parser.add_argument("--dataset", default="mnist",
+                        help="dataset name for shiftguard.data.load, or mnist-default (the embedded MNIST subset) "
+                             "(default: mnist)")
+    parser.add_argument("--suite", default="mnist-c", type=suite_name, choices=SUITE_CHOICES,
+                        help="corruption suite (default: mnist-c)")
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--root", default=None, help="dataset folder (default: the loader's search path)")
-    parser.add_argument("--split", default="test", help="split(s) to corrupt, comma-separated (default: test)")
-    parser.add_argument("--severities", default="1,2,3,4,5",
-                        help="comma-separated severities in 1..5 (default: 1,2,3,4,5)")
-    parser.add_argument("--corruptions", default=None, help="comma-separated subset of the suite (default: all)")
+    parser.add_argument("--root", default=None,
+                        help="dataset folder (default: $SHIFTGUARD_DATA/<dataset>, else the per-user cache)")
+    parser.add_argument("--split", action=ListAction, default=["test"], metavar="SPLIT",
+                        help="split(s) to corrupt, space- or comma-separated (default: test)")
+    parser.add_argument("--severities", action=ListAction, default=["1", "2", "3", "4", "5"], metavar="S",
+                        help="severities in 1..5, space- or comma-separated (default: 1 2 3 4 5)")
+    parser.add_argument("--corruptions", action=ListAction, default=None, metavar="NAME",
+                        help="subset of the suite, space- or comma-separated (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="only the first LIMIT images of each split")
     parser.add_argument("--device", default="cpu", help="torch device for the corruption work (default: cpu)")
@@ -51,15 +60,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--threads", type=int, default=None,
         help="torch CPU threads (default: torch's choice; 1 is often fastest for these small images on a busy CPU)",
     )
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
 
 
-def parse_severities(text: str) -> list[int]:
+def parse_severities(values) -> list[int]:
+    """``--severities`` as distinct integers in 1..5: a list of values, or one comma-separated string."""
+    items = split_list([values] if isinstance(values, str) else [str(v) for v in values])
     try:
-        sev = [int(s) for s in str(text).split(",") if s.strip()]
+        sev = [int(s) for s in items]
     except ValueError:
-        raise ValueError(f"--severities: expected comma-separated integers in 1..5, got {text!r}") from None
+        raise ValueError(f"--severities: expected integers in 1..5, got {' '.join(items)!r}") from None
     if not sev or any(not 1 <= s <= 5 for s in sev) or len(set(sev)) != len(sev):
-        raise ValueError(f"--severities: expected distinct integers in 1..5, got {text!r}")
+        raise ValueError(f"--severities: expected distinct integers in 1..5, got {' '.join(items)!r}")
     return sev
 
 
@@ -68,6 +80,14 @@ def suite_names(suite: str) -> list[tuple[str, str]]:
     if suite == "cifar-c+extra":
         return [("cifar-c", n) for n in C.names("cifar-c")] + [("cifar-c-extra", n) for n in C.names("cifar-c-extra")]
     return [(suite, n) for n in C.names(suite)]
+
+
+def _canonical_in(name, suite: str):
+    """The registered name of corruption ``name`` in ``suite``, or None when that suite lacks it."""
+    try:
+        return C.canonical_name(name, suite, argument="--corruptions")
+    except ValueError:
+        return None
 
 
 def sub_seed(seed: int, suite: str, name: str, severity: int) -> int:
@@ -92,9 +112,8 @@ def _labels_u8(labels: torch.Tensor) -> np.ndarray:
 
 
 def load_split(dataset: str, split: str, root, limit):
-    from shiftguard.data import load
-
-    ds = load(dataset, split, root=root)
+    """``(images, labels)`` of one split, found as ``shiftguard run`` finds data (:func:`.arguments.load_dataset`)."""
+    ds = load_dataset(dataset, split, root)
     images, labels = ds.images, ds.labels
     if limit is not None:
         if limit <= 0:
@@ -114,24 +133,33 @@ def write_corrupted(
     progress: bool = True,
     extra_manifest: dict | None = None,
 ) -> dict:
-    """Corrupt every split and write the layout for ``suite``; return the manifest."""
+    """Corrupt every split and write the layout for ``suite``; return the manifest.
+
+    ``corruptions`` may be spelled in any case, with ``-``, ``_`` or spaces; files and manifest use
+    the registered names. ``progress``: a bar on a terminal, one line per file written elsewhere.
+    """
     pairs = suite_names(suite)
     if corruptions is not None:
         valid = [n for _, n in pairs]
-        unknown = [c for c in corruptions if c not in valid]
+        suites = list(dict.fromkeys(s for s, _ in pairs))  # two for cifar-c+extra
+        chosen, unknown = set(), []
+        for c in corruptions:
+            name = next(filter(None, (_canonical_in(c, s) for s in suites)), None)
+            if name is None:
+                unknown.append(c)
+            chosen.add(name)
         if unknown:
-            raise ValueError(f"--corruptions: unknown for suite {suite!r}: {unknown}; valid: {', '.join(valid)}")
-        pairs = [(s, n) for s, n in pairs if n in corruptions]
+            raise ValueError(f"--corruptions: unknown for suite {suite!r}: {', '.join(map(repr, unknown))}; "
+                             f"valid: {', '.join(valid)}")
+        pairs = [(s, n) for s, n in pairs if n in chosen]
     mnist_layout = suite == "mnist-c"
     if not mnist_layout and len(images_by_split) != 1:
         raise ValueError("--split: the CIFAR-10-C layout holds one split; pass a single split")
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, str] = {}
     seeds: dict[str, dict[str, int]] = {}
-    from tqdm.auto import tqdm
-
     total = len(pairs) * len(severities) * len(images_by_split)
-    bar = tqdm(total=total, desc="corrupt", unit="file", disable=not progress)
+    bar = make_progress(total, "corrupt", enabled=progress, unit="file", line_every=1)
     t0 = time.perf_counter()
 
     def put(rel: str, arr: np.ndarray) -> None:
@@ -149,8 +177,7 @@ def write_corrupted(
                 sd = sub_seed(seed, s_name, name, sev)
                 seeds.setdefault(name, {})[str(sev)] = sd
                 blocks.append(_to_nhwc(C.corrupt(images, name, sev, seed=sd, suite=s_name)))
-                bar.set_postfix_str(f"{name} s{sev}")
-                bar.update(1)
+                bar.update(1, f"{name} s{sev}")
             put(f"{name}.npy", np.concatenate(blocks))
     else:
         for sev in severities:
@@ -162,8 +189,7 @@ def write_corrupted(
                     base = f"severity-{sev}/{name}/{split}"
                     put(f"{base}_images.npy", _to_nhwc(y))
                     put(f"{base}_labels.npy", _labels_u8(labels))
-                    bar.set_postfix_str(f"{name} s{sev} {split}")
-                    bar.update(1)
+                    bar.update(1, f"{name} s{sev} {split}")
     bar.close()
     manifest = {
         "tool": "shiftguard corrupt",
@@ -193,10 +219,7 @@ def main(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads: expected a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
-    splits = [s.strip() for s in str(args.split).split(",") if s.strip()]
-    if not splits:
-        raise ValueError("--split: expected at least one split name")
-    corruptions = [c.strip() for c in args.corruptions.split(",")] if args.corruptions else None
+    splits = list(dict.fromkeys(args.split))
     data = {sp: load_split(args.dataset, sp, args.root, args.limit) for sp in splits}
     manifest = write_corrupted(
         data,
@@ -204,8 +227,9 @@ def main(args: argparse.Namespace) -> int:
         args.suite,
         severities,
         args.seed,
-        corruptions,
+        args.corruptions,
         device=args.device,
+        progress=not args.no_progress,
         extra_manifest={"dataset": args.dataset, "root": args.root, "limit": args.limit},
     )
     n_files = len(manifest["files"])

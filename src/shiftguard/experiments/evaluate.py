@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_arguments", "main", "load_weights"]
+__all__ = ["add_arguments", "main", "load_weights", "command_line", "record"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from shiftguard.heads import HEAD_NAMES
+
+    from .arguments import ListAction
 
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                    help="import path of a function returning the nn.Module, e.g. mypkg.nets:make_cnn "
@@ -41,11 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(the embedded MNIST subset; default)")
     p.add_argument("--root", help="folder of the dataset files (default: the loader's default location)")
     p.add_argument("--suite", help="corruption suite: mnist-c or cifar-c (default: by channel count)")
-    p.add_argument("--corruptions", nargs="+", metavar="NAME", help="subset of the suite's corruptions (default: all)")
-    p.add_argument("--severities", nargs="+", type=int, default=[1, 2, 3, 4, 5], metavar="S")
+    p.add_argument("--corruptions", action=ListAction, metavar="NAME",
+                   help="subset of the suite's corruptions, space- or comma-separated (default: all)")
+    p.add_argument("--severities", action=ListAction, item=int, default=[1, 2, 3, 4, 5], metavar="S",
+                   help="severities in 1..5, space- or comma-separated (default: 1 2 3 4 5)")
     p.add_argument("--extra", action="store_true", help="also CIFAR-10-C's 4 extra corruptions (reported apart)")
-    p.add_argument("--heads", nargs="+", metavar="HEAD", help=f"heads (default: the library default); any of "
-                   f"{', '.join(HEAD_NAMES)}")
+    p.add_argument("--heads", action=ListAction, metavar="HEAD",
+                   help=f"heads, space- or comma-separated (default: the library default); any of "
+                        f"{', '.join(HEAD_NAMES)}")
     p.add_argument("--normalize", nargs=2, type=float, action="append", metavar=("MEAN", "STD"),
                    help="mean/std normalisation after corruption, once per channel (or once for all)")
     p.add_argument("--embed", metavar="LAYER", help="submodule whose output is the embedding "
@@ -56,13 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--val-size", type=int, default=2000, metavar="N",
                    help="training images held out for temperature / NED (default 2000; 0 = none)")
     p.add_argument("--batch-size", type=int, default=500, help="evaluation batch (the QACT context)")
-    p.add_argument("--adapt", nargs="+", default=["none"], metavar="ARM",
-                   help="test-time adaptation arms scored side by side: none (default), bn-batch, bn, tent, refresh "
+    p.add_argument("--adapt", action=ListAction, options=True, default=["none"], metavar="ARM",
+                   help="test-time adaptation arms scored side by side, space- or comma-separated: none (default), "
+                        "bn-batch, bn, tent, refresh "
                         "(options as 'bn:prior=16', 'tent:lr=0.00025,optimizer=sgd', 'refresh:passes=2'; "
                         "docs/evaluate.md)")
-    p.add_argument("--conformal", nargs="+", default=[], metavar="METHOD",
-                   help="conformal prediction sets of every head: some of lac, aps, raps (calibrated on half of the "
-                        "validation images; docs/conformal.md)")
+    p.add_argument("--conformal", action=ListAction, default=[], metavar="METHOD",
+                   help="conformal prediction sets of every head, space- or comma-separated: some of lac, aps, raps "
+                        "(calibrated on half of the validation images; docs/conformal.md)")
     p.add_argument("--alpha", type=float, default=0.1,
                    help="miscoverage level of the sets (default 0.1: 90%% coverage)")
     p.add_argument("--conformal-weighted", action="store_true",
@@ -228,6 +234,7 @@ def _evaluate_into(args, out: Path) -> int:
     model = build_user_model(args.model, num_classes=num_classes, in_channels=channels, what="--model")
     if args.weights:
         load_weights(model, args.weights)
+    provenance = record(args)  # the weights' SHA-256 taken right after they are read
     result = evaluate(
         model, test, support=support, validation=val, suite=args.suite, corruptions=args.corruptions,
         severities=args.severities, extra=args.extra, heads=args.heads, embed=args.embed,
@@ -238,7 +245,7 @@ def _evaluate_into(args, out: Path) -> int:
         progress=not args.no_progress,
     )
     result.results["data"]["dataset"] = name
-    result.results["command"] = f"shiftguard evaluate --model {args.model}"
+    result.results.update(provenance)
     # The numbers are shown before the files are written: a disk that fills up now loses no result.
     print(result.summary())
     _clear_report(out)
@@ -249,6 +256,57 @@ def _evaluate_into(args, out: Path) -> int:
     path = result.write_report(out)
     print(f"\nwrote {out}/ (results.json, results.csv, plots/, {path.name})")
     return 0
+
+
+def command_line(args) -> str:
+    """The command that reproduces this evaluation: ``shiftguard evaluate`` with every option of
+    ``args`` spelt out (defaults included, so a later change of a default does not change what
+    the line means), quoted for a POSIX shell."""
+    import shlex
+
+    words = ["shiftguard", "evaluate"]
+    for dest, value in vars(args).items():
+        flag = "--" + dest.replace("_", "-")
+        if value is None or value is False or (isinstance(value, (list, tuple)) and not value):
+            continue
+        if value is True:
+            words.append(flag)
+        elif dest == "normalize":  # action="append" of MEAN STD pairs: one flag per pair
+            for pair in value:
+                words += [flag, *map(str, pair)]
+        elif isinstance(value, (list, tuple)):
+            words += [flag, *map(str, value)]
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def file_sha256(path: str | Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def record(args) -> dict:
+    """What ``results.json`` records beside the numbers so that the evaluation can be repeated:
+    ``command`` (:func:`command_line`), ``versions`` (as ``shiftguard run`` records them) and
+    ``record``: the model factory, the weights file with its SHA-256 (``None`` for
+    ``--random-weights``), the normalisation the flags gave, the dataset's folder and the sizes
+    asked for. The images the model was trained on are not known here (``data.n_train`` is None);
+    ``data.n_support`` counts the heads' support set."""
+    from .run import versions
+
+    weights = None if not args.weights else {"path": str(args.weights), "sha256": file_sha256(args.weights)}
+    normalize = None if not args.normalize else {"mean": [float(m) for m, _ in args.normalize],
+                                                 "std": [float(s) for _, s in args.normalize]}
+    return {"command": command_line(args), "versions": versions(),
+            "record": {"model": args.model, "weights": weights, "normalize": normalize, "dataset": args.dataset,
+                       "root": args.root, "test_subset": args.test_subset, "support_size": args.support_size,
+                       "val_size": args.val_size}}
 
 
 #: What an evaluation writes into --out (``EvaluationResult.write_report``); ``results.json`` is

@@ -2,8 +2,10 @@
 severities 0 (clean) to 5, the same image in every row.
 
 ``--dataset synthetic`` uses the procedural RGB scene of
-:func:`shiftguard.corruptions.figures.synthetic_scene` (no data needed); any other name is
-loaded with :func:`shiftguard.data.load`.
+:func:`shiftguard.corruptions.figures.synthetic_scene` and ``mnist-default`` (the default) the
+embedded MNIST subset: no data needed. Any other name is read as ``shiftguard run`` reads its data
+(:func:`.arguments.load_dataset`: ``--root``, else ``$SHIFTGUARD_DATA/<name>``, else the per-user
+cache).
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ from pathlib import Path
 
 from shiftguard.io import atomic_write_bytes
 
+from .arguments import DEFAULT_DATASETS, load_dataset, suite_name
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="mnist", help="dataset name, or 'synthetic' (default: mnist)")
-    parser.add_argument("--suite", default="mnist-c", choices=("mnist-c", "cifar-c", "cifar-c-extra"),
+    parser.add_argument("--dataset", default=DEFAULT_DATASETS[0],
+                        help="a shiftguard.data.load name, 'synthetic', or mnist-default (the embedded MNIST subset; "
+                             "default)")
+    parser.add_argument("--suite", default="mnist-c", type=suite_name, choices=("mnist-c", "cifar-c", "cifar-c-extra"),
                         help="suite (default: mnist-c)")
     parser.add_argument("--out", default=None, help="PNG file (default: gallery_<suite>.png)")
-    parser.add_argument("--root", default=None, help="dataset folder")
+    parser.add_argument("--root", default=None,
+                        help="dataset folder (default: $SHIFTGUARD_DATA/<dataset>, else the per-user cache)")
     parser.add_argument("--split", default="test", help="split (default: test)")
     parser.add_argument("--index", type=int, default=0, help="which image of the split (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")
@@ -32,9 +39,7 @@ def load_images(dataset: str, split: str, root, index: int):
         from shiftguard.corruptions.figures import synthetic_scene
 
         return synthetic_scene(index + 1, 32, seed=0)
-    from shiftguard.data import load
-
-    return load(dataset, split, root=root).images
+    return load_dataset(dataset, split, root).images
 
 
 def main(args: argparse.Namespace) -> int:

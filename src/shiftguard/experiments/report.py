@@ -1,10 +1,13 @@
-"""``shiftguard report RUN_DIR [RUN_DIR ...] [--out DIR]``: rebuild or compare finished runs' reports.
+"""``shiftguard report DIR [DIR ...] [--out DIR] [--match FIRST=OTHER ...]``: rebuild or compare reports.
 
-The input runs are only read. One run: its report (``results.csv``, ``plots/``, ``report.html``)
+Each input is a ``shiftguard run`` directory or a ``shiftguard evaluate`` output folder, in any
+mix; they are only read. One input: its report (``results.csv``, ``plots/``, ``report.html``)
 is rebuilt from its ``results.json`` into ``--out`` (default: a new folder ``<run>-report-<time>``
-beside it). Several runs: one comparison folder (default ``<parent of the first>/compare-<time>``)
-with their curves on the same axes, the differences to the first run and a warning when their
-protocols differ. A run without its ``COMPLETE`` marker is refused. The rendering lives in
+beside it). Several: one comparison folder (default ``<parent of the first>/compare-<time>``)
+with their curves on the same axes, the differences to the first (series matched as
+:func:`shiftguard.evaluation.report.comparison_matches` says; ``--match`` pairs model names) and a
+warning when their protocols differ. A run without its ``COMPLETE`` marker, or an evaluation
+folder without its ``results.json`` (written last), is refused. The rendering lives in
 :mod:`shiftguard.evaluation.report`.
 """
 
@@ -15,7 +18,9 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from shiftguard.evaluation.report import build_comparison, build_report, format_summary
+from shiftguard._lock import LOCK_NAME
+from shiftguard.evaluation.report import build_comparison, build_report, comparison_matches, format_summary
+from shiftguard.experiments.arguments import ListAction
 
 from .rundir import COMPLETE_MARKER
 
@@ -24,17 +29,29 @@ __all__ = ["add_arguments", "main", "load_run"]
 
 # --------------------------------------------------------------------------- loading runs
 def load_run(run_dir: str | Path) -> dict:
-    """``results.json`` of a finished run; clear errors for anything else."""
+    """``results.json`` of a finished ``shiftguard run`` directory or ``shiftguard evaluate`` output
+    folder; one-line errors for anything else.
+
+    A run directory (it holds ``config.json`` or ``COMPLETE``) is finished when its ``COMPLETE``
+    marker exists (written last); an unfinished one is resumed with ``shiftguard run --resume``. An
+    evaluation folder (``shiftguard evaluate --out``, ``EvaluationResult.write_report``) has no
+    marker: its ``results.json`` is written after every other file and removed first by
+    ``--overwrite``, so the folder is finished exactly when ``results.json`` exists."""
     d = Path(run_dir)
     if not d.exists():
-        raise FileNotFoundError(f"run directory not found: {d}")
+        raise FileNotFoundError(f"run or evaluation folder not found: {d}")
     if not d.is_dir():
         raise ValueError(f"{d}: not a directory")
-    if not (d / "config.json").is_file() and not (d / "results.json").is_file():
-        raise ValueError(f"{d}: not a shiftguard run directory (no config.json or results.json)")
-    if not (d / COMPLETE_MARKER).is_file():
+    is_run = (d / "config.json").is_file() or (d / COMPLETE_MARKER).is_file()
+    if is_run and not (d / COMPLETE_MARKER).is_file():
         raise ValueError(f"{d}: the run is incomplete (no {COMPLETE_MARKER} marker); finish it with "
                          f"'shiftguard run --resume --name {d.name} --out {d.parent}' (same --config)")
+    if not is_run and not (d / "results.json").is_file():
+        if any((d / n).exists() for n in ("report.html", "results.csv", "plots", LOCK_NAME)):
+            raise ValueError(f"{d}: the evaluation output is incomplete (no results.json, which shiftguard evaluate "
+                             "writes last): it is still being written or was interrupted; run that evaluation "
+                             f"again with --overwrite --out {d}")
+        raise ValueError(f"{d}: not a shiftguard run directory or evaluation folder (no config.json or results.json)")
     path = d / "results.json"
     try:
         results = json.loads(path.read_text(encoding="utf-8"))
@@ -122,15 +139,41 @@ def output_dir(runs: list[Path], out: str | None) -> Path:
 
 # --------------------------------------------------------------------------- command
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one or more finished run directories (only read)")
+    p.add_argument("runs", nargs="+", metavar="DIR",
+                   help="one or more finished shiftguard run directories or shiftguard evaluate output folders, in "
+                        "any mix (only read)")
+    p.add_argument("--match", nargs="+", action=ListAction, metavar="FIRST=OTHER",
+                   help="compare model FIRST of the first folder with model OTHER of each later one (e.g. relu=qact); "
+                        "default: the same series key, else the only model of each side")
     p.add_argument("--out", metavar="DIR",
                    help="new folder for the report (default: one run: <run>-report-<time>/ beside it; several: "
                         "<parent of the first run>/compare-<time>/)")
 
 
+def parse_match(values) -> dict[str, str] | None:
+    """``--match A=B C=D`` as ``{"A": "B", "C": "D"}``; ``None`` without it."""
+    if not values:
+        return None
+    pairs: dict[str, str] = {}
+    for v in values:
+        first, sep, other = v.partition("=")
+        if not sep or not first or not other or "=" in other:
+            raise ValueError(f"--match: expected FIRST=OTHER (a model of the first folder = a model of the others), "
+                             f"got {v!r}")
+        if first in pairs:
+            raise ValueError(f"--match: model {first!r} is paired twice")
+        pairs[first] = other
+    return pairs
+
+
 def main(args) -> int:
     dirs = [Path(r) for r in args.runs]
+    pairs = parse_match(getattr(args, "match", None))
+    if pairs is not None and len(dirs) < 2:
+        raise ValueError("--match: pairs the models of two or more folders; give at least two")
     runs = [load_run(d) for d in dirs]  # validate every run before writing anything
+    if len(runs) > 1:  # a comparison that matches nothing is refused before anything is written
+        comparison_matches(runs, pairs, names=[str(d) for d in dirs], argument="--match")
     out = output_dir(dirs, args.out)
     sources = [str(d / "results.json") for d in dirs]
     try:
@@ -143,7 +186,7 @@ def main(args) -> int:
         for res in runs:
             print(format_summary(res))
             print()
-        path = build_comparison(out, runs, sources=sources)
+        path = build_comparison(out, runs, sources=sources, pairs=pairs)
     except _MALFORMED as exc:
         raise _malformed(exc, sources) from exc
     print(f"wrote comparison {path}")

@@ -36,6 +36,7 @@ from shiftguard._lock import LOCK_NAME, DirectoryInUseError, DirectoryLock
 from shiftguard.io import atomic_write, atomic_write_json, atomic_write_text
 
 from . import config as C
+from .arguments import ListAction
 from .rundir import COMPLETE_MARKER
 
 __all__ = ["add_arguments", "main", "execute", "COMPLETE_MARKER"]
@@ -51,12 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--epochs", type=int, help="override the number of epochs of every model")
     p.add_argument("--seed", type=int, help="override the training seed")
-    p.add_argument("--adapt", nargs="+", metavar="ARM",
-                   help="override eval.adapt: test-time adaptation arms scored side by side, any of none, bn-batch, "
-                        "bn, tent, refresh (options as 'bn:prior=16', 'refresh:passes=2'; docs/evaluate.md)")
-    p.add_argument("--conformal", nargs="+", metavar="METHOD",
-                   help="override eval.conformal: conformal prediction sets of every head, some of lac, aps, raps "
-                        "(docs/conformal.md)")
+    p.add_argument("--adapt", action=ListAction, options=True, metavar="ARM",
+                   help="override eval.adapt: test-time adaptation arms scored side by side, space- or "
+                        "comma-separated, any of none, bn-batch, bn, tent, refresh (options as 'bn:prior=16', "
+                        "'refresh:passes=2'; docs/evaluate.md)")
+    p.add_argument("--conformal", action=ListAction, metavar="METHOD",
+                   help="override eval.conformal: conformal prediction sets of every head, space- or "
+                        "comma-separated, some of lac, aps, raps (docs/conformal.md)")
     p.add_argument("--name", help="run name (default: the config's name, else a timestamp)")
     p.add_argument("--out", default="runs", help="parent folder of run directories (default: runs)")
     p.add_argument("--resume", action="store_true",
@@ -577,7 +579,8 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
         device=device,
         seed=cfg.seed, k=e.k, knn_backend=e.knn_backend, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
         n_boot=e.n_boot, shifted=shifted, attacks=e.attacks, attack_eps=e.attack_eps, attack_steps=e.attack_steps,
-        attack_loss=attack_losses if e.attacks else None, name=run_dir.name, cache_dir=run_dir / "cache",
+        attack_loss=attack_losses if e.attacks else None, transfer_from=e.transfer_from, name=run_dir.name,
+        cache_dir=run_dir / "cache",
         progress=progress, distributed=distributed,
     )
     if not is_main_process():
@@ -585,7 +588,9 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
         return {}
     results = evaluated.results
     results["kind"] = "run"
-    results["data"].update({"dataset": data["name"], "corruption_source": source})
+    # the models' training images (the heads' support may be a capped subset of them: n_support)
+    results["data"].update({"dataset": data["name"], "corruption_source": source,
+                            "n_train": int(data["train"][1].numel())})
     timings["evaluate_s"] = time.perf_counter() - t0
     timings["evaluate_detail"] = results["timings"]["evaluate_detail"]
     timings["evaluate_compile_s"] = results["timings"].get("compile_s", 0.0)

@@ -71,18 +71,13 @@ def train_and_evaluate(activation: str, steps: int = 1000, batch_size: int = 64,
 
 def run_toy(steps: int = 1000, batch_size: int = 64, hidden: int = 32, n_test: int = 200, seed: int = 0,
             progress: bool = True) -> dict:
-    """Both activations; returns ``{"relu": result, "qact": result}``."""
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    """Both activations; returns ``{"relu": result, "qact": result}``. ``progress``: a bar on a
+    terminal; elsewhere (a log) whole lines, about one per tenth of the steps, never a ``'\\r'``."""
+    from shiftguard._progress import progress as make_progress
 
-        bar = tqdm(total=2 * steps, desc="toy (relu, qact)", unit="step")
-    try:
+    with make_progress(2 * steps, "toy (relu, qact)", enabled=progress, unit="step") as bar:
         return {a: train_and_evaluate(a, steps, batch_size, hidden, n_test=n_test, seed=seed, progress=bar)
                 for a in ("relu", "qact")}
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -20,10 +20,11 @@ from shiftguard.heads.temperature import TemperatureScaling
 from shiftguard.neighbors import check_backend
 from shiftguard.registry import Registry
 
-__all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "build_head", "head_input"]
+__all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "build_head", "canonical_head",
+           "head_input"]
 
 #: Heads by name: ``name -> factory(num_classes, k)`` returning a fresh, unfitted head. Names are
-#: matched ignoring case, ``-`` and ``_``.
+#: matched ignoring case, ``-``, ``_`` and spaces (:func:`canonical_head`).
 HEAD_REGISTRY: Registry[Callable[[int, int], EmbeddingHead]] = Registry("head", argument="heads")
 
 
@@ -45,12 +46,23 @@ EMBEDDING_HEADS = tuple(name for name in HEAD_REGISTRY if name not in LOGIT_HEAD
 HEAD_NAMES = LOGIT_HEADS + EMBEDDING_HEADS
 
 
+def canonical_head(name: str, *, argument: str = "heads") -> str:
+    """The registered name of head ``name``: case, ``-``, ``_`` and spaces do not matter
+    (``"Distance Ratio"``, ``"DISTANCE-RATIO"`` -> ``"distance_ratio"``). ``shiftguard.evaluate(heads=)``
+    and the run config resolve head names here, so results carry one spelling.
+
+    Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head: one line that lists
+    the heads and suggests the closest), naming ``argument``.
+    """
+    return HEAD_REGISTRY.canonical(name, argument=argument, words=True)
+
+
 def head_input(name: str) -> str:
     """``"logits"`` or ``"embeddings"``: what head ``name`` is fitted and evaluated on.
 
     Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head), naming ``heads``.
     """
-    return "logits" if HEAD_REGISTRY.canonical(name) in LOGIT_HEADS else "embeddings"
+    return "logits" if canonical_head(name) in LOGIT_HEADS else "embeddings"
 
 
 def build_head(name: str, num_classes: int, k: int = 10, backend: str = "torch") -> EmbeddingHead:
@@ -66,7 +78,7 @@ def build_head(name: str, num_classes: int, k: int = 10, backend: str = "torch")
     ``backend`` for an unknown back end.
     """
     check_backend(backend)
-    head = HEAD_REGISTRY.get(name)(num_classes, k)
+    head = HEAD_REGISTRY.get(canonical_head(name))(num_classes, k)
     if isinstance(head, KNNHeadBase):
         head.backend = backend
     return head
