@@ -58,6 +58,8 @@ HEAD_COLORS = {
     "softmax": "#1f77b4", "temperature": "#ff7f0e", "logistic": "#2ca02c", "quantile": "#d62728",
     "ned": "#9467bd", "knn": "#8c564b", "wknn": "#e377c2", "1nn": "#7f7f7f", "distance_ratio": "#bcbd22",
 }
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+_STYLES = ("-", "--", "-.", ":")
 _SPARE_COLORS = ("#17becf", "#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#3182bd", "#e6550d")
 #: A reliability bin with fewer images than this is drawn as an outline: its accuracy is one of a
 #: handful of 0/1 outcomes, not a rate.
@@ -312,13 +314,16 @@ def metric_vs_severity(results: dict, metric: str, path: Path, target: Optional[
     fig, axes = _panel_grid(plt, len(panels))
     heads = _all_heads(results)
     for ax, panel in zip(axes.flat, panels):
-        for head in dict.fromkeys(k[3] for k in index if k[:3] == panel):
+        for i, head in enumerate(dict.fromkeys(k[3] for k in index if k[:3] == panel)):
             pts = severity_curve(results, (*panel, head), metric, index)
             if not pts:
                 continue
             s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
             color = head_color(str(head), heads)
-            ax.plot(s, m * scale, marker="o", ms=3, label=_text(head), color=color)
+            # heads often coincide (softmax and temperature have one accuracy): a line style and
+            # marker per head keep a curve visible under the one drawn after it
+            ax.plot(s, m * scale, marker=_MARKERS[i % len(_MARKERS)], ms=4, ls=_STYLES[i % len(_STYLES)],
+                    label=_text(head), color=color, alpha=0.9)
             _band(ax, s, m * scale, sd * scale, rate, alpha=0.12, color=color)
         if target is not None:
             ax.axhline(target * scale, color="k", ls="--", lw=0.8, label=f"target {target * scale:g}")
