@@ -245,3 +245,14 @@ def test_gallery_and_corrupt_read_shiftguard_data_as_run_does(mnist_dir, tmp_pat
             else [command, "--dataset", "mnist", "--out", str(tmp_path), "--limit", "4", "--corruptions", "fog",
                   "--severities", "1", "--no-progress"])
     assert cli(argv) == 0, capsys.readouterr().err
+
+
+def test_run_without_its_data_names_the_config_keys(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SHIFTGUARD_DATA", str(tmp_path / "empty"))
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[data]\ndataset = "fashion-mnist"\n[[models]]\narch = "lenet"\n', encoding="utf-8")
+    assert cli(["run", "--config", str(cfg), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "fashion-mnist: expected files" in err[0], err
+    assert "set data.root to the folder" in err[0] and "SHIFTGUARD_DATA" in err[0]
+    assert "download=True" not in err[0] and "--root" not in err[0]

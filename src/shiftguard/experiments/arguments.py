@@ -123,10 +123,12 @@ def load_dataset(dataset: str, split: str, root: Optional[str]):
         raise FileNotFoundError(missing_files_line(str(exc), dataset)) from None
 
 
-def missing_files_line(message: str, dataset: str) -> str:
+def missing_files_line(message: str, dataset: str, *, root: str = "--root",
+                       dataset_option: str = "--dataset") -> str:
     """A loader's missing-files message (what it expected, the folders it looked in, then advice
-    for a Python caller) as one line of command-line advice. A message of another form is only
-    joined into one line."""
+    for a Python caller) as one line of command-line advice: ``root`` and ``dataset_option`` name
+    where the user sets the data folder and the data set (a flag, or a config key for
+    ``shiftguard run``). A message of another form is only joined into one line."""
     from shiftguard.data.download import RESOURCES
     from shiftguard.data.registry import DATASET_REGISTRY
 
@@ -135,10 +137,10 @@ def missing_files_line(message: str, dataset: str) -> str:
     if len(lines) < 2 or not folders or not lines[0].rstrip().endswith(":"):
         return " ".join(message.split())
     name = DATASET_REGISTRY.canonical(dataset, argument="--dataset") if dataset in DATASET_REGISTRY else dataset
-    text = (f"{lines[0].rstrip()} {', '.join(folders)}; pass --root with the folder that holds them, "
-            f"or set SHIFTGUARD_DATA to a folder holding {name}/")
+    text = (f"{lines[0].rstrip()} {', '.join(folders)}; set {root} to the folder that holds them, "
+            f"or SHIFTGUARD_DATA to a folder holding {name}/")
     if name == "mnist":
-        text += f" (or --dataset {DEFAULT_DATASETS[0]}: the embedded MNIST subset, no files needed)"
+        text += f" (or {dataset_option} {DEFAULT_DATASETS[0]}: the embedded MNIST subset, no files needed)"
     if RESOURCES.get(name):
         text += "; official files: " + ", ".join(r.urls[0] for r in RESOURCES[name])
     return text

@@ -170,8 +170,10 @@ def _data(args):
     else:
         try:
             train, test = D.load(args.dataset, "train", args.root), D.load(args.dataset, "test", args.root)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(" ".join(str(exc).split())) from None
+        except FileNotFoundError as exc:  # the loader's message spans lines and speaks Python
+            from .arguments import missing_files_line
+
+            raise FileNotFoundError(missing_files_line(str(exc), args.dataset)) from None
     g = torch.Generator().manual_seed(args.seed)
     tx, ty = test.images, test.labels
     if args.test_subset:

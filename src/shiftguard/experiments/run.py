@@ -164,8 +164,11 @@ def load_data(cfg: C.RunConfig) -> dict:
     else:
         try:
             train, test = D.load(d.dataset, "train", root), D.load(d.dataset, "test", root)
-        except FileNotFoundError as exc:  # the loader's message spans lines; the CLI prints one
-            raise FileNotFoundError(" ".join(str(exc).split())) from None
+        except FileNotFoundError as exc:  # the loader's message spans lines and speaks Python; the CLI prints one
+            from .arguments import missing_files_line
+
+            raise FileNotFoundError(missing_files_line(str(exc), d.dataset, root="data.root",
+                                                       dataset_option="data.dataset =")) from None
     if train.images.shape[1:] != test.images.shape[1:]:
         raise ValueError(f"data.dataset {d.dataset!r}: train and test images differ in shape")
     x, y, _ = _subset(train, d.train_subset, d.split_seed)
