@@ -30,10 +30,11 @@ from . import aggregate as A
 from .adaptation import AdaptSpec, adapt_specs
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
 from .cache import check_fingerprint, fingerprint
+from .compare import encode_per_image, images_fingerprint
 from .conformal import conformal_spec, split_validation
 from .grid import Cell, model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs, looks_like_probabilities
-from .result import EvaluationResult, describe_preprocess, encode_per_image, images_fingerprint
+from .result import EvaluationResult, describe_preprocess
 from .warmup import compile_announced, evaluation_steps
 
 __all__ = ["evaluate", "DEFAULT_HEADS", "build_cells", "build_results", "primary_head"]

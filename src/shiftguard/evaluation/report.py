@@ -1068,12 +1068,12 @@ _HEADLINE = (("acc_clean", "acc clean", True), ("mca", "mean corruption acc", Tr
 def comparison_matches(runs: Sequence[dict], pairs: Optional[dict] = None, *, names: Optional[Sequence[str]] = None,
                        argument: str = "pairs") -> list[tuple[list[tuple[tuple, tuple]], str]]:
     """For each later run, ``([(first run's series key, its series key)], rule)``: which series are
-    compared, by :func:`shiftguard.evaluation.result.match_series` over every series of both (the
+    compared, by :func:`shiftguard.evaluation.compare.match_series` over every series of both (the
     full key; when that matches nothing and each holds one model, those two models, a model
     without QACT standing against every context of the other; ``pairs`` maps the first run's
     model names to the later run's). ``ValueError`` (one line, the series of both) when a later run
     matches nothing; ``names`` name the runs in it (default: their names)."""
-    from .result import match_series
+    from .compare import match_series
 
     names = list(names) if names is not None else P.run_labels(runs)
     first = [series_key(r) for r in runs[0].get("rows") or []]
@@ -1090,9 +1090,9 @@ def delta_rows(runs: Sequence[dict], pairs: Optional[dict] = None, *,
     (:func:`comparison_matches`; ``match`` names the rule); a primary series matched with nothing has
     one row with ``reference`` ``None``. ``d_acc_clean_ci`` / ``d_mca_ci``: the paired percentile
     bootstrap interval (points) of the difference over the test images
-    (:func:`shiftguard.evaluation.result.paired_accuracy_intervals`, the first run's ``interval_info``),
+    (:func:`shiftguard.evaluation.compare.paired_accuracy_intervals`, the first run's ``interval_info``),
     given only where both scored the same images; ``interval_note`` says why not otherwise."""
-    from .result import bootstrap_settings, paired_accuracy_intervals, pairing_problems
+    from .compare import bootstrap_settings, paired_accuracy_intervals, pairing_problems
 
     labels = P.run_labels(runs)
     first = {series_key(r): r for r in summary_rows(runs[0])}
@@ -1161,7 +1161,7 @@ def render_comparison(runs: Sequence[dict], plots: dict[str, Path], sources: Opt
     dbody = [[r["run"], *_label_cells(series_key(r), arms), r["reference"] or "— (no matching row)",
               *(delta(r, n) for n, _, _ in metrics)] for r in drows]
     deltas = _table(dhead, dbody, left=2 + len(lh))
-    from .result import bootstrap_settings
+    from .compare import bootstrap_settings
 
     boot = bootstrap_settings(runs[0])
     notes = []
