@@ -20,7 +20,8 @@ from shiftguard.neighbors import select
 
 def _signatures():
     out = {}
-    for module in (_qact_cpu, corruption_kernels, select):
+    qact_stages = (_qact_cpu.sort, _qact_cpu.quantiles, _qact_cpu.output, _qact_cpu.kde, _qact_cpu.fused)
+    for module in (*qact_stages, corruption_kernels, select):
         for name in dir(module):
             sigs = getattr(getattr(module, name), "signatures", None)
             if sigs is not None:

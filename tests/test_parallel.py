@@ -1,5 +1,6 @@
 """shiftguard._parallel: parts run once each, on torch's OpenMP team where there is one, with
-exceptions re-raised, from several Python threads at once, and in a forked child."""
+exceptions re-raised, from several Python threads at once, and in a forked child; the compiled
+kernels' index ranges cover every item once."""
 
 from __future__ import annotations
 
@@ -158,3 +159,27 @@ def test_a_forked_child_falls_back_to_the_pool_and_does_not_hang(run_forked):
         return P.backend() == "pool" and res.tolist() == [1.0, 2.0, 3.0]
 
     assert run_forked(child, "parallel_parts") == 0
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+@pytest.mark.parametrize("items, threads", [(512, 2), (128, 2), (9, 2), (7, 2), (100, 3), (3, 4)])
+def test_ranges_cover_every_item_once(items, threads, tiered, monkeypatch):
+    # parallel_ranges' split into contiguous ranges (even, or tiered: two a thread, the first half
+    # of them 3/4 of the items): every item in exactly one range, in order
+    monkeypatch.setattr(P, "torch_threads", lambda: threads)
+    ranges = []
+    monkeypatch.setattr(P, "parallel_parts", lambda fn, n, t: [fn(i) for i in range(n)])
+    P.parallel_ranges(lambda i0, i1: ranges.append((i0, i1)), items, 1 << 20, tiered=tiered)
+    assert ranges[0][0] == 0 and ranges[-1][1] == items
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(i0 < i1 for i0, i1 in ranges)
+    if tiered and items >= 4 * threads:
+        sizes = [i1 - i0 for i0, i1 in ranges]
+        assert len(sizes) == 2 * threads and sum(sizes[:threads]) == 3 * items // 4
+
+
+def test_small_work_runs_inline_as_one_range_with_the_arguments(monkeypatch):
+    monkeypatch.setattr(P, "torch_threads", lambda: 4)
+    monkeypatch.setattr(P, "parallel_parts", lambda *a: pytest.fail("small work was split over threads"))
+    calls = []
+    P.parallel_ranges(lambda i0, i1, a, b: calls.append((i0, i1, a, b)), 10, (1 << 16) - 1, "a", "b")
+    assert calls == [(0, 10, "a", "b")]

@@ -194,7 +194,7 @@ def test_fixed_and_silverman_bandwidth_share_the_fused_kernels_compiled_variant(
         for dtype in (torch.float32, torch.float64):
             x = torch.randn(32, 3, 4, 4, dtype=dtype, requires_grad=True)
             quantile_activation(x, generator=_gen(0), bandwidth=bw).sum().backward()
-    signatures = K._batch_channels.signatures
+    signatures = K.fused._batch_channels.signatures
     assert signatures and all(sig[-1] == numba.float64 for sig in signatures)
     assert len({sig[:-1] for sig in signatures}) == len(signatures)
 

@@ -102,12 +102,12 @@ def test_bracket_table_gives_the_computed_quantiles_for_every_negative_count(dty
         ctx = np.sort(np.array(rows), axis=1).astype(dtype)
         assert ((ctx < 0).sum(1) == np.arange(1, k_dim)).all()
         for n_tau in (100, 7):
-            kk, ww = K._brackets(k_dim, n_tau)
+            kk, ww = K.quantiles._brackets(k_dim, n_tau)
             assert kk.shape == (k_dim + 1, n_tau)
             got = np.empty((ctx.shape[0], n_tau), dtype)
-            K._grounded_quantiles(0, ctx.shape[0], ctx, n_tau, kk, ww, got)
+            K.quantiles._grounded_quantiles(0, ctx.shape[0], ctx, n_tau, kk, ww, got)
             want = np.empty_like(got)
-            K._grounded_quantiles(0, ctx.shape[0], ctx, n_tau, *K._NO_BRACKETS, want)
+            K.quantiles._grounded_quantiles(0, ctx.shape[0], ctx, n_tau, *K.quantiles._NO_BRACKETS, want)
             np.testing.assert_array_equal(got, want)
     if dtype == np.float64:
         np.testing.assert_array_equal(want, _eager_quantiles(ctx, 7).numpy())
@@ -227,7 +227,7 @@ def test_grid_layout_equals_the_eager_layout(ppb, truncate):
     h[:20] = 1e-7  # wide ranges in bandwidths: capped at max_points nodes
     lo, delta, nodes = kde.grid_layout(*(torch.from_numpy(a) for a in (smin, smax, h, xmin, xmax)), ppb, truncate)
     for c in range(n):
-        got = K._layout(smin[c], smax[c], h[c], xmin[c], xmax[c], float(ppb), truncate, 4096)
+        got = K.kde._layout(smin[c], smax[c], h[c], xmin[c], xmax[c], float(ppb), truncate, 4096)
         assert got == (lo[c].item(), delta[c].item(), nodes[c].item())
     # ceil((hi - lo) / delta) with delta = (hi - lo) / 4095 rounds to at most 4096: at most 4098
     # nodes, the scratch size of the fused kernel (_batch_channels)
@@ -388,7 +388,7 @@ def test_value_range_read_off_the_sorted_context(case):
             v[0, :, 0] = extra
         ctx = K.sorted_grounded_context(np.ascontiguousarray(v), 100.0)
         assert K.sorted_context_finite(ctx)
-        ranges = np.array([K._row_range(row, 100.0) for row in ctx])  # what the fused pass reads
+        ranges = np.array([K.sort._row_range(row, 100.0) for row in ctx])  # what the fused pass reads
         np.testing.assert_array_equal(ranges[:, 0], v.min(axis=(0, 2)))
         np.testing.assert_array_equal(ranges[:, 1], v.max(axis=(0, 2)))
     v = x3.copy()
@@ -517,22 +517,6 @@ def test_pass_that_sorts_its_own_rows_equals_the_pass_on_the_sorted_context(shap
     for a, b in zip(got, want):
         if a is not None:
             np.testing.assert_array_equal(a, b)
-
-
-@pytest.mark.parametrize("tiered", [False, True])
-@pytest.mark.parametrize("channels, threads", [(512, 2), (128, 2), (9, 2), (7, 2), (100, 3), (3, 4)])
-def test_channel_ranges_cover_every_channel_once(channels, threads, tiered, monkeypatch):
-    # _run's split into contiguous ranges (even, or tiered: two a thread, the first half of them
-    # 3/4 of the channels): every channel in exactly one range, in order
-    monkeypatch.setattr(K.common, "_threads", lambda: threads)
-    ranges = []
-    monkeypatch.setattr(K.common, "parallel_parts", lambda fn, n, t: [fn(i) for i in range(n)])
-    K._run(lambda c0, c1: ranges.append((c0, c1)), channels, 1 << 20, tiered=tiered)
-    assert ranges[0][0] == 0 and ranges[-1][1] == channels
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])) and all(c0 < c1 for c0, c1 in ranges)
-    if tiered and channels >= 4 * threads:
-        sizes = [c1 - c0 for c0, c1 in ranges]
-        assert len(sizes) == 2 * threads and sum(sizes[:threads]) == 3 * channels // 4
 
 
 def test_running_statistics_of_another_dtype_are_moved_after_the_pass():

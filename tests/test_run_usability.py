@@ -411,9 +411,10 @@ def test_warm_up_compiles_what_a_qact_model_then_uses():
         pytest.skip("numba is not installed: nothing to compile")
     assert warm_up() >= 0.0
 
-    def signatures():
-        return {n: set(getattr(_qact_cpu, n).signatures) for n in dir(_qact_cpu)
-                if hasattr(getattr(_qact_cpu, n), "signatures")}
+    def signatures():  # of every compiled kernel, in each stage module of the package
+        stages = (_qact_cpu.sort, _qact_cpu.quantiles, _qact_cpu.output, _qact_cpu.kde, _qact_cpu.fused)
+        return {(m.__name__, n): set(getattr(m, n).signatures) for m in stages for n in dir(m)
+                if hasattr(getattr(m, n), "signatures")}
 
     before = signatures()
     model = build_model("lenet", activation="qact", num_classes=3, in_channels=1)

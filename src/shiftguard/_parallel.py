@@ -15,7 +15,8 @@ in ``docs/performance.md``.
 the GIL (numba ``nogil`` kernels, numpy's sort), and re-raises the first exception any part raised.
 With fewer threads than parts, each thread takes the next part not yet taken when it is done with
 its last, so a thread that runs slower (the machine's other work, a cache it shares) takes fewer
-parts.
+parts. :func:`parallel_ranges` is the compiled kernels' form of it (QACT's stages, the 2x2 max
+pool): ``kernel(lo, hi, *args)`` over contiguous index ranges, inline when the work is small.
 
 The OpenMP route is taken when torch's ATen parallel backend is OpenMP and the GNU-ABI runtime it
 loaded (``libgomp``, or LLVM/Intel's ``libomp``/``libiomp5``, which export the same entry points)
@@ -36,9 +37,14 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["parallel_parts", "backend"]
+__all__ = ["parallel_parts", "parallel_ranges", "torch_threads", "backend"]
 
 _OMP_NAMES = ("libgomp", "libiomp5", "libomp")
+
+# Ranges per thread in parallel_ranges, handed out as threads free up: a thread slowed by the
+# machine's other work takes fewer of them. More ranges balance better and cost more scheduling
+# (docs/performance.md).
+_PARTS_PER_THREAD = 4
 
 
 def _mapped_openmp_runtime() -> Optional[str]:
@@ -176,3 +182,35 @@ def parallel_parts(fn: Callable[[int], None], n_parts: int, threads: Optional[in
     for err in errors:
         if err is not None:
             raise err
+
+
+def torch_threads() -> int:
+    """torch's intra-op thread count: the compiled kernels share torch's threads and follow its setting."""
+    return max(1, torch.get_num_threads())
+
+
+def parallel_ranges(kernel: Callable[..., None], n_items: int, work: int, *args, tiered: bool = False) -> None:
+    """``kernel(i0, i1, *args)`` over items ``[0, n_items)`` (channels, planes, rows): inline when the
+    work is small (``work`` below 2**16, or fewer than two threads), else split into contiguous
+    ranges over torch's thread count, run by :func:`parallel_parts` (the kernels release the GIL).
+    Not numba's parallel runtime: that one starts an OpenMP team of its own, whose spinning workers
+    then compete with torch's for the cores.
+
+    ``tiered``: two ranges per thread, the first half of them 3/4 of the items, the rest 1/4 (for a
+    pass whose ranges cost enough each that more of them cost more than the balance they buy, and
+    that needs the small ones at the end to balance: QACT's fused pass that sorts its own rows)."""
+    threads = min(torch_threads(), n_items)
+    if threads < 2 or work < (1 << 16):
+        kernel(0, n_items, *args)
+        return
+    if tiered and n_items >= 4 * threads:
+        # the large ranges first, the small ones last to even out the threads' finishing times
+        big = 3 * n_items // 4
+        bounds = [big * i // threads for i in range(threads)]
+        bounds += [big + (n_items - big) * i // threads for i in range(threads + 1)]
+    else:
+        # _PARTS_PER_THREAD contiguous ranges per thread, each thread taking the next range left
+        # when done with its last
+        parts = min(n_items, _PARTS_PER_THREAD * threads)
+        bounds = [n_items * i // parts for i in range(parts + 1)]
+    parallel_parts(lambda i: kernel(bounds[i], bounds[i + 1], *args), len(bounds) - 1, threads)

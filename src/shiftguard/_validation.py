@@ -81,11 +81,18 @@ def check_finite(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def check_labels(y, name: str, num_classes: Optional[int] = None, n: Optional[int] = None) -> torch.Tensor:
-    """Validate integer class labels ``(N,)`` in ``[0, num_classes)``; return them as int64."""
+def check_labels(y, name: str, num_classes: Optional[int] = None, n: Optional[int] = None, *,
+                 check_values: bool = True) -> torch.Tensor:
+    """Validate integer class labels ``(N,)`` in ``[0, num_classes)``; return them as int64.
+
+    ``check_values=False`` skips what reads the values (the range, and whether float labels are whole
+    numbers: they are truncated), so that no device-to-host synchronisation happens; the dtype and
+    shape checks stay."""
     t = as_tensor(y, name)
     if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
-        if t.is_floating_point() and t.numel() and bool((t == t.round()).all()) and bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and not check_values:
+            t = t.long()
+        elif t.is_floating_point() and t.numel() and bool((t == t.round()).all()) and bool(torch.isfinite(t).all()):
             t = t.long()
         else:
             raise TypeError(f"{name}: expected integer class labels, got dtype {t.dtype}")
@@ -94,7 +101,7 @@ def check_labels(y, name: str, num_classes: Optional[int] = None, n: Optional[in
     if n is not None and t.shape[0] != n:
         raise ValueError(f"{name}: expected {n} labels, got {t.shape[0]}")
     t = t.long()
-    if t.numel():
+    if check_values and t.numel():
         lo, hi = int(t.min()), int(t.max())
         if lo < 0:
             raise ValueError(f"{name}: labels must be >= 0, got minimum {lo}")
@@ -127,13 +134,16 @@ def check_positive(value, name: str, *, strict: bool = True, integer: bool = Fal
     return value
 
 
-def check_probabilities(p, name: str, *, atol: float = 1e-4, simplex: bool = True) -> torch.Tensor:
+def check_probabilities(p, name: str, *, atol: float = 1e-4, simplex: bool = True,
+                        check_values: bool = True) -> torch.Tensor:
     """Validate an ``(N, C)`` probability matrix: finite, in [0, 1], rows summing to 1.
 
-    ``simplex=False`` drops the row-sum check (one-vs-rest probabilities, one per class).
+    ``simplex=False`` drops the row-sum check (one-vs-rest probabilities, one per class);
+    ``check_values=False`` drops every check that reads the values (finiteness, range, row sums),
+    keeping the dtype and shape checks.
     """
-    t = check_tensor(p, name, ndim=2, floating=True, finite=True)
-    if t.numel():
+    t = check_tensor(p, name, ndim=2, floating=True, finite=check_values)
+    if check_values and t.numel():
         if float(t.min()) < -atol or float(t.max()) > 1 + atol:
             raise ValueError(f"{name}: probabilities must lie in [0, 1]")
         if not simplex:

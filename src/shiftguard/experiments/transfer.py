@@ -54,7 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -63,8 +63,12 @@ from torch import nn
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
 from shiftguard.io import atomic_write_text
 from shiftguard.metrics import auroc_error, excess_aurc, one_nn_misses
-from shiftguard.models import build_model
-from shiftguard.uncertainty import entropy_from_log_probs
+from shiftguard.models import EmbeddingClassifier, build_model
+from shiftguard.uncertainty import UncertaintyEstimator, entropy_from_log_probs
+
+if TYPE_CHECKING:
+    from shiftguard.losses import ESupConLoss, SPCELoss, TightnessLoss
+    from shiftguard.uncertainty import SNGP
 
 __all__ = [
     "SPLITS",
@@ -355,7 +359,7 @@ class _CrossEntropy(TransferModel):
 
     default_uncertainty = "entropy"
 
-    def __init__(self, backbone: nn.Module):
+    def __init__(self, backbone: EmbeddingClassifier):
         super().__init__()
         self.backbone = backbone
 
@@ -379,7 +383,7 @@ class _EmbeddingObjective(TransferModel):
 
     default_uncertainty = "embedding_norm"
 
-    def __init__(self, backbone: nn.Module, loss: nn.Module, views: bool = False):
+    def __init__(self, backbone: EmbeddingClassifier, loss: nn.Module, views: bool = False):
         super().__init__()
         self.backbone = backbone
         self.loss = loss
@@ -405,7 +409,7 @@ class _Estimator(TransferModel):
     """An ``shiftguard.uncertainty`` estimator: its objective, its ``forward`` log-probabilities and every
     uncertainty it defines; ``default_uncertainty`` is the estimator's."""
 
-    def __init__(self, estimator: nn.Module, covariance_pass: bool = False):
+    def __init__(self, estimator: UncertaintyEstimator, covariance_pass: bool = False):
         super().__init__()
         self.estimator = estimator
         self.default_uncertainty = str(estimator.default_uncertainty)
@@ -415,8 +419,8 @@ class _Estimator(TransferModel):
         return self.estimator.training_loss(x, y)
 
     def after_training(self, x, y, batch_size):
-        if self.covariance_pass:
-            self.estimator.fit_covariance(x[i:i + batch_size] for i in range(0, x.shape[0], batch_size))
+        if self.covariance_pass:  # set for SNGP only (_build_sngp)
+            cast("SNGP", self.estimator).fit_covariance(x[i:i + batch_size] for i in range(0, x.shape[0], batch_size))
 
     def embed(self, x):
         return self.estimator.embed(x)
@@ -432,7 +436,8 @@ class _PrototypeClassifier(TransferModel):
 
     default_uncertainty = "entropy"
 
-    def __init__(self, backbone: nn.Module, loss: nn.Module, fit_reference: bool = False):
+    def __init__(self, backbone: EmbeddingClassifier, loss: Union[SPCELoss, TightnessLoss, ESupConLoss],
+                 fit_reference: bool = False):
         super().__init__()
         self.backbone = backbone
         self.loss = loss
@@ -445,7 +450,7 @@ class _PrototypeClassifier(TransferModel):
         if self.fit_reference:
             with torch.no_grad():
                 emb = torch.cat([self.backbone.embed(x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)])
-            self.loss.fit(emb, y)
+            cast("SPCELoss", self.loss).fit(emb, y)  # fit_reference is set for SPCE only (_build_spce)
 
     def embed(self, x):
         return self.backbone.embed(x)
@@ -465,8 +470,10 @@ class Method:
     build: Callable[[int, int, int], TransferModel]
 
 
-def _lenet(num_classes: int, in_channels: int, activation: str = "relu") -> nn.Module:
-    return build_model("lenet", activation=activation, num_classes=num_classes, in_channels=in_channels, width=1)
+def _lenet(num_classes: int, in_channels: int, activation: str = "relu") -> EmbeddingClassifier:
+    # the registry's "lenet" is LeNet5, an EmbeddingClassifier (build_model is typed for user factories too)
+    return cast(EmbeddingClassifier,
+                build_model("lenet", activation=activation, num_classes=num_classes, in_channels=in_channels, width=1))
 
 
 def _loss_generator(seed: int) -> torch.Generator:

@@ -30,7 +30,7 @@ import torch
 
 from shiftguard import _numba
 from shiftguard._numba import njit
-from shiftguard.functional._qact_cpu.common import _run
+from shiftguard._parallel import parallel_ranges
 
 __all__ = ["max_pool2x2", "max_pool2x2_applies", "warm_up"]
 
@@ -91,7 +91,7 @@ def _with_indices(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     arr = x.detach().contiguous().numpy().reshape(planes, height, width)
     out = np.empty((planes, height // 2, width // 2), dtype=arr.dtype)
     idx = np.empty(out.shape, dtype=np.int64)
-    _run(_pool_with_indices, planes, arr.size, arr, out, idx)  # plane ranges over torch's threads
+    parallel_ranges(_pool_with_indices, planes, arr.size, arr, out, idx)  # plane ranges over torch's threads
     shape = (n, ch, height // 2, width // 2)
     return torch.from_numpy(out).view(shape), torch.from_numpy(idx).view(shape)
 

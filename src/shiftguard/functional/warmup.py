@@ -4,8 +4,9 @@ The compiled kernels (:mod:`shiftguard.functional._qact_cpu`) are numba function
 first call in a process, per argument types, and cached on disk (``cache=True``; in which folder, and
 what happens where none is writable: :mod:`shiftguard._numba`): the first use on a machine compiles
 (about 8 s for the first training step of a layer, 14 s for every path below, on 2 cores:
-``benchmarks/bench_coldstart.py``), later processes load the cache (a fraction of a second). Without a warm-up that cost lands inside whatever runs QACT first, e.g. the first training
-epoch, and makes its timing meaningless. :func:`warm_up` runs each path a QACT layer takes once on a
+``benchmarks/bench_coldstart.py``), later processes load the cache (a fraction of a second). Without
+a warm-up that cost lands inside whatever runs QACT first, e.g. the first training epoch, and makes
+its timing meaningless. :func:`warm_up` runs each path a QACT layer takes once on a
 tiny input, so callers can time and announce it as a step of its own.
 """
 
@@ -15,8 +16,8 @@ import time
 
 import torch
 
-from . import _qact_cpu
 from . import quantile as Q
+from ._qact_cpu.quantiles import _BRACKETS_MAX_ROW
 
 __all__ = ["warm_up"]
 
@@ -25,7 +26,7 @@ def warm_up(dtype: torch.dtype = torch.float32, evaluation_only: bool = False) -
     """Compile (or load from numba's cache) every QACT CPU kernel for ``dtype``; return the seconds taken.
 
     Runs, on inputs ``(N, C)`` and ``(N, C, H, W)`` with short and with long context rows (the
-    kernels take precomputed bracket tables for rows of up to ``_qact_cpu._BRACKETS_MAX_ROW`` values
+    kernels take precomputed bracket tables for rows of up to ``_qact_cpu.quantiles._BRACKETS_MAX_ROW`` values
     and compute them otherwise: two compiled variants), what :class:`shiftguard.nn.QuantileActivation`
     runs: the batch context in training (forward with running-statistics update, backward), the
     batch context without a gradient (evaluation), the frozen context with and without a gradient,
@@ -46,7 +47,7 @@ def warm_up(dtype: torch.dtype = torch.float32, evaluation_only: bool = False) -
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     n_tau, n_samples, c = 100, 1000, 100.0
-    long_row = _qact_cpu._BRACKETS_MAX_ROW + 1
+    long_row = _BRACKETS_MAX_ROW + 1
     for shape in ((4, 3), (4, 3, 2, 2), (long_row, 2), (1, 2, 1, long_row)):
         x = torch.linspace(-2.0, 2.0, int(torch.Size(shape).numel()), dtype=dtype).reshape(shape)
         ch = shape[1]

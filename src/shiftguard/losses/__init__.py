@@ -89,10 +89,11 @@ def _spce(embedding_dim, num_classes, **kw):
 
 
 def _tightness(embedding_dim, num_classes, base=None, **kw):
-    """``base`` may be a loss name: it is built with the same dimensions and trained beside ``l_tt``."""
+    """``base`` may be a loss name: it is built with the same dimensions and ``validate_args`` and
+    trained beside ``l_tt``."""
     _need_dims("tightness", embedding_dim, num_classes)
     if isinstance(base, str):
-        base = build_loss(base, embedding_dim, num_classes)
+        base = build_loss(base, embedding_dim, num_classes, validate_args=kw.get("validate_args", True))
     return TightnessLoss(num_classes, embedding_dim, base=base, **kw)
 
 
@@ -152,6 +153,8 @@ def build_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Opti
     (proxies or a classifier): ``proxydr``, ``nivmf_proxy``, ``spce``, ``tightness``, ``esupcon``,
     ``cross_entropy``, ``proxy_nca``, ``proxy_anchor``, ``normface`` and ``dr`` with ``mode="proxies"``;
     other losses ignore them. ``tightness`` takes ``base=<loss name>`` (built with the same dimensions).
+    Every loss takes ``validate_args`` (default ``True``; ``False`` skips the per-call checks that read
+    tensor values and so synchronise with the device: :class:`~shiftguard.losses.base.EmbeddingLoss`).
 
     Raises:
         TypeError: ``name`` is not a str.

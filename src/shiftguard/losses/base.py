@@ -16,6 +16,14 @@ Bad-input policy (the same for every loss, tested in ``tests/test_losses_bad_inp
 * Zero-norm embeddings: every distance below is computed as ``sqrt(d^2 + eps)`` (the ``1e-10`` of
   [Kim, Art. II, Sec. 3.1]) and every normalisation divides by ``max(||x||, eps)``, so gradients stay
   finite; the behaviour of each loss at zero norm is stated in its docstring.
+
+``validate_args=False`` (every loss's constructor) turns off the checks that read tensor values on
+every call -- finite embeddings, labels in range, a finite loss -- each of which waits for the device
+(a host synchronisation); the checks of shapes, dtypes and devices stay (they read metadata only).
+Inside a few losses a value check also picks the arithmetic (DR's widening to float64 where squared
+distances would overflow, the vMF split of very large rows) or guards a representable range; those
+stay too. With the checks off, NaN/inf input gives a NaN/inf loss and an out-of-range label fails
+wherever the indexing does.
 """
 
 from __future__ import annotations
@@ -41,12 +49,15 @@ __all__ = [
 DIST_EPS = 1e-10
 
 
-def validate_batch(embeddings, labels, *, min_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate ``(embeddings (N, D) float finite, labels (N,) int)``; return them (labels as int64)."""
-    emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+def validate_batch(embeddings, labels, *, min_dim: int = 1,
+                   check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``(embeddings (N, D) float finite, labels (N,) int)``; return them (labels as int64).
+
+    ``check_values=False``: the finiteness and label-range checks (host synchronisations) are skipped."""
+    emb = check_tensor(embeddings, "embeddings", ndim=2, floating=True, finite=check_values, nonempty=True)
     if emb.shape[1] < min_dim:
         raise ValueError(f"embeddings: expected at least {min_dim} feature dimensions, got shape {tuple(emb.shape)}")
-    lab = check_labels(labels, "labels", n=emb.shape[0])
+    lab = check_labels(labels, "labels", n=emb.shape[0], check_values=check_values)
     if lab.device != emb.device:
         raise ValueError(f"labels: expected device {emb.device} (that of embeddings), got {lab.device}")
     return emb, lab
@@ -91,13 +102,25 @@ def pair_masks(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class EmbeddingLoss(nn.Module):
-    """Base class: validates ``(embeddings, labels)`` then calls ``compute(embeddings, labels)``."""
+    """Base class: validates ``(embeddings, labels)`` then calls ``compute(embeddings, labels)``.
+
+    ``validate_args``: run the checks that read tensor values (finite embeddings, labels in range, a
+    finite loss; module docstring) on every call. ``False`` skips them, e.g. in a training loop whose
+    inputs are known good, where each would wait for the device; shapes and dtypes are still checked.
+    """
 
     #: Minimal embedding dimension the loss supports.
     min_dim: int = 1
+    #: Whether the value checks run (set by ``__init__``; the class default covers subclasses that do
+    #: not pass it on).
+    validate_args: bool = True
+
+    def __init__(self, *, validate_args: bool = True):
+        super().__init__()
+        self.validate_args = bool(validate_args)
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        emb, lab = validate_batch(embeddings, labels, min_dim=self.min_dim)
+        emb, lab = validate_batch(embeddings, labels, min_dim=self.min_dim, check_values=self.validate_args)
         if emb.dtype in (torch.float16, torch.bfloat16):
             # Losses are computed in float32 (as autocast does): DIST_EPS underflows in half precision
             # (NaN gradients at d = 0) and some CPU kernels (cdist) lack bfloat16. Gradients flow

@@ -48,9 +48,11 @@ def _check_dims(num_classes, embedding_dim) -> None:
     check_positive(embedding_dim, "embedding_dim", integer=True)
 
 
-def _check_batch_against(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int, dim: int) -> None:
-    """``ValueError`` naming ``labels`` / ``embeddings`` for labels ``>= num_classes`` or a wrong width."""
-    if labels.numel() and int(labels.max()) >= num_classes:
+def _check_batch_against(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int, dim: int,
+                         check_values: bool = True) -> None:
+    """``ValueError`` naming ``labels`` / ``embeddings`` for labels ``>= num_classes`` (read only with
+    ``check_values``: a host synchronisation) or a wrong width."""
+    if check_values and labels.numel() and int(labels.max()) >= num_classes:
         raise ValueError(f"labels: must be < num_classes={num_classes}, got maximum {int(labels.max())}")
     if embeddings.shape[1] != dim:
         raise ValueError(f"embeddings: expected {dim} features (embedding_dim), got shape {tuple(embeddings.shape)}")
@@ -64,9 +66,10 @@ def _check_embeddings(embeddings, dim: int) -> torch.Tensor:
     return z.float() if z.dtype in (torch.float16, torch.bfloat16) else z
 
 
-def _finite_loss(loss: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-    """``loss`` itself; ``ValueError`` naming ``embeddings`` if it is not finite (never a silent inf/NaN)."""
-    if not bool(torch.isfinite(loss)):
+def _finite_loss(loss: torch.Tensor, embeddings: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """``loss`` itself; ``ValueError`` naming ``embeddings`` if it is not finite (never a silent inf/NaN),
+    checked only with ``check`` (the loss's ``validate_args``)."""
+    if check and not bool(torch.isfinite(loss)):
         big = float(embeddings.detach().abs().max())
         raise ValueError(f"embeddings: values reach {big:.3g}; the loss is not finite in {loss.dtype} ({float(loss)})")
     return loss
@@ -129,8 +132,9 @@ class SPCELoss(EmbeddingLoss):
     class_weights_: torch.Tensor
     fitted_: torch.Tensor
 
-    def __init__(self, num_classes: int, embedding_dim: int, *, temperature: float = 1.0, normalize: bool = False):
-        super().__init__()
+    def __init__(self, num_classes: int, embedding_dim: int, *, temperature: float = 1.0, normalize: bool = False,
+                 validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         _check_dims(num_classes, embedding_dim)
         check_positive(temperature, "temperature")
         self.num_classes = int(num_classes)
@@ -148,11 +152,11 @@ class SPCELoss(EmbeddingLoss):
         return normalize_rows(z) if self.normalize else z
 
     def compute(self, embeddings, labels):
-        _check_batch_against(embeddings, labels, self.num_classes, self.embedding_dim)
+        _check_batch_against(embeddings, labels, self.num_classes, self.embedding_dim, self.validate_args)
         z = self._prepare(embeddings)
         weights = _class_sums(z, labels, self.num_classes) / z.shape[0]  # (K, D): 1/M sum_{j: y_j=k} z_j
         logits = z @ weights.t() / self.temperature
-        return _finite_loss(F.cross_entropy(logits, labels), embeddings)
+        return _finite_loss(F.cross_entropy(logits, labels), embeddings, self.validate_args)
 
     @torch.no_grad()
     def fit(self, reference, reference_labels) -> "SPCELoss":
@@ -215,14 +219,15 @@ class TightnessLoss(EmbeddingLoss):
 
     Args:
         num_classes, embedding_dim: prototype table shape ``(K, D)``.
-        base: optional loss module called on the same batch.
+        base: optional loss module called on the same batch (it validates its input by its own
+            ``validate_args``).
         temperature: ``tau > 0`` of the classifier logits (does not enter ``l_tt``).
         stop_gradient: detach the embeddings inside ``l_tt``.
     """
 
     def __init__(self, num_classes: int, embedding_dim: int, *, base: Optional[nn.Module] = None,
-                 temperature: float = 1.0, stop_gradient: bool = True):
-        super().__init__()
+                 temperature: float = 1.0, stop_gradient: bool = True, validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         _check_dims(num_classes, embedding_dim)
         check_positive(temperature, "temperature")
         if base is not None and not isinstance(base, nn.Module):
@@ -237,7 +242,8 @@ class TightnessLoss(EmbeddingLoss):
                 f"temperature={self.temperature}, stop_gradient={self.stop_gradient}")
 
     def compute(self, embeddings, labels):
-        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1])
+        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1],
+                             self.validate_args)
         z = normalize_rows(embeddings.detach() if self.stop_gradient else embeddings)
         theta = self.prototypes.to(z.dtype)
         loss = -(z * theta[labels]).sum(1).mean()
@@ -366,8 +372,9 @@ class ESupConLoss(EmbeddingLoss):
     sample or a single class still gives a finite loss (the prototype term always exists).
     """
 
-    def __init__(self, num_classes: int, embedding_dim: int, *, temperature: float = 0.1):
-        super().__init__()
+    def __init__(self, num_classes: int, embedding_dim: int, *, temperature: float = 0.1,
+                 validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         _check_dims(num_classes, embedding_dim)
         check_positive(temperature, "temperature")
         self.temperature = float(temperature)
@@ -400,14 +407,15 @@ class ESupConLoss(EmbeddingLoss):
 
     def terms(self, embeddings, labels) -> ESupConTerms:
         """Per-sample ``l_pt(z_i, theta_{y_i})`` and ``l_SupCon(z_i, P_i)`` of a batch (validated as ``forward``)."""
-        emb, lab = validate_batch(embeddings, labels)
+        emb, lab = validate_batch(embeddings, labels, check_values=self.validate_args)
         if emb.dtype in (torch.float16, torch.bfloat16):
             emb = emb.float()
-        _check_batch_against(emb, lab, self.prototypes.shape[0], self.prototypes.shape[1])
+        _check_batch_against(emb, lab, self.prototypes.shape[0], self.prototypes.shape[1], self.validate_args)
         return self._terms(emb, lab)
 
     def compute(self, embeddings, labels):
-        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1])
+        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1],
+                             self.validate_args)
         t = self._terms(embeddings, labels)
         k = self.prototypes.shape[0]
         counts = torch.bincount(labels, minlength=k).to(t.prototype.dtype)  # 2N_k

@@ -156,8 +156,10 @@ class DRLoss(EmbeddingLoss):
         embedding_dim: Optional[int] = None,
         init_log_rho: float = 2.0,
         learn_rho: bool = True,
+        *,
+        validate_args: bool = True,
     ):
-        super().__init__()
+        super().__init__(validate_args=validate_args)
         if mode not in ("prototypes", "proxies"):
             raise ValueError(f"mode: expected 'prototypes' or 'proxies', got {mode!r}")
         if formulation not in ("dr", "sd"):
@@ -195,7 +197,7 @@ class DRLoss(EmbeddingLoss):
 
     def compute(self, embeddings, labels):
         if self.mode == "proxies":
-            if labels.max() >= self.proxies.shape[0]:
+            if self.validate_args and labels.max() >= self.proxies.shape[0]:
                 raise ValueError(f"labels: must be < num_classes={self.proxies.shape[0]}, got {int(labels.max())}")
             if embeddings.shape[1] != self.proxies.shape[1]:
                 raise ValueError(f"embeddings: expected {self.proxies.shape[1]} features, got {embeddings.shape[1]}")
@@ -275,8 +277,10 @@ class ProxyDRLoss(EmbeddingLoss):
         dynamic: bool = False,
         dynamic_lr: float = 0.01,
         ema_alpha: Optional[float] = None,
+        *,
+        validate_args: bool = True,
     ):
-        super().__init__()
+        super().__init__(validate_args=validate_args)
         check_positive(num_classes, "num_classes", integer=True)
         check_positive(embedding_dim, "embedding_dim", integer=True)
         check_positive(scale, "scale")
@@ -312,7 +316,7 @@ class ProxyDRLoss(EmbeddingLoss):
         return safe_euclidean(f, w)
 
     def compute(self, embeddings, labels):
-        if labels.max() >= self.proxies.shape[0]:
+        if self.validate_args and labels.max() >= self.proxies.shape[0]:
             raise ValueError(f"labels: must be < num_classes={self.proxies.shape[0]}, got {int(labels.max())}")
         if embeddings.shape[1] != self.proxies.shape[1]:
             raise ValueError(f"embeddings: expected {self.proxies.shape[1]} features, got {embeddings.shape[1]}")

@@ -183,8 +183,10 @@ class EMAProxies(nn.Module):
         ema_proxy_update_(self.proxies, emb, lab, self.alpha)
 
 
-def _check_against_proxies(embeddings: torch.Tensor, labels: torch.Tensor, proxies: torch.Tensor) -> None:
-    if int(labels.max()) >= proxies.shape[0]:
+def _check_against_proxies(embeddings: torch.Tensor, labels: torch.Tensor, proxies: torch.Tensor,
+                           check_values: bool = True) -> None:
+    # the label bound reads a value (a host synchronisation): only with check_values (validate_args)
+    if check_values and int(labels.max()) >= proxies.shape[0]:
         raise ValueError(f"labels: must be < num_classes={proxies.shape[0]}, got {int(labels.max())}")
     if embeddings.shape[1] != proxies.shape[1]:
         raise ValueError(f"embeddings: expected {proxies.shape[1]} features, got {embeddings.shape[1]}")
@@ -208,8 +210,9 @@ class CORRLoss(EmbeddingLoss):
     proxies: torch.Tensor
 
     def __init__(self, hierarchy: Optional[ClassHierarchy] = None, num_classes: Optional[int] = None,
-                 embedding_dim: Optional[int] = None, proxies: Union[str, torch.Tensor] = "similarity", **proxy_kw):
-        super().__init__()
+                 embedding_dim: Optional[int] = None, proxies: Union[str, torch.Tensor] = "similarity", *,
+                 validate_args: bool = True, **proxy_kw):
+        super().__init__(validate_args=validate_args)
         if hierarchy is None:
             if num_classes is None:
                 raise ValueError("num_classes: required when no hierarchy is given")
@@ -240,7 +243,7 @@ class CORRLoss(EmbeddingLoss):
         return normalize_rows(embeddings) @ self.proxies.to(embeddings.dtype).t()
 
     def compute(self, embeddings, labels):
-        _check_against_proxies(embeddings, labels, self.proxies)
+        _check_against_proxies(embeddings, labels, self.proxies, self.validate_args)
         cos_c = (normalize_rows(embeddings) * self.proxies.to(embeddings.dtype)[labels]).sum(1)
         return (1.0 - cos_c).mean()
 
@@ -306,8 +309,8 @@ class NormFaceLoss(EmbeddingLoss):
 
     def __init__(self, num_classes: int, embedding_dim: int, scale: float = 10.0, dynamic: bool = False,
                  dynamic_rule: str = "adam", dynamic_lr: float = 0.01, ema_alpha: Optional[float] = None,
-                 proxies: Optional[torch.Tensor] = None):
-        super().__init__()
+                 proxies: Optional[torch.Tensor] = None, *, validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         check_positive(num_classes, "num_classes", integer=True)
         check_positive(embedding_dim, "embedding_dim", integer=True)
         check_positive(scale, "scale")
@@ -359,7 +362,7 @@ class NormFaceLoss(EmbeddingLoss):
         return normalize_rows(embeddings) @ normalize_rows(self.proxies.to(embeddings.dtype)).t()
 
     def compute(self, embeddings, labels):
-        _check_against_proxies(embeddings, labels, self.proxies)
+        _check_against_proxies(embeddings, labels, self.proxies, self.validate_args)
         cos = self.cosines(embeddings)
         loss = F.cross_entropy(self.scale.to(embeddings.dtype) * cos, labels)
         if self.training:

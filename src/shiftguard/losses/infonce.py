@@ -52,8 +52,8 @@ class InfoNCELoss(EmbeddingLoss):
         True
     """
 
-    def __init__(self, temperature: float = 0.1):
-        super().__init__()
+    def __init__(self, temperature: float = 0.1, *, validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         check_positive(temperature, "temperature")
         self.temperature = float(temperature)
 

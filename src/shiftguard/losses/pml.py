@@ -41,8 +41,8 @@ class PMLLoss(EmbeddingLoss):
     """Wrap a pytorch-metric-learning loss (and optional miner) as ``loss(embeddings, labels) -> scalar``."""
 
     def __init__(self, loss: nn.Module, miner: Optional[nn.Module] = None, num_classes: Optional[int] = None,
-                 embedding_dim: Optional[int] = None):
-        super().__init__()
+                 embedding_dim: Optional[int] = None, *, validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         self.loss = loss
         self.miner = miner
         self.num_classes = num_classes
@@ -52,7 +52,7 @@ class PMLLoss(EmbeddingLoss):
         if self.embedding_dim is not None and embeddings.shape[1] != self.embedding_dim:
             raise ValueError(f"embeddings: expected {self.embedding_dim} features (embedding_dim), "
                              f"got {embeddings.shape[1]}")
-        if self.num_classes is not None and int(labels.max()) >= self.num_classes:
+        if self.validate_args and self.num_classes is not None and int(labels.max()) >= self.num_classes:
             raise ValueError(f"labels: must be < num_classes={self.num_classes}, got {int(labels.max())}")
         if self.miner is not None:
             return self.loss(embeddings, labels, self.miner(embeddings, labels))
@@ -62,8 +62,8 @@ class PMLLoss(EmbeddingLoss):
 class CrossEntropyLoss(EmbeddingLoss):
     """Softmax cross-entropy through a linear classifier over the embeddings (owned by the loss)."""
 
-    def __init__(self, embedding_dim: int, num_classes: int):
-        super().__init__()
+    def __init__(self, embedding_dim: int, num_classes: int, *, validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         self.classifier = nn.Linear(embedding_dim, num_classes)
 
     def extra_repr(self) -> str:
@@ -73,7 +73,7 @@ class CrossEntropyLoss(EmbeddingLoss):
         if embeddings.shape[1] != self.classifier.in_features:
             raise ValueError(f"embeddings: expected {self.classifier.in_features} features (embedding_dim), "
                              f"got {embeddings.shape[1]}")
-        if int(labels.max()) >= self.classifier.out_features:
+        if self.validate_args and int(labels.max()) >= self.classifier.out_features:
             raise ValueError(f"labels: must be < num_classes={self.classifier.out_features}, got {int(labels.max())}")
         w = self.classifier.weight.to(embeddings.dtype)
         b = self.classifier.bias.to(embeddings.dtype)
@@ -90,15 +90,18 @@ def _need(embedding_dim, num_classes, name) -> tuple[int, int]:
 
 
 def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None, **kw):
-    """Build one of :data:`PML_LOSSES` by name."""
+    """Build one of :data:`PML_LOSSES` by name (``validate_args`` goes to the wrapper, the other
+    keywords to the pytorch-metric-learning loss)."""
+    validate_args = kw.pop("validate_args", True)
     if name == "cross_entropy":
-        return CrossEntropyLoss(*_need(embedding_dim, num_classes, name))
+        return CrossEntropyLoss(*_need(embedding_dim, num_classes, name), validate_args=validate_args)
     if name == "triplet":
         margin = kw.pop("margin", 0.1)
         miner = pml_miners.TripletMarginMiner(margin=margin, type_of_triplets=kw.pop("type_of_triplets", "semihard"))
-        return PMLLoss(pml_losses.TripletMarginLoss(margin=margin, **kw), miner)
+        return PMLLoss(pml_losses.TripletMarginLoss(margin=margin, **kw), miner, validate_args=validate_args)
     if name == "supcon":
-        return PMLLoss(pml_losses.SupConLoss(temperature=kw.pop("temperature", 0.1), **kw))
+        return PMLLoss(pml_losses.SupConLoss(temperature=kw.pop("temperature", 0.1), **kw),
+                       validate_args=validate_args)
     _need(embedding_dim, num_classes, name)
     if name == "proxy_nca":
         loss = pml_losses.ProxyNCALoss(num_classes, embedding_dim, **kw)
@@ -114,7 +117,7 @@ def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: O
                                                 **kw)
     else:  # pragma: no cover - guarded by the registry
         raise ValueError(f"name: unknown pytorch-metric-learning loss {name!r}")
-    return PMLLoss(loss, num_classes=num_classes, embedding_dim=embedding_dim)
+    return PMLLoss(loss, num_classes=num_classes, embedding_dim=embedding_dim, validate_args=validate_args)
 
 
 PML_LOSSES = ("cross_entropy", "triplet", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "normface", "supcon")

@@ -100,9 +100,10 @@ def _split_vmf_large(embeddings: torch.Tensor, large: torch.Tensor, eps: float):
     return mu, kappa
 
 
-def _finite_loss(loss: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-    """``loss`` itself; ``ValueError`` naming ``embeddings`` if it is not finite (never a silent NaN/inf)."""
-    if not bool(torch.isfinite(loss)):
+def _finite_loss(loss: torch.Tensor, embeddings: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """``loss`` itself; ``ValueError`` naming ``embeddings`` if it is not finite (never a silent NaN/inf),
+    checked only with ``check`` (the loss's ``validate_args``)."""
+    if check and not bool(torch.isfinite(loss)):
         big = float(embeddings.detach().abs().max())
         raise ValueError(f"embeddings: values reach {big:.3g}; the loss is not finite in {loss.dtype} ({float(loss)})")
     return loss
@@ -133,8 +134,8 @@ def _pairs_and_negatives(labels: torch.Tensor):
 class _VMFSampleLoss(EmbeddingLoss):
     min_dim = 2
 
-    def __init__(self, n_samples: int, generator: Optional[torch.Generator]):
-        super().__init__()
+    def __init__(self, n_samples: int, generator: Optional[torch.Generator], validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         check_positive(n_samples, "n_samples", integer=True)
         self.n_samples = n_samples
         self.generator = generator
@@ -157,8 +158,9 @@ class MCInfoNCELoss(_VMFSampleLoss):
     are skipped; a batch with neither gives an exact 0.
     """
 
-    def __init__(self, kappa_pos: float = 20.0, n_samples: int = 16, generator: Optional[torch.Generator] = None):
-        super().__init__(n_samples, generator)
+    def __init__(self, kappa_pos: float = 20.0, n_samples: int = 16, generator: Optional[torch.Generator] = None,
+                 *, validate_args: bool = True):
+        super().__init__(n_samples, generator, validate_args)
         check_positive(kappa_pos, "kappa_pos")
         self.kappa_pos = float(kappa_pos)
 
@@ -176,7 +178,7 @@ class MCInfoNCELoss(_VMFSampleLoss):
         log_m = n_neg[a_idx].to(logits.dtype).log()
         log_ratio = pos - (torch.logaddexp(pos, lse_neg[:, a_idx]) - log_m)
         per_pair = -(torch.logsumexp(log_ratio, dim=0) - math.log(self.n_samples))
-        return _finite_loss(per_pair.mean(), embeddings)
+        return _finite_loss(per_pair.mean(), embeddings, self.validate_args)
 
 
 class HIBLoss(_VMFSampleLoss):
@@ -190,8 +192,8 @@ class HIBLoss(_VMFSampleLoss):
     """
 
     def __init__(self, a: float = 4.0, b: float = -2.0, n_samples: int = 8,
-                 generator: Optional[torch.Generator] = None):
-        super().__init__(n_samples, generator)
+                 generator: Optional[torch.Generator] = None, *, validate_args: bool = True):
+        super().__init__(n_samples, generator, validate_args)
         check_positive(a, "a")
         if not math.isfinite(b):
             raise ValueError(f"b: expected a finite number, got {b}")
@@ -210,7 +212,7 @@ class HIBLoss(_VMFSampleLoss):
         log_p_match = torch.logsumexp(F.logsigmoid(x), dim=0) - log_k  # log E[s(.)]       (N, N)
         log_p_nonmatch = torch.logsumexp(F.logsigmoid(-x), dim=0) - log_k  # log E[1 - s(.)]  (N, N)
         neg_term = -(log_p_nonmatch * neg).sum(1) / n_neg.clamp_min(1).to(x.dtype)  # (N,)
-        return _finite_loss((-log_p_match[a_idx, p_idx] + neg_term[a_idx]).mean(), embeddings)
+        return _finite_loss((-log_p_match[a_idx, p_idx] + neg_term[a_idx]).mean(), embeddings, self.validate_args)
 
 
 def el_vmf_distance(mu1, kappa1, mu2, kappa2) -> torch.Tensor:
@@ -246,8 +248,8 @@ class ELKLoss(EmbeddingLoss):
 
     min_dim = 2
 
-    def __init__(self, kappa_pos: float = 20.0):
-        super().__init__()
+    def __init__(self, kappa_pos: float = 20.0, *, validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         check_positive(kappa_pos, "kappa_pos")
         self.kappa_pos = float(kappa_pos)
 
@@ -266,7 +268,8 @@ class ELKLoss(EmbeddingLoss):
         lse_neg = torch.logsumexp(logits.masked_fill(~neg, float("-inf")), dim=1)
         pos = logits[a_idx, p_idx]
         log_m = n_neg[a_idx].to(logits.dtype).log()
-        return _finite_loss(-(pos - (torch.logaddexp(pos, lse_neg[a_idx]) - log_m)).mean(), embeddings)
+        loss = -(pos - (torch.logaddexp(pos, lse_neg[a_idx]) - log_m)).mean()
+        return _finite_loss(loss, embeddings, self.validate_args)
 
 
 def nivmf_log_density(z: torch.Tensor, mu_p: torch.Tensor, kappa_p: torch.Tensor) -> torch.Tensor:
@@ -297,8 +300,9 @@ class NivMFProxyLoss(_VMFSampleLoss):
     """
 
     def __init__(self, num_classes: int, embedding_dim: int, n_samples: int = 10, init_kappa: float = 16.0,
-                 init_temperature: float = 1.0, generator: Optional[torch.Generator] = None):
-        super().__init__(n_samples, generator)
+                 init_temperature: float = 1.0, generator: Optional[torch.Generator] = None, *,
+                 validate_args: bool = True):
+        super().__init__(n_samples, generator, validate_args)
         check_positive(num_classes, "num_classes", integer=True)
         check_positive(embedding_dim, "embedding_dim", integer=True)
         if embedding_dim < 2:
@@ -313,7 +317,7 @@ class NivMFProxyLoss(_VMFSampleLoss):
         return f"num_classes={self.proxies.shape[0]}, embedding_dim={self.proxies.shape[1]}, n_samples={self.n_samples}"
 
     def compute(self, embeddings, labels):
-        if int(labels.max()) >= self.proxies.shape[0]:
+        if self.validate_args and int(labels.max()) >= self.proxies.shape[0]:
             raise ValueError(f"labels: must be < num_classes={self.proxies.shape[0]}, got {int(labels.max())}")
         if embeddings.shape[1] != self.proxies.shape[1]:
             raise ValueError(f"embeddings: expected {self.proxies.shape[1]} features, got {embeddings.shape[1]}")
@@ -323,4 +327,4 @@ class NivMFProxyLoss(_VMFSampleLoss):
         log_rho = nivmf_log_density(z, mu_p, self.log_kappa_p.to(dt).exp())  # (K, N, C)
         log_el = torch.logsumexp(log_rho, dim=0) - math.log(self.n_samples)  # log 1/N sum rho  (N, C)
         logits = log_el / self.log_t.to(dt).exp()
-        return _finite_loss(F.cross_entropy(logits, labels), embeddings)
+        return _finite_loss(F.cross_entropy(logits, labels), embeddings, self.validate_args)

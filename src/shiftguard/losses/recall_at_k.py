@@ -23,7 +23,7 @@ Cost: only (query, positive) pairs are ranked, so memory is ``O(#pos_pairs * N)`
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -92,8 +92,9 @@ class RecallAtKSurrogate(EmbeddingLoss):
     """
 
     def __init__(self, k: Optional[Sequence[int]] = None, tau1: float = 1.0, tau2: float = 0.01,
-                 simix: bool = False, normalize: bool = True, generator: Optional[torch.Generator] = None):
-        super().__init__()
+                 simix: bool = False, normalize: bool = True, generator: Optional[torch.Generator] = None, *,
+                 validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         ks = tuple(DEFAULT_K_SIMIX if simix else DEFAULT_K) if k is None else tuple(k)
         if not ks:
             raise ValueError("k: expected a non-empty sequence of positive ints")
@@ -123,7 +124,7 @@ class RecallAtKSurrogate(EmbeddingLoss):
         rank = 1.0 + sig.sum(1)  # (P,)
         n_pos = torch.bincount(q_idx, minlength=t).to(sim.dtype)
         has_pos = n_pos > 0
-        total = 0.0
+        total: Union[float, torch.Tensor] = 0.0
         for k in self.k:
             hit = torch.sigmoid((k - rank) / self.tau1)
             num = torch.zeros(t, dtype=sim.dtype, device=sim.device).index_add(0, q_idx, hit)

@@ -37,8 +37,8 @@ class SmoothAPLoss(EmbeddingLoss):
     Queries without a positive are skipped; no positive pair at all -> exact 0.
     """
 
-    def __init__(self, temperature: float = 0.01):
-        super().__init__()
+    def __init__(self, temperature: float = 0.01, *, validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         check_positive(temperature, "temperature")
         self.temperature = float(temperature)
 

@@ -156,8 +156,9 @@ class WatershedLoss(EmbeddingLoss):
     Bad batches: a single class or only singleton classes -> exact 0 (no pair to contrast).
     """
 
-    def __init__(self, n_seeds_per_class: int = 1, generator: Optional[torch.Generator] = None):
-        super().__init__()
+    def __init__(self, n_seeds_per_class: int = 1, generator: Optional[torch.Generator] = None, *,
+                 validate_args: bool = True):
+        super().__init__(validate_args=validate_args)
         check_positive(n_seeds_per_class, "n_seeds_per_class", integer=True)
         self.n_seeds_per_class = n_seeds_per_class
         self.generator = generator

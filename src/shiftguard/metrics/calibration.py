@@ -89,7 +89,7 @@ def calibration_error_1d(scores: torch.Tensor, hits: torch.Tensor, n_bins: int =
 
 
 def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str = "width",
-        p: int = 1, debiased: bool = False, one_vs_rest: bool = False) -> float:
+        p: int = 1, debiased: bool = False, one_vs_rest: bool = False, *, validate_args: bool = True) -> float:
     """Expected calibration error of ``probs (N, C)`` against ``labels (N,)`` (see module docstring).
 
     Args:
@@ -100,13 +100,15 @@ def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str =
         debiased: Kumar et al.'s debiased L2 estimator (needs ``p=2``).
         one_vs_rest: ``probs`` holds one-vs-rest probabilities (entries in [0, 1], rows need not
             sum to 1; module docstring).
+        validate_args: check the values of ``probs`` and ``labels`` (finite, in range, rows on the
+            simplex); ``False`` skips those checks (host synchronisations), not the shape checks.
 
     Examples:
         >>> probs = torch.tensor([[0.9, 0.1], [0.8, 0.2], [0.3, 0.7], [0.6, 0.4]])
         >>> round(ece(probs, torch.tensor([0, 0, 1, 1]), n_bins=10), 4)
         0.15
     """
-    prob, y = check_probs_labels(probs, labels, simplex=not one_vs_rest)
+    prob, y = check_probs_labels(probs, labels, simplex=not one_vs_rest, validate_args=validate_args)
     check_positive(n_bins, "n_bins", integer=True)
     if kind not in _KINDS:
         raise ValueError(f"kind: expected one of {_KINDS}, got {kind!r}")

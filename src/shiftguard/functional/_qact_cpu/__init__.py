@@ -5,8 +5,8 @@ Why: in eager PyTorch the batch-context QACT is ~40 small tensor operations, an 
 ``(C, M)`` context and a scatter through its permutation; here the context is sorted by numpy's
 vectorised sort (values only, no permutation) and each value is then read once, for its output and
 (when a gradient will be needed) its KDE density. Channels run in parallel as contiguous channel
-ranges on torch's thread count, on torch's own OpenMP threads (:mod:`shiftguard._parallel`; the
-kernels release the GIL).
+ranges on torch's thread count, on torch's own OpenMP threads
+(:func:`shiftguard._parallel.parallel_ranges`; the kernels release the GIL).
 
 What is computed, per channel ``c`` [QACT, Alg. 1-2; module doc of ``quantile.py``]:
 
@@ -42,15 +42,16 @@ What is computed, per channel ``c`` [QACT, Alg. 1-2; module doc of ``quantile.py
   channel at a time (quantiles, draws and bandwidth, grid, then every value's output and density,
   Alg. 2 eq. (7), for the backward), with the channel's scratch in cache and no Python between
   the steps; a fixed ``bandwidth`` replaces Silverman's (the separate passes leave the fixed
-  bandwidth to ``quantile.py``, which applies it to the statistics they return). The drawn entries are binned once each with their number of draws as weight; the count
-  table covers the quantiles inside the channel's value range only. For an ``(N, C)`` input
-  (checked finite first, :func:`all_finite`) each thread sorts its channels' context rows right
-  before their pass (``ctx=None``: one parallel region).
+  bandwidth to ``quantile.py``, which applies it to the statistics they return). The drawn entries
+  are binned once each with their number of draws as weight; the count table covers the quantiles
+  inside the channel's value range only. For an ``(N, C)`` input (checked finite first,
+  :func:`all_finite`) each thread sorts its channels' context rows right before their pass
+  (``ctx=None``: one parallel region).
 
 Stages, one module each: ``sort`` (the sorted grounded context), ``quantiles``, ``output`` (the
 forward's counts and the grid's interpolation), ``kde`` (draws, bandwidth, grid), ``fused`` (the
-training pass over all of them), and ``common`` (indices, the channel split over threads). Without
-numba the modules still import (the kernels stay plain Python functions) and ``AVAILABLE`` is False.
+training pass over all of them), and ``common`` (the unsigned index constants). Without numba the
+modules still import (the kernels stay plain Python functions) and ``AVAILABLE`` is False.
 
 The tests check each kernel against the eager implementation it replaces and against the slow
 references (``tests/test_qact_cpu.py``).
@@ -59,41 +60,14 @@ references (``tests/test_qact_cpu.py``).
 from __future__ import annotations
 
 from shiftguard._numba import AVAILABLE
+from shiftguard.functional._qact_cpu.fused import batch_channels, lerp_rows_
+from shiftguard.functional._qact_cpu.kde import grounded_samples, kde_density_times, kde_grid
+from shiftguard.functional._qact_cpu.output import counts_output
+from shiftguard.functional._qact_cpu.quantiles import grounded_quantiles
+from shiftguard.functional._qact_cpu.sort import all_finite, sorted_context_finite, sorted_grounded_context
 
-# The stages' entry points, and their compiled kernels (whose compiled signatures the warm-up's test
-# inspects): one namespace for the callers in ``quantile.py`` and the cross-tests.
-from shiftguard.functional._qact_cpu.common import _run, _threads
-from shiftguard.functional._qact_cpu.fused import _batch_channels, _lerp_rows, batch_channels, lerp_rows_
-from shiftguard.functional._qact_cpu.kde import (
-    _grid_density_times,
-    _grounded_samples,
-    _kde_grid,
-    _layout,
-    _tally_moment,
-    grounded_samples,
-    kde_density_times,
-    kde_grid,
-)
-from shiftguard.functional._qact_cpu.output import _counts, counts_output
-from shiftguard.functional._qact_cpu.quantiles import (
-    _BRACKETS_MAX_ROW,
-    _NO_BRACKETS,
-    _brackets,
-    _fill_brackets,
-    _grounded_quantiles,
-    grounded_quantiles,
-)
-from shiftguard.functional._qact_cpu.sort import (
-    _all_finite,
-    _ends_finite,
-    _grounded_context,
-    _place_bounds,
-    _row_range,
-    all_finite,
-    sorted_context_finite,
-    sorted_grounded_context,
-)
-
+# The stages' entry points (the callers in ``quantile.py``). The compiled kernels behind them stay in
+# their stage modules (``from shiftguard.functional._qact_cpu import sort``; ``sort._row_range``).
 __all__ = [
     "AVAILABLE", "lerp_rows_", "sorted_grounded_context", "all_finite", "sorted_context_finite", "grounded_quantiles",
     "counts_output", "grounded_samples", "kde_grid", "kde_density_times", "batch_channels",

@@ -9,10 +9,9 @@ import math
 import numpy as np
 
 from shiftguard._numba import njit
-from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE
-from shiftguard.functional._qact_cpu.common import _U, _run
-from shiftguard.functional._qact_cpu.sort import _gather_and_sort, _row_range
-from shiftguard.functional._qact_cpu.quantiles import _brackets, _channel_quantiles, _levels, _n_negative
+from shiftguard._parallel import parallel_ranges
+from shiftguard.functional._qact_cpu.common import _U
+from shiftguard.functional._qact_cpu.kde import _channel_grid, _channel_samples, _grid_scratch, _layout, _tallied
 from shiftguard.functional._qact_cpu.output import (
     _cell_table,
     _count_few,
@@ -21,7 +20,9 @@ from shiftguard.functional._qact_cpu.output import (
     _density_on_grid,
     _table_size,
 )
-from shiftguard.functional._qact_cpu.kde import _channel_grid, _channel_samples, _grid_scratch, _layout, _tallied
+from shiftguard.functional._qact_cpu.quantiles import _brackets, _channel_quantiles, _levels, _n_negative
+from shiftguard.functional._qact_cpu.sort import _gather_and_sort, _row_range
+from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE
 
 
 @njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
@@ -106,22 +107,22 @@ def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, trunca
         # differ only in the two inlined functions they call)
         if few and on_grid:
             for n in range(n_dim):
-                for l in range(l_dim):
-                    v = x3[n, c, l]
-                    out3[n, c, l] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
-                    dens3[n, c, l] = _density_on_grid(v, row_grid, lo, inv_d)
+                for loc in range(l_dim):
+                    v = x3[n, c, loc]
+                    out3[n, c, loc] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
+                    dens3[n, c, loc] = _density_on_grid(v, row_grid, lo, inv_d)
         elif few:
             for n in range(n_dim):
-                for l in range(l_dim):
-                    v = x3[n, c, l]
-                    out3[n, c, l] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
-                    dens3[n, c, l] = _density_at(v, row_grid, lo, inv_d, g_top)
+                for loc in range(l_dim):
+                    v = x3[n, c, loc]
+                    out3[n, c, loc] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
+                    dens3[n, c, loc] = _density_at(v, row_grid, lo, inv_d, g_top)
         else:
             for n in range(n_dim):
-                for l in range(l_dim):
-                    v = x3[n, c, l]
-                    out3[n, c, l] = values_by_count[_U(_count_many(v, qp, start, q_lo, inv_w, n_lut))]
-                    dens3[n, c, l] = _density_at(v, row_grid, lo, inv_d, g_top)
+                for loc in range(l_dim):
+                    v = x3[n, c, loc]
+                    out3[n, c, loc] = values_by_count[_U(_count_many(v, qp, start, q_lo, inv_w, n_lut))]
+                    dens3[n, c, loc] = _density_at(v, row_grid, lo, inv_d, g_top)
 
 
 def _sort_and_pass(c0: int, c1: int, ctx: np.ndarray, x3: np.ndarray, seed: int, c_bound: float, *rest) -> None:
@@ -180,9 +181,9 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray | None, c: float, n_tau: int,
             fixed_h)
     if ctx is None:
         ctx = np.empty((ch, k_dim), dtype=x3.dtype)
-        _run(_sort_and_pass, ch, work, ctx, *args, tiered=True)
+        parallel_ranges(_sort_and_pass, ch, work, ctx, *args, tiered=True)
     else:
-        _run(_batch_channels, ch, work, ctx, *args)
+        parallel_ranges(_batch_channels, ch, work, ctx, *args)
     return q, samples if keep_samples else None, bw, out, dens
 
 
@@ -190,4 +191,4 @@ def lerp_rows_(run: np.ndarray, new: np.ndarray, m: float) -> None:
     """``run += m * (new - run)`` in place, rows ``(C, K)`` (``new`` rounded to ``run``'s dtype
     first): the running-statistics update of the fused :func:`batch_channels`, the same arithmetic
     for statistics computed apart (DDP, eager), so both give the same buffers bit for bit."""
-    _run(_lerp_rows, run.shape[0], run.size * 4, run, new, float(m))
+    parallel_ranges(_lerp_rows, run.shape[0], run.size * 4, run, new, float(m))

@@ -10,10 +10,11 @@ import numpy as np
 import torch
 
 from shiftguard._numba import njit, splitmix64
-from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE, grid_layout
-from shiftguard.functional._qact_cpu.common import _S32, _U, _U1, _run
-from shiftguard.functional._qact_cpu.quantiles import _n_negative
+from shiftguard._parallel import parallel_ranges
+from shiftguard.functional._qact_cpu.common import _S32, _U, _U1
 from shiftguard.functional._qact_cpu.output import _density_at
+from shiftguard.functional._qact_cpu.quantiles import _n_negative
+from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE, grid_layout
 
 
 @njit(inline="always")
@@ -323,8 +324,8 @@ def _grid_density_times(c0, c1, x3, g3, grid, lo, inv_delta, n_grid, out3):
         inv = inv_delta[c]
         top = n_grid[c] - 1
         for n in range(n_dim):
-            for l in range(l_dim):
-                out3[n, c, l] = g3[n, c, l] * _density_at(x3[n, c, l], row, a, inv, top)
+            for loc in range(l_dim):
+                out3[n, c, loc] = g3[n, c, loc] * _density_at(x3[n, c, loc], row, a, inv, top)
 
 
 def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
@@ -332,7 +333,7 @@ def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
     bandwidths (float64), from the sorted grounded context ``ctx`` ``(C, M + 2)``."""
     out = np.empty((ctx.shape[0], n_samples), dtype=ctx.dtype)
     bw = np.empty(ctx.shape[0], dtype=np.float64)
-    _run(_grounded_samples, ctx.shape[0], ctx.shape[0] * n_samples * 8, ctx, n_samples, seed, out, bw)
+    parallel_ranges(_grounded_samples, ctx.shape[0], ctx.shape[0] * n_samples * 8, ctx, n_samples, seed, out, bw)
     return out, bw
 
 
@@ -352,7 +353,7 @@ def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax:
     lo, delta, n_grid = (t.numpy() for t in grid_layout(smin, smax, h64, xmin64, xmax64, points_per_bandwidth,
                                                         truncate, max_points))
     grid = np.zeros((samples.shape[0], int(n_grid.max())), dtype=np.float64)
-    _run(_kde_grid, samples.shape[0], grid.size * 64, samples, h, lo, delta, n_grid, float(truncate), grid)
+    parallel_ranges(_kde_grid, samples.shape[0], grid.size * 64, samples, h, lo, delta, n_grid, float(truncate), grid)
     return grid, lo, delta, n_grid
 
 
@@ -364,5 +365,5 @@ def kde_density_times(x3: np.ndarray, g3: np.ndarray, samples: np.ndarray, bandw
     gradient ``g3``, all ``(N, C, L)``."""
     grid, lo, delta, n_grid = kde_grid(samples, bandwidth, xmin, xmax)
     out = np.empty_like(x3)
-    _run(_grid_density_times, x3.shape[1], x3.size * 8, x3, g3, grid, lo, 1.0 / delta, n_grid, out)
+    parallel_ranges(_grid_density_times, x3.shape[1], x3.size * 8, x3, g3, grid, lo, 1.0 / delta, n_grid, out)
     return out

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from shiftguard._numba import njit
-from shiftguard.functional._qact_cpu.common import _U, _U1, _run
-
+from shiftguard._parallel import parallel_ranges
+from shiftguard.functional._qact_cpu.common import _U, _U1
 
 # The kernels read x3 (and write their results) in place, also where a channel's values are
 # scattered (a dense (N, C) input, stride C): channels are walked in order, so the cache lines a
@@ -138,20 +138,20 @@ def _counts(c0, c1, x3, quantiles, values_by_count, out3, xmin, xmax, n_bad):
         # (numba does not unswitch a loop with the choice made per value)
         if few:
             for n in range(n_dim):
-                for l in range(l_dim):
-                    v = x3[n, c, l]
+                for loc in range(l_dim):
+                    v = x3[n, c, loc]
                     bad += not (v - v == 0)
                     lo_v = min(lo_v, v)
                     hi_v = max(hi_v, v)
-                    out3[n, c, l] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
+                    out3[n, c, loc] = values_by_count[_U(_count_few(v, qp, start, q_lo, inv_w, n_lut))]
         else:
             for n in range(n_dim):
-                for l in range(l_dim):
-                    v = x3[n, c, l]
+                for loc in range(l_dim):
+                    v = x3[n, c, loc]
                     bad += not (v - v == 0)
                     lo_v = min(lo_v, v)
                     hi_v = max(hi_v, v)
-                    out3[n, c, l] = values_by_count[_U(_count_many(v, qp, start, q_lo, inv_w, n_lut))]
+                    out3[n, c, loc] = values_by_count[_U(_count_many(v, qp, start, q_lo, inv_w, n_lut))]
         xmin[c] = lo_v
         xmax[c] = hi_v
         n_bad[c] = bad
@@ -166,7 +166,7 @@ def counts_output(x3: np.ndarray, quantiles: np.ndarray, values_by_count: np.nda
     xmin = np.empty(x3.shape[1], dtype=np.float64)
     xmax = np.empty(x3.shape[1], dtype=np.float64)
     n_bad = np.zeros(x3.shape[1], dtype=np.int64)
-    _run(_counts, x3.shape[1], x3.size * 8, x3, quantiles, values_by_count, out, xmin, xmax, n_bad)
+    parallel_ranges(_counts, x3.shape[1], x3.size * 8, x3, quantiles, values_by_count, out, xmin, xmax, n_bad)
     if n_bad.any():
         n_nan = int(np.isnan(x3).sum())
         raise ValueError(f"{name}: contains non-finite values ({n_nan} NaN, {int(n_bad.sum()) - n_nan} inf)")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from shiftguard._numba import njit
-from shiftguard.functional._qact_cpu.common import _U, _run
+from shiftguard._parallel import parallel_ranges
+from shiftguard.functional._qact_cpu.common import _U
 
 
 @njit(inline="always")
@@ -52,8 +53,8 @@ def _grounded_context(c0, c1, x3, c_bound, ctx, bounds_outside):
     else:
         for c in range(c0, c1):
             for n in range(n_dim):
-                for l in range(l_dim):
-                    ctx[c, first + n * l_dim + l] = x3[n, c, l]
+                for loc in range(l_dim):
+                    ctx[c, first + n * l_dim + loc] = x3[n, c, loc]
     for c in range(c0, c1):
         ctx[c, 0 if bounds_outside else m] = -c_bound
         ctx[c, m + 1] = c_bound
@@ -125,7 +126,7 @@ def sorted_grounded_context(x3: np.ndarray, c: float) -> np.ndarray:
     cache when sorted)."""
     n, ch, length = x3.shape
     ctx = np.empty((ch, n * length + 2), dtype=x3.dtype)
-    _run(_gather_and_sort, ch, ctx.size * 4, x3, c, ctx)
+    parallel_ranges(_gather_and_sort, ch, ctx.size * 4, x3, c, ctx)
     return ctx
 
 
