@@ -22,7 +22,7 @@ Values compared where both complete: MAP@R, R-precision and precision@1 (= Recal
 Prints a table and writes ``benchmarks/results/bench_retrieval.json``. The machine may be shared:
 its load average is recorded with the results.
 
-    python benchmarks/bench_retrieval.py [--sizes 100000 300000] [--large] [--backend auto] [--repeats 2]
+    python benchmarks/bench_retrieval.py [--sizes 100000 300000] [--large] [--backend faiss] [--repeats 2]
                                                [--skip-pml]
 """
 
@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--large", action="store_true", help="also 1,000,000 embeddings")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--classes", type=int, default=1000)
-    p.add_argument("--backend", default="auto")
+    p.add_argument("--backend", default="faiss")
     p.add_argument("--skip-pml", action="store_true")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of each side per size up to 100k (the fastest is summarised); larger N run once")

@@ -401,7 +401,8 @@ def evaluate(
             distance, except where keys at the k-th place tie within float rounding
             (``shiftguard.neighbors.PrunedKNNIndex``); ``"auto"`` (default) takes ``"pruned"`` for
             large searches (at least 24,000 support rows and 4e7 distances per cell) and
-            ``"torch"`` otherwise (:func:`.grid.grid_knn_backend`); ``result.results["knn_backend"]``
+            ``"torch"`` otherwise (:func:`shiftguard.neighbors.resolve_backend`, the one meaning
+            of ``"auto"``); ``result.results["knn_backend"]``
             records the one used.
         baseline, baseline_key: the errors that normalise CE / mCE (Hendrycks & Dietterich 2019):
             ``baseline`` an ``EvaluationResult`` (or results dict / results.json path);

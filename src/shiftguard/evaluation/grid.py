@@ -4,9 +4,11 @@ For each model:
 
 1. compute its outputs (logits, embedding) on the clean support (training) set, the validation
    set, the clean test set (severity 0) and every corruption x severity of the test set;
-2. fit every head on clean data only: embedding heads on the support embeddings ([QACT, Sec. 4,
-   Remark]: the baselines' last layer is refitted "on the train embedding"; NED / kNN on the
-   unaltered support as in [NED]), temperature scaling on the validation logits;
+2. fit every head on clean data only, one call for every head: ``fit(support, support labels,
+   validation, validation labels)`` with the outputs the head reads (its ``input``), the
+   validation set where it ``uses_validation``: embedding heads on the support embeddings ([QACT,
+   Sec. 4, Remark]: the baselines' last layer is refitted "on the train embedding"; NED / kNN on
+   the unaltered support as in [NED]), temperature scaling on the validation logits;
 3. score each (head, corruption, severity) cell (:func:`.scoring.score_cell`) and the
    embedding's retrieval quality within the test set.
 
@@ -30,9 +32,8 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from shiftguard.functional.scaling import distance_scale_exponent
-from shiftguard.heads import build_head, head_input
-from shiftguard.neighbors import KNNIndex, check_backend, knn_search
+from shiftguard.heads import build_head, head_class
+from shiftguard.neighbors import SearchCache, resolve_backend
 from shiftguard.nn import has_qact, qact_context
 
 from .adaptation import AdaptedModel, AdaptSpec, arm_contexts, skip_reason
@@ -43,30 +44,10 @@ from .conformal import ConformalSpec, cell_uniform, cell_weights, fit_calibrator
 from .outputs import ModelOutputs, compute_outputs
 from .scoring import calibration_view, reliability_bins, score_cell, score_retrieval
 
-__all__ = ["Cell", "applicable_heads", "grid_jobs", "grid_knn_backend", "grid_shards", "model_contexts", "run_grid"]
+__all__ = ["Cell", "applicable_heads", "grid_jobs", "grid_shards", "model_contexts", "run_grid"]
 
 #: One cell of the grid: ``(corruption, severity, group)``; group is "benchmark" or "extra".
 Cell = tuple[str, int, str]
-
-
-#: ``knn_backend="auto"``: the pruned search where a support has at least this many rows and each
-#: cell's search at least :data:`PRUNED_MIN_PRODUCTS` query x support distances, the brute-force
-#: torch search below. Measured on LeNet embeddings (``docs/heads_metrics.md``): with smaller
-#: supports or fewer queries the pruned search's per-block work costs more than the products it skips.
-PRUNED_MIN_SUPPORT = 24_000
-PRUNED_MIN_PRODUCTS = 40_000_000
-
-
-def grid_knn_backend(knn_backend: str, n_support: int, n_queries: int) -> str:
-    """The back end the grid's NED / kNN heads search with: ``knn_backend`` itself, except
-    ``"auto"``: ``"pruned"`` for a support of ``n_support >= PRUNED_MIN_SUPPORT`` rows searched by
-    ``n_queries`` per cell with ``n_support * n_queries >= PRUNED_MIN_PRODUCTS``, else ``"torch"``
-    (the grid's embeddings are CPU tensors; ``"faiss"`` is used only when asked for)."""
-    check_backend(knn_backend, "knn_backend")
-    if knn_backend != "auto":
-        return knn_backend
-    large = n_support >= PRUNED_MIN_SUPPORT and n_support * n_queries >= PRUNED_MIN_PRODUCTS
-    return "pruned" if large else "torch"
 
 
 def model_contexts(model: torch.nn.Module, contexts: Sequence[str] = ("batch", "frozen")) -> list[str]:
@@ -76,19 +57,20 @@ def model_contexts(model: torch.nn.Module, contexts: Sequence[str] = ("batch", "
 
 def applicable_heads(outputs: ModelOutputs, heads: Sequence[str], has_support: bool,
                      has_validation: bool) -> tuple[list[str], list[dict]]:
-    """``(heads to fit, [{"head", "reason"}] skipped)``: what each head needs and what is there."""
+    """``(heads to fit, [{"head", "reason"}] skipped)``: what each head's class declares it needs
+    (``input``, ``needs_support``, ``needs_validation``) and what is there."""
     keep, skipped = [], []
     for h in heads:
-        need = head_input(h)
+        cls = head_class(h)
         reason = None
-        if need == "logits" and not outputs.has_logits:
+        if cls.input == "logits" and not outputs.has_logits:
             reason = "the model gives no logits (output='embedding')"
-        elif need == "embeddings" and not outputs.has_embeddings:
+        elif cls.input == "embeddings" and not outputs.has_embeddings:
             reason = f"the model has no embedding ({outputs.embedding_source})"
-        elif need == "embeddings" and not has_support:
+        elif cls.needs_support and not has_support:
             reason = "needs support= data to be fitted on"
-        elif h == "temperature" and not has_validation:
-            reason = "needs validation= data (T is fitted on held-out logits)"
+        elif cls.needs_validation and not has_validation:
+            reason = f"needs validation= data ({cls.__name__} is fitted on held-out {cls.input})"
         if reason is None:
             keep.append(h)
         else:
@@ -175,8 +157,10 @@ def run_grid(
     ``per_image[(model, context, adaptation, head)]`` keeps each test image's correctness and confidence on
     the clean set and on the benchmark corrupted cells, for bootstrap intervals.
     ``knn_backend``: the kNN search of the NED / kNN heads (``build_head(..., backend=)``),
-    ``"auto"`` resolved by :func:`grid_knn_backend` (the result's ``"knn_backend"`` says which);
-    each support is prepared for it once and searched for every cell.
+    ``"auto"`` resolved by :func:`shiftguard.neighbors.resolve_backend` for the support's rows and
+    a cell's test rows (the result's ``"knn_backend"`` says which). The heads share one
+    :class:`~shiftguard.neighbors.SearchCache`: each support is prepared for the back end once and
+    searched once per cell for the heads of the same ``k``.
 
     ``distributed``: when a ``torch.distributed`` process group of several processes is up, every
     process must call ``run_grid`` with the same arguments (the same models and data); the work is
@@ -196,8 +180,9 @@ def run_grid(
 
     test_x, test_y = test
     support_x, support_y = support if support is not None else (None, None)
-    knn_backend = grid_knn_backend(knn_backend, 0 if support_y is None else int(support_y.numel()),
-                                   int(test_y.numel()))
+    knn_backend = resolve_backend(knn_backend, 0 if support_y is None else int(support_y.numel()),
+                                  int(test_y.numel()), argument="knn_backend")
+    searches = SearchCache()
     validation_x, validation_y = validation if validation is not None else (None, None)
     if conformal is not None and calibration is None:
         raise ValueError("calibration: conformal prediction sets need calibration data")
@@ -250,30 +235,22 @@ def run_grid(
         fitted: dict[tuple, Any] = {}
         for j in fit_share:
             m, ctx, heads = fit_jobs_list[j]
-            emb_heads = [h for h in heads if head_input(h) == "embeddings"]
-            sup = (outputs_of(m, ctx, none, "support", lambda: support_x) if support is not None and emb_heads
-                   else None)
-            needs_val = validation is not None and (emb_heads or "temperature" in heads)
-            val = outputs_of(m, ctx, none, "validation", lambda: validation_x) if needs_val else None
+            built = {h: build_head(h, num_classes, k=k, backend=knn_backend, searches=searches) for h in heads}
+            # applicable_heads keeps a head that needs_support only when a support set is given. The
+            # validation outputs are computed (and cached) beside the support's whenever a head learns
+            # from data, whether or not it reads them, so the cache folder of a (model, context) is
+            # filled alike for any such set of heads.
+            learns = [hd for hd in built.values() if hd.needs_support or hd.uses_validation]
+            sup = (outputs_of(m, ctx, none, "support", lambda: support_x)
+                   if support is not None and any(hd.needs_support for hd in built.values()) else None)
+            val = (outputs_of(m, ctx, none, "validation", lambda: validation_x)
+                   if validation is not None and learns else None)
             t0 = time.perf_counter()
-            for h in heads:
-                head = build_head(h, num_classes, k=k, backend=knn_backend)
-                field = "logits" if head_input(h) == "logits" else "embeddings"
-                val_x = val[field] if val is not None else None
-                val_y = validation_y if val is not None else None
+            for h, head in built.items():
+                train = (sup[head.input], support_y) if sup is not None else (None, None)
+                held_out = (val[head.input], validation_y) if val is not None and head.uses_validation else ()
                 with _seeded():
-                    if field == "embeddings":
-                        # applicable_heads keeps the embedding heads only when a support set is given
-                        assert sup is not None
-                        use_val = getattr(head, "uses_validation", False)
-                        head.fit(sup["embeddings"], support_y, *((val_x, val_y) if use_val else ()))
-                    elif h == "temperature":
-                        head.fit(val_x, val_y, val_x, val_y)
-                    # softmax: nothing to learn but the logit width, and no labels
-                    elif val_x is not None:
-                        head.fit(val_x, None)
-                    elif sup is not None:
-                        head.fit(sup["logits"], None)
+                    head.fit(*train, *held_out)
                 fitted[m["name"], ctx, h] = head
             if conformal is not None:
                 assert calibration is not None
@@ -283,8 +260,7 @@ def run_grid(
                 for h in heads:
                     head = fitted[m["name"], ctx, h]
                     with _seeded():
-                        probs = torch.as_tensor(head.predict_proba(
-                            cal["logits"] if head_input(h) == "logits" else cal["embeddings"]))
+                        probs = torch.as_tensor(head.predict_proba(cal[head.input]))
                     fitted[m["name"], ctx, h, "conformal"] = fit_calibrators(conformal, probs, calibration[1], seed)
             timings["fit_heads_s"] += time.perf_counter() - t0
         return fitted
@@ -301,7 +277,6 @@ def run_grid(
     def score_units() -> dict:
         results: dict[int, dict] = {}
         images: dict = {}
-        indexes: dict = {}
         for u in unit_share:
             c, j = divmod(u, len(jobs))
             corruption, severity, group = all_cells[c]
@@ -337,7 +312,7 @@ def run_grid(
                         "weights": weights}
             results[u] = _score_unit(out, fitted, m["name"], ctx, spec.label, heads, all_cells[c], test_y,
                                      retrieval_ks, ece_bins, keep=severity == 0 or group == "benchmark",
-                                     indexes=indexes, conformal=sets)
+                                     conformal=sets)
             timings["score_s"] += time.perf_counter() - t0
         bar.close()
         return {"units": results, "timings": timings}
@@ -410,58 +385,13 @@ def _exchange(fn: Callable[[], object], world: int, what: str) -> list:
     return all_gather_results(fn, what)
 
 
-def _shared_neighbors(heads: Sequence, embeddings: Optional[torch.Tensor],
-                      indexes: Optional[dict] = None) -> dict[int, tuple]:
-    """One kNN search for every group of heads that would run the same one (NED, kNN, weighted kNN
-    on the same support with the same ``k`` and back end: ``shares_search_with``), so a cell costs
-    one search per group instead of one per head. ``{id(head): (squared distances, support
-    indices)}`` for the heads of groups of two or more (of every group, with ``indexes``); the
-    search is the one each head's ``predict_proba`` runs, so the probabilities are the same.
-    Heads whose distances need rescaling (``distance_scale_exponent`` != 0) keep their own path.
-
-    ``indexes``: a dict kept across calls (one grid run), in which each support's
-    :class:`~shiftguard.neighbors.KNNIndex` per back end is built once: the centred key rows, or
-    the pruned index, are then prepared once per (model, context) instead of once per cell. An
-    index is built from the support alone, so a fresh one searches exactly like the one a head
-    builds for itself (NED's pruned index included)."""
-    if embeddings is None:
-        return {}
-    groups: list[list] = []
-    for head in heads:
-        if not callable(getattr(head, "shares_search_with", None)):
-            continue
-        for g in groups:
-            if g[0].shares_search_with(head) and head.shares_search_with(g[0]):
-                g.append(head)
-                break
-        else:
-            groups.append([head])
-    out: dict[int, tuple] = {}
-    for g in groups:
-        support = g[0].support_embeddings_
-        if (len(g) < 2 and indexes is None) or embeddings.dtype != support.dtype or embeddings.device != support.device:
-            continue
-        if embeddings.ndim != 2 or embeddings.shape[1] != support.shape[1] or not torch.isfinite(embeddings).all():
-            continue  # each head's own call raises the error that names the problem
-        if distance_scale_exponent(embeddings, support):
-            continue
-        if indexes is None:
-            found = knn_search(embeddings, support, g[0].k, backend=g[0].backend)
-        else:
-            key = (id(support), g[0].backend)
-            if key not in indexes:
-                indexes[key] = KNNIndex(support, backend=g[0].backend)
-            found = indexes[key].search(embeddings, g[0].k)
-        out.update({id(head): found for head in g})
-    return out
-
-
 def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, heads: Sequence[str], cell: Cell,
                 test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool,
-                indexes: Optional[dict] = None, conformal: Optional[dict] = None) -> dict:
+                conformal: Optional[dict] = None) -> dict:
     """Rows of every head of one (model, context, adaptation arm) on one cell; with ``keep``, also each head's
-    per-image ``(correct, confidence, hit)``, for the intervals and reliability pools. ``indexes``:
-    the search indexes kept across units (:func:`_shared_neighbors`). ``conformal``: ``{"spec",
+    per-image ``(correct, confidence, hit)``, for the intervals and reliability pools. Each head reads
+    the outputs its ``input`` names (the kNN heads share their searches through their
+    ``SearchCache``). ``conformal``: ``{"spec",
     "uniform", "weights"}`` of the cell; each head's calibrators are ``fitted[name, ctx, head,
     "conformal"]``."""
     corruption, severity, group = cell
@@ -469,17 +399,13 @@ def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, h
         retrieval, miss = score_retrieval(out["embeddings"], test_y, retrieval_ks)
     else:
         retrieval, miss = {}, None
-    neighbors = _shared_neighbors([fitted[name, ctx, h] for h in heads], out["embeddings"], indexes)
     rows, kept = [], []
     for h in heads:
         head = fitted[name, ctx, h]
-        x = out["logits"] if head_input(h) == "logits" else out["embeddings"]
+        x = out[head.input]
         ovr = None
         with _seeded():
-            if id(head) in neighbors:
-                probs = head.probabilities_from_neighbors(*neighbors[id(head)])
-            else:
-                probs = torch.as_tensor(head.predict_proba(x))
+            probs = torch.as_tensor(head.predict_proba(x))
             if hasattr(head, "predict_one_vs_rest"):
                 ovr = torch.as_tensor(head.predict_one_vs_rest(x))
         norm, calib = calibration_view(probs, ovr)

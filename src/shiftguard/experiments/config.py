@@ -136,7 +136,7 @@ class EvalConfig:
     k: int = 10
     #: their exact kNN search (``shiftguard.neighbors.BACKENDS``): "pruned" skips the support
     #: clusters a lower bound rules out; "torch" computes every distance; "faiss" needs faiss-cpu;
-    #: "auto": "pruned" for large searches, else "torch" (``evaluation.grid.grid_knn_backend``).
+    #: "auto": "pruned" for large searches, else "torch" (``shiftguard.neighbors.resolve_backend``).
     knn_backend: str = "auto"
     #: ks of the retrieval metrics (MAP@K, Recall@K).
     retrieval_ks: list = field(default_factory=lambda: [1, 5])

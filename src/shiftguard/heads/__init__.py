@@ -1,23 +1,36 @@
-"""Confidence heads on embeddings: fitted on (clean) train embeddings, they return calibrated
-class probabilities for new, possibly shifted, embeddings.
+"""Confidence heads: fitted on clean data, they return calibrated class probabilities for new,
+possibly shifted, inputs.
 
-Every head follows ``fit(train_emb, train_labels, val_emb=None, val_labels=None) -> self``,
-``predict_proba(emb) -> (N, C)``, ``predict(emb) -> (N,)``. See ``docs/heads_metrics.md``.
+Every head follows ``fit(train_x, train_labels, val_x=None, val_labels=None) -> self``,
+``predict_proba(x) -> (N, C)``, ``predict(x) -> (N,)``, and declares its contract as class
+attributes (:class:`Head`): ``input`` (``"logits"`` for :class:`LogitHead`, ``"embeddings"`` for
+:class:`EmbeddingHead`), ``needs_support``, ``uses_validation``, ``needs_validation``. See
+``docs/heads_metrics.md``.
 """
 
-from shiftguard.heads.base import EmbeddingHead, NotFittedError
+from shiftguard.heads.base import HEAD_INPUTS, EmbeddingHead, Head, LogitHead, NotFittedError
 from shiftguard.heads.distance_ratio import DistanceRatioHead
 from shiftguard.heads.knn_baselines import KNNVote, OneNN, WeightedKNN
 from shiftguard.heads.logistic import LogisticRegressionHead
 from shiftguard.heads.ned import NED
 from shiftguard.heads.quantile import QuantileClassifierHead, fit_quantile_classifier
-from shiftguard.heads.registry import EMBEDDING_HEADS, HEAD_NAMES, LOGIT_HEADS, build_head, head_input
+from shiftguard.heads.registry import (
+    EMBEDDING_HEADS,
+    HEAD_NAMES,
+    LOGIT_HEADS,
+    build_head,
+    head_class,
+    head_input,
+)
 from shiftguard.heads.softmax import SoftmaxHead
 from shiftguard.heads.temperature import TemperatureScaling
 from shiftguard.neighbors import knn_search  # re-exported: the search the kNN heads use
 
 __all__ = [
+    "Head",
     "EmbeddingHead",
+    "LogitHead",
+    "HEAD_INPUTS",
     "NotFittedError",
     "NED",
     "OneNN",
@@ -34,5 +47,6 @@ __all__ = [
     "LOGIT_HEADS",
     "EMBEDDING_HEADS",
     "build_head",
+    "head_class",
     "head_input",
 ]

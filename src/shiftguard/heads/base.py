@@ -1,21 +1,30 @@
-"""Small scikit-learn-like base class shared by every confidence head.
+"""Small scikit-learn-like base classes shared by every confidence head.
 
-A head is fitted on (clean) train embeddings and returns class probabilities for new embeddings:
-``fit(train_embeddings, train_labels, val_embeddings=None, val_labels=None) -> self``,
-``predict_proba(embeddings) -> (N, C)``, ``predict(embeddings) -> (N,)``. Parameters live in
-``__init__``; learned state carries a trailing underscore (``num_classes_``, ``temperature_``...).
-Torch tensors in and out, on the device of the input.
+A head is fitted on clean data and returns class probabilities for new inputs:
+``fit(train_x, train_labels, val_x=None, val_labels=None) -> self``, ``predict_proba(x) -> (N, C)``,
+``predict(x) -> (N,)``. Parameters live in ``__init__``; learned state carries a trailing
+underscore (``num_classes_``, ``temperature_``...). Torch tensors in and out, on the device of the
+input.
+
+Each head class declares its contract as class attributes, which callers read instead of its name:
+``input`` (``"logits"``: the model's logits ``(N, C)``, :class:`LogitHead`; ``"embeddings"``: an
+embedding ``(N, D)``, :class:`EmbeddingHead`), ``needs_support`` (its fit reads the training
+set), ``uses_validation`` (its fit reads ``val_*``; otherwise it refuses them) and
+``needs_validation`` (it is fitted on held-out data only).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
 
-__all__ = ["EmbeddingHead", "NotFittedError"]
+__all__ = ["EmbeddingHead", "Head", "LogitHead", "NotFittedError", "HEAD_INPUTS"]
+
+#: The values of :attr:`Head.input`.
+HEAD_INPUTS = ("logits", "embeddings")
 
 
 def _compute_dtype(emb: torch.Tensor) -> torch.Tensor:
@@ -29,14 +38,25 @@ class NotFittedError(RuntimeError):
     """Raised when ``predict_proba`` is called before ``fit``."""
 
 
-class EmbeddingHead:
-    """Base class: input validation, ``num_classes`` inference, ``predict`` and ``repr``."""
+class Head:
+    """Base class of every head: the contract attributes, ``num_classes``, ``predict``, ``repr``.
 
+    Subclass :class:`EmbeddingHead` or :class:`LogitHead`, which set :attr:`input`.
+    """
+
+    #: what ``fit`` and ``predict_proba`` read, one of :data:`HEAD_INPUTS`
+    input: ClassVar[str]
+    #: whether ``fit`` needs the training (support) set; a head that does not accepts ``train_*=None``
+    needs_support: ClassVar[bool] = True
+    #: whether ``fit`` reads ``val_*`` (NED's and temperature scaling's temperature); a head that does
+    #: not refuses them, so that held-out data given to it is never silently ignored
+    uses_validation: ClassVar[bool] = False
+    #: whether the head's parameters must come from held-out data: an evaluation fits it only when a
+    #: validation set is given, on that set (temperature scaling: T fitted on the logits of the
+    #: model's own training data calibrates nothing)
+    needs_validation: ClassVar[bool] = False
     #: names of ``__init__`` parameters shown by ``repr``
     _param_names: tuple[str, ...] = ("num_classes",)
-    #: whether ``fit`` reads ``val_*`` (NED's and temperature scaling's temperature); a head that
-    #: does not refuses them, so that held-out data given to it is never silently ignored
-    uses_validation: bool = False
 
     def __init__(self, num_classes: Optional[int] = None):
         if num_classes is not None:
@@ -44,15 +64,47 @@ class EmbeddingHead:
         self.num_classes = num_classes
 
     # -- public API -----------------------------------------------------------------------------
-    def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+    def fit(self, train_x, train_labels, val_x=None, val_labels=None):
+        """Fit on ``(train_x, train_labels)`` (and ``val_*`` where :attr:`uses_validation`); returns ``self``."""
         raise NotImplementedError
 
-    def predict_proba(self, embeddings) -> torch.Tensor:
+    def predict_proba(self, x) -> torch.Tensor:
+        """Class probabilities ``(N, C)``, rows on the simplex; ``NotFittedError`` before ``fit``."""
         raise NotImplementedError
 
-    def predict(self, embeddings) -> torch.Tensor:
+    def predict(self, x) -> torch.Tensor:
         """Most probable class per row, ``int64 (N,)``."""
-        return self.predict_proba(embeddings).argmax(dim=1)
+        return self.predict_proba(x).argmax(dim=1)
+
+    # -- helpers for subclasses -----------------------------------------------------------------
+    def _no_validation(self, val_x, val_labels, what: Optional[str] = None) -> None:
+        """Refuse ``val_*`` given to a head whose fit does not read them."""
+        if val_x is not None or val_labels is not None:
+            raise ValueError(f"{what or 'val_' + self.input}: {type(self).__name__} does not use validation "
+                             "data (its fit reads the training data only); leave val_* unset")
+
+    def _check_is_fitted(self) -> None:
+        if not hasattr(self, "num_classes_"):
+            raise NotFittedError(f"{type(self).__name__} is not fitted yet; call fit(...) first")
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._param_names)
+        return f"{type(self).__name__}({args})"
+
+
+class LogitHead(Head):
+    """Base class of heads on a model's logits ``(N, C)`` (``softmax``, ``temperature``): nothing is
+    learned from the training set, so ``fit`` takes ``train_logits=None``."""
+
+    input = "logits"
+    needs_support = False
+
+
+class EmbeddingHead(Head):
+    """Base class of heads fitted on support embeddings ``(N, D)``: input validation,
+    ``num_classes`` inference."""
+
+    input = "embeddings"
 
     # -- helpers for subclasses -----------------------------------------------------------------
     def _check_fit_inputs(self, embeddings, labels, name="train_embeddings", label_name="train_labels",
@@ -93,17 +145,3 @@ class EmbeddingHead:
         if emb.shape[1] != dim:
             raise ValueError(f"{name}: expected {dim} features (as in fit), got {emb.shape[1]}")
         return emb
-
-    def _no_validation(self, val_embeddings, val_labels, what: str = "val_embeddings") -> None:
-        """Refuse ``val_*`` given to a head whose fit does not read them."""
-        if val_embeddings is not None or val_labels is not None:
-            raise ValueError(f"{what}: {type(self).__name__} does not use validation data (its fit reads the "
-                             "training data only); leave val_* unset")
-
-    def _check_is_fitted(self) -> None:
-        if not hasattr(self, "num_classes_"):
-            raise NotFittedError(f"{type(self).__name__} is not fitted yet; call fit(...) first")
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{n}={getattr(self, n)!r}" for n in self._param_names)
-        return f"{type(self).__name__}({args})"

@@ -19,7 +19,7 @@ import torch
 
 from shiftguard._validation import check_positive
 from shiftguard.heads.base import EmbeddingHead
-from shiftguard.neighbors import knn_search
+from shiftguard.neighbors import SearchCache, knn_search
 
 __all__ = ["KNNHeadBase", "OneNN", "KNNVote", "WeightedKNN", "dudani_weights", "gou_weights"]
 
@@ -41,15 +41,26 @@ def gou_weights(dist: torch.Tensor) -> torch.Tensor:
 
 
 class KNNHeadBase(EmbeddingHead):
-    """Stores the support set; subclasses turn ``(sq. distances, neighbour labels)`` into weights."""
+    """Stores the support set; subclasses turn ``(sq. distances, neighbour labels)`` into weights.
+
+    ``searches``: a :class:`~shiftguard.neighbors.SearchCache` shared with other heads of the same
+    support; heads with the same ``k`` and ``backend`` then run one search per query between them,
+    with the same answers (the evaluation grid gives one to all its heads). None: each head
+    searches on its own.
+    """
 
     _param_names: tuple[str, ...] = ("k", "backend", "num_classes")
 
-    def __init__(self, k: int = 10, backend: str = "torch", num_classes: Optional[int] = None):
+    def __init__(self, k: int = 10, backend: str = "torch", num_classes: Optional[int] = None,
+                 searches: Optional[SearchCache] = None):
         super().__init__(num_classes)
         check_positive(k, "k", integer=True)
+        if searches is not None and not isinstance(searches, SearchCache):
+            raise TypeError(f"searches: expected a shiftguard.neighbors.SearchCache or None, got "
+                            f"{type(searches).__name__}")
         self.k = k
         self.backend = backend
+        self.searches = searches
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         """Store the support set (``val_*`` are refused: these heads have no fitted parameter)."""
@@ -66,31 +77,20 @@ class KNNHeadBase(EmbeddingHead):
         """``(squared distances (N, k), support labels (N, k))`` of the nearest support rows."""
         self._check_is_fitted()
         emb = self._check_query(embeddings, self.support_embeddings_.shape[1])
+        dist, idx = self._search(emb, k or self.k)
+        return dist, self.support_labels_[idx]
+
+    def _search(self, emb: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``knn_search(emb, support_embeddings_, k, backend)``, through ``searches`` when given."""
         support = self.support_embeddings_
         if support.device != emb.device:
             raise ValueError(f"embeddings: on {emb.device} but the head was fitted on {support.device}")
-        dist, idx = knn_search(emb, support.to(emb.dtype), k or self.k, backend=self.backend)
-        return dist, self.support_labels_[idx]
+        if self.searches is not None:
+            return self.searches.search(emb, support, k, backend=self.backend)
+        return knn_search(emb, support.to(emb.dtype), k, backend=self.backend)
 
     def _neighbour_weights(self, sq_dist: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def shares_search_with(self, other) -> bool:
-        """Whether ``other``'s :meth:`kneighbors` would run this head's exact search (the same
-        support tensor, ``k`` and back end), so one search can serve both
-        (:meth:`probabilities_from_neighbors`). A pruned index (NED's ``knn_index_`` included) is
-        built from the support alone, so any index of that support searches alike."""
-        return (isinstance(other, KNNHeadBase) and other.support_embeddings_ is self.support_embeddings_
-                and other.k == self.k and other.backend == self.backend)
-
-    def probabilities_from_neighbors(self, sq_dist: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """:meth:`predict_proba` given the query's ``k`` nearest support rows: squared distances
-        ``(N, k)`` ascending and support indices ``(N, k)``, as
-        ``knn_search(embeddings, support_embeddings_, k, backend=backend)`` returns them. (NED's
-        ``predict_proba`` equals this only where ``distance_scale_exponent(embeddings,
-        support_embeddings_) == 0``; elsewhere it searches a rescaled copy.)"""
-        self._check_is_fitted()
-        return self._probabilities(sq_dist, self.support_labels_[idx])
 
     def predict_proba(self, embeddings) -> torch.Tensor:
         """Class probabilities ``(N, C)`` from the weighted labels of the k nearest neighbours."""
@@ -108,8 +108,9 @@ class OneNN(KNNHeadBase):
 
     _param_names = ("backend", "num_classes")
 
-    def __init__(self, backend: str = "torch", num_classes: Optional[int] = None):
-        super().__init__(k=1, backend=backend, num_classes=num_classes)
+    def __init__(self, backend: str = "torch", num_classes: Optional[int] = None,
+                 searches: Optional[SearchCache] = None):
+        super().__init__(k=1, backend=backend, num_classes=num_classes, searches=searches)
 
     def _neighbour_weights(self, sq_dist):
         return torch.ones_like(sq_dist)
@@ -128,8 +129,8 @@ class WeightedKNN(KNNHeadBase):
     _param_names = ("k", "kind", "backend", "num_classes")
 
     def __init__(self, k: int = 10, kind: str = "dudani", backend: str = "torch",
-                 num_classes: Optional[int] = None):
-        super().__init__(k=k, backend=backend, num_classes=num_classes)
+                 num_classes: Optional[int] = None, searches: Optional[SearchCache] = None):
+        super().__init__(k=k, backend=backend, num_classes=num_classes, searches=searches)
         if kind not in ("dudani", "gou"):
             raise ValueError(f"kind: expected 'dudani' or 'gou', got {kind!r}")
         self.kind = kind

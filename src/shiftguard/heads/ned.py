@@ -44,7 +44,7 @@ from scipy.optimize import minimize_scalar
 from shiftguard._validation import check_positive
 from shiftguard.functional.scaling import distance_scale_exponent, ldexp
 from shiftguard.heads.knn_baselines import KNNHeadBase
-from shiftguard.neighbors import PrunedKNNIndex, knn_search
+from shiftguard.neighbors import PrunedKNNIndex, SearchCache, knn_search
 
 __all__ = ["NED", "ned_probabilities", "ned_nll"]
 
@@ -99,6 +99,10 @@ class NED(KNNHeadBase):
             ``queries x support``. ``None`` uses all (exact leave-one-out over the whole support).
         seed: seed of the random holdout split and of the calibration subset.
         num_classes: number of classes; inferred as ``max(label) + 1`` when None.
+        searches: a :class:`~shiftguard.neighbors.SearchCache` shared with the kNN heads of the
+            same support: predictions then search through it (one search per query for heads of
+            the same ``k`` and back end, the same answers) instead of ``knn_index_``. The fit
+            searches on its own.
 
     Learned state: ``temperature_``, ``nll_`` (calibration NLL at ``temperature_``),
     ``n_fit_excluded_``, ``support_embeddings_``, ``support_labels_``, ``num_classes_``,
@@ -111,8 +115,8 @@ class NED(KNNHeadBase):
 
     def __init__(self, k: int = 10, fit_mode: str = "loo", holdout_fraction: float = 0.2,
                  backend: str = "torch", max_fit_queries: Optional[int] = 5000, seed: int = 0,
-                 num_classes: Optional[int] = None):
-        super().__init__(k=k, backend=backend, num_classes=num_classes)
+                 num_classes: Optional[int] = None, searches: Optional[SearchCache] = None):
+        super().__init__(k=k, backend=backend, num_classes=num_classes, searches=searches)
         if fit_mode not in ("loo", "holdout"):
             raise ValueError(f"fit_mode: expected 'loo' or 'holdout', got {fit_mode!r}")
         if not 0.0 < float(holdout_fraction) < 1.0:
@@ -196,10 +200,12 @@ class NED(KNNHeadBase):
         return torch.softmax(-sq_dist / self.temperature_, dim=1)
 
     def kneighbors(self, embeddings, k: Optional[int] = None):
-        """As ``KNNHeadBase.kneighbors``; with ``backend="pruned"`` it searches the index built in ``fit``."""
+        """As ``KNNHeadBase.kneighbors``; with ``backend="pruned"`` and no ``searches`` it searches
+        the index built in ``fit``. (An index depends on the support alone, so the index a
+        ``SearchCache`` builds of the same support searches alike.)"""
         index = getattr(self, "knn_index_", None)
-        if index is None or not index.matches(self.support_embeddings_):
-            return super().kneighbors(embeddings, k)  # with "pruned": builds an index for this call
+        if self.searches is not None or index is None or not index.matches(self.support_embeddings_):
+            return super().kneighbors(embeddings, k)  # with "pruned" alone: builds an index for this call
         support = self.support_embeddings_
         emb = self._check_query(embeddings, support.shape[1])
         if emb.dtype != support.dtype:

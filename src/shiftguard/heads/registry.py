@@ -1,15 +1,18 @@
 """Heads by name: the names ``shiftguard run`` configs and ``shiftguard.evaluate(heads=...)`` take.
 
-Two kinds of head: *logit heads* read the model's logits (``softmax``, ``temperature``);
-*embedding heads* are fitted on support embeddings (every other name). ``build_head`` returns a
-fresh, unfitted head.
+Each name is registered with its class, whose contract attributes say what the head reads
+(``input``: ``"logits"`` or ``"embeddings"``) and which data its fit takes (``needs_support``,
+``uses_validation``, ``needs_validation``; :class:`~shiftguard.heads.base.Head`). The lists of
+logit and embedding heads are derived from those classes. ``build_head`` returns a fresh, unfitted
+head.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from shiftguard.heads.base import EmbeddingHead
+from shiftguard.heads.base import HEAD_INPUTS, Head
 from shiftguard.heads.distance_ratio import DistanceRatioHead
 from shiftguard.heads.knn_baselines import KNNHeadBase, KNNVote, OneNN, WeightedKNN
 from shiftguard.heads.logistic import LogisticRegressionHead
@@ -17,31 +20,52 @@ from shiftguard.heads.ned import NED
 from shiftguard.heads.quantile import QuantileClassifierHead
 from shiftguard.heads.softmax import SoftmaxHead
 from shiftguard.heads.temperature import TemperatureScaling
-from shiftguard.neighbors import check_backend
+from shiftguard.neighbors import SearchCache, check_backend
 from shiftguard.registry import Registry
 
-__all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "build_head", "canonical_head",
-           "head_input"]
-
-#: Heads by name: ``name -> factory(num_classes, k)`` returning a fresh, unfitted head. Names are
-#: matched ignoring case, ``-``, ``_`` and spaces (:func:`canonical_head`).
-HEAD_REGISTRY: Registry[Callable[[int, int], EmbeddingHead]] = Registry("head", argument="heads")
+__all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "HeadEntry", "build_head",
+           "canonical_head", "head_class", "head_input"]
 
 
-HEAD_REGISTRY.register("softmax", lambda num_classes, k: SoftmaxHead(num_classes=num_classes))
-HEAD_REGISTRY.register("temperature", lambda num_classes, k: TemperatureScaling(num_classes=num_classes))
-HEAD_REGISTRY.register("logistic", lambda num_classes, k: LogisticRegressionHead(num_classes=num_classes))
-HEAD_REGISTRY.register("quantile", lambda num_classes, k: QuantileClassifierHead(num_classes=num_classes))
-HEAD_REGISTRY.register("ned", lambda num_classes, k: NED(k=k, fit_mode="holdout", num_classes=num_classes))
-HEAD_REGISTRY.register("knn", lambda num_classes, k: KNNVote(k=k, num_classes=num_classes))
-HEAD_REGISTRY.register("wknn", lambda num_classes, k: WeightedKNN(k=k, num_classes=num_classes))
-HEAD_REGISTRY.register("1nn", lambda num_classes, k: OneNN(num_classes=num_classes))
-HEAD_REGISTRY.register("distance_ratio", lambda num_classes, k: DistanceRatioHead(num_classes=num_classes))
+@dataclass(frozen=True)
+class HeadEntry:
+    """A registered head: its class (the contract: ``input``, ``needs_support``, ``uses_validation``,
+    ``needs_validation``) and ``make(num_classes, k)``, which returns a fresh instance. Calling the
+    entry calls ``make``."""
 
-#: Heads that read logits ``(N, C)``.
-LOGIT_HEADS = ("softmax", "temperature")
-#: Heads fitted on embeddings ``(N, D)`` of a support (training) set.
-EMBEDDING_HEADS = tuple(name for name in HEAD_REGISTRY if name not in LOGIT_HEADS)
+    cls: type[Head]
+    make: Callable[[int, int], Head]
+
+    def __call__(self, num_classes: int, k: int) -> Head:
+        return self.make(num_classes, k)
+
+
+#: Heads by name: ``name -> HeadEntry``; ``HEAD_REGISTRY.get(name)(num_classes, k)`` is a fresh,
+#: unfitted head. Names are matched ignoring case, ``-``, ``_`` and spaces (:func:`canonical_head`).
+HEAD_REGISTRY: Registry[HeadEntry] = Registry("head", argument="heads")
+
+
+def _register(name: str, cls: type[Head], make: Optional[Callable[[int, int], Head]] = None) -> None:
+    """Register ``cls`` as ``name``, made by ``make`` (default ``cls(num_classes=num_classes)``)."""
+    if getattr(cls, "input", None) not in HEAD_INPUTS:
+        raise TypeError(f"{cls.__name__}: a head class must declare input as one of {HEAD_INPUTS}")
+    HEAD_REGISTRY.register(name, HeadEntry(cls, make or (lambda num_classes, k: cls(num_classes=num_classes))))
+
+
+_register("softmax", SoftmaxHead)
+_register("temperature", TemperatureScaling)
+_register("logistic", LogisticRegressionHead)
+_register("quantile", QuantileClassifierHead)
+_register("ned", NED, lambda num_classes, k: NED(k=k, fit_mode="holdout", num_classes=num_classes))
+_register("knn", KNNVote, lambda num_classes, k: KNNVote(k=k, num_classes=num_classes))
+_register("wknn", WeightedKNN, lambda num_classes, k: WeightedKNN(k=k, num_classes=num_classes))
+_register("1nn", OneNN)
+_register("distance_ratio", DistanceRatioHead)
+
+#: Heads that read logits ``(N, C)`` (their class's ``input``), in registration order.
+LOGIT_HEADS = tuple(name for name in HEAD_REGISTRY if HEAD_REGISTRY.get(name).cls.input == "logits")
+#: Heads fitted on embeddings ``(N, D)`` of a support (training) set, in registration order.
+EMBEDDING_HEADS = tuple(name for name in HEAD_REGISTRY if HEAD_REGISTRY.get(name).cls.input == "embeddings")
 #: Every head name, the logit heads first, in registration order.
 HEAD_NAMES = LOGIT_HEADS + EMBEDDING_HEADS
 
@@ -57,17 +81,29 @@ def canonical_head(name: str, *, argument: str = "heads") -> str:
     return HEAD_REGISTRY.canonical(name, argument=argument, words=True)
 
 
-def head_input(name: str) -> str:
-    """``"logits"`` or ``"embeddings"``: what head ``name`` is fitted and evaluated on.
+def head_class(name: str) -> type[Head]:
+    """The class of head ``name``, whose attributes are its contract (``input``, ``needs_support``,
+    ``uses_validation``, ``needs_validation``), read without building the head.
 
     Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head), naming ``heads``.
     """
-    return "logits" if canonical_head(name) in LOGIT_HEADS else "embeddings"
+    return HEAD_REGISTRY.get(canonical_head(name)).cls
 
 
-def build_head(name: str, num_classes: int, k: int = 10, backend: str = "torch") -> EmbeddingHead:
-    """A fresh head ``name`` for ``num_classes`` classes; ``k`` neighbours and the kNN search's
-    ``backend`` (``shiftguard.neighbors.BACKENDS``) for the kNN family (ned, knn, wknn, 1nn).
+def head_input(name: str) -> str:
+    """``"logits"`` or ``"embeddings"``: what head ``name`` is fitted and evaluated on (its class's
+    ``input``).
+
+    Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head), naming ``heads``.
+    """
+    return head_class(name).input
+
+
+def build_head(name: str, num_classes: int, k: int = 10, backend: str = "torch",
+               searches: Optional[SearchCache] = None) -> Head:
+    """A fresh head ``name`` for ``num_classes`` classes; ``k`` neighbours, the kNN search's
+    ``backend`` (``shiftguard.neighbors.BACKENDS``) and a shared ``searches`` cache
+    (:class:`~shiftguard.neighbors.SearchCache`) for the kNN family (ned, knn, wknn, 1nn).
 
     ``temperature``: T fitted on the validation logits (Guo et al. 2017). ``ned``: T fitted on the
     validation embeddings against the support when a validation set is given, on a held-out 20%
@@ -75,10 +111,14 @@ def build_head(name: str, num_classes: int, k: int = 10, backend: str = "torch")
 
     Raises ``TypeError`` (``name`` not a str) or ``ValueError`` (unknown head: the message lists
     :data:`HEAD_NAMES` sorted and suggests the closest), naming ``heads``; ``ValueError`` naming
-    ``backend`` for an unknown back end.
+    ``backend`` for an unknown back end; ``TypeError`` naming ``searches`` for another object than a
+    ``SearchCache``.
     """
     check_backend(backend)
+    if searches is not None and not isinstance(searches, SearchCache):
+        raise TypeError(f"searches: expected a shiftguard.neighbors.SearchCache or None, got {type(searches).__name__}")
     head = HEAD_REGISTRY.get(canonical_head(name))(num_classes, k)
     if isinstance(head, KNNHeadBase):
         head.backend = backend
+        head.searches = searches
     return head

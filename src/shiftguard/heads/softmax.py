@@ -9,31 +9,38 @@ from __future__ import annotations
 import torch
 
 from shiftguard._validation import check_tensor
-from shiftguard.heads.base import EmbeddingHead
+from shiftguard.heads.base import LogitHead
 
 __all__ = ["SoftmaxHead"]
 
 
-class SoftmaxHead(EmbeddingHead):
+class SoftmaxHead(LogitHead):
     """``softmax(logits)`` of a trained classifier; ``fit`` only records the number of classes.
 
-    Learned state: ``num_classes_`` (the logit width seen by ``fit``, or by the first
-    ``predict_proba`` when ``fit`` was skipped).
+    ``fit(train_logits=None, train_labels=None)``: the width of ``train_logits`` is the number of
+    classes; without them, ``num_classes`` is (labels are not read; ``val_*`` are refused).
+    Learned state: ``num_classes_``.
     """
 
-    def fit(self, train_logits, train_labels=None, val_logits=None, val_labels=None):
+    def fit(self, train_logits=None, train_labels=None, val_logits=None, val_labels=None):
         self._no_validation(val_logits, val_labels, "val_logits")
+        if train_logits is None:
+            if self.num_classes is None:
+                raise ValueError("train_logits: give the logits (their width is the number of classes) or "
+                                 "construct the head with num_classes")
+            self.num_classes_ = self.num_classes
+            return self
         logits = check_tensor(train_logits, "train_logits", ndim=2, floating=True, finite=True)
+        if self.num_classes is not None and logits.shape[1] != self.num_classes:
+            raise ValueError(f"train_logits: {logits.shape[1]} columns, num_classes={self.num_classes}")
         self.num_classes_ = logits.shape[1]
-        if self.num_classes is not None and self.num_classes_ != self.num_classes:
-            raise ValueError(f"train_logits: {self.num_classes_} columns, num_classes={self.num_classes}")
         return self
 
     def predict_proba(self, logits) -> torch.Tensor:
         """``softmax(logits)`` in float32 (float64 input stays float64), ``(N, C)``."""
+        self._check_is_fitted()
         logits = check_tensor(logits, "logits", ndim=2, floating=True, finite=True)
-        expected = getattr(self, "num_classes_", self.num_classes)
-        if expected is not None and logits.shape[1] != expected:
-            raise ValueError(f"logits: {logits.shape[1]} columns, expected {expected}")
+        if logits.shape[1] != self.num_classes_:
+            raise ValueError(f"logits: {logits.shape[1]} columns, expected {self.num_classes_}")
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         return torch.softmax(logits.to(dtype), dim=1)

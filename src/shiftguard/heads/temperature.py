@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from shiftguard._validation import check_labels, check_same_length, check_tensor
 from shiftguard.heads._optim import minimize_lbfgs
-from shiftguard.heads.base import EmbeddingHead, _compute_dtype
+from shiftguard.heads.base import LogitHead, _compute_dtype
 
 __all__ = ["TemperatureScaling", "fit_temperature"]
 
@@ -28,22 +28,24 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, max_iter: int = 
     return float(torch.exp(log_t.detach()))
 
 
-class TemperatureScaling(EmbeddingHead):
+class TemperatureScaling(LogitHead):
     """Calibrate any logit model with one temperature.
 
     Args:
         logit_fn: maps inputs to logits ``(N, C)`` (e.g. ``LogisticRegressionHead().decision_function``
             or a model's classifier). When None, the inputs given to ``fit``/``predict_proba`` *are*
-            the logits.
+            the logits (``input = "logits"``, as the registered ``"temperature"`` head reads them).
         num_classes: optional check of the logit width.
 
     ``fit(x, labels, val_x=None, val_labels=None)``: T is fitted on ``val_*`` when given (the
-    held-out split of Guo et al.), otherwise on ``(x, labels)``, which should then be held-out data.
-    Learned state: ``temperature_``, ``num_classes_``.
+    held-out split of Guo et al.; ``x`` and ``labels`` may then be None), otherwise on
+    ``(x, labels)``, which should then be held-out data (``needs_validation``: an evaluation fits
+    it on its validation set only). Learned state: ``temperature_``, ``num_classes_``.
     """
 
     _param_names = ("logit_fn", "num_classes")
     uses_validation = True
+    needs_validation = True
 
     def __init__(self, logit_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                  num_classes: Optional[int] = None, max_iter: int = 100):

@@ -101,9 +101,9 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         embeddings: ``(N, D)`` float tensor.
         labels: ``(N,)`` integer classes.
         ks: cut-offs for recall@K and map@K.
-        backend: kNN back end of ``knn_search``: ``"auto"`` (faiss for CPU embeddings of >= 50k rows
-            when ``faiss-cpu`` is installed, exact torch otherwise), ``"torch"``, ``"faiss"`` or
-            ``"pruned"``; the search index is built once for all query chunks.
+        backend: kNN back end of ``knn_search``: ``"auto"`` (the pruned exact search for large CPU
+            searches, exact torch otherwise: ``shiftguard.neighbors.resolve_backend``), ``"torch"``,
+            ``"faiss"`` or ``"pruned"``; the search index is built once for all query chunks.
         memory_budget_bytes: bound on each query chunk's neighbour lists with their per-query
             temporaries, and on the torch back end's distance block (positive int).
         r_metrics: also MAP@R and R-precision, which need every query's neighbour list up to its

@@ -14,6 +14,9 @@ ends return the same neighbours on tie-free data:
   same neighbours as ``"torch"``, several times fewer products on clustered embeddings, about the
   brute-force cost plus an index build where nothing can be pruned.
 
+``"auto"`` means one rule everywhere (:func:`resolve_backend`): the pruned search for large CPU
+searches, the torch search otherwise; FAISS only when named.
+
 All back ends rank on rows centred at the support's mean and return distances recomputed exactly
 for the selected neighbours (:mod:`shiftguard.neighbors.exact`). To search one support many times
 without rebuilding what the back end prepares (centred key rows, a faiss index, the pruned index),
@@ -28,10 +31,11 @@ import torch
 
 from shiftguard._validation import check_positive, check_tensor
 from shiftguard.neighbors.exact import DEFAULT_MEMORY_BUDGET_BYTES, default_chunk_size, key_rows, torch_knn
-from shiftguard.neighbors.faiss_backend import faiss_available, faiss_index, faiss_knn
+from shiftguard.neighbors.faiss_backend import faiss_index, faiss_knn
 from shiftguard.neighbors.pruned import PrunedKNNIndex
 
-__all__ = ["BACKENDS", "KNNIndex", "check_backend", "knn_search"]
+__all__ = ["BACKENDS", "KNNIndex", "PRUNED_MIN_PRODUCTS", "PRUNED_MIN_SUPPORT", "check_backend", "knn_search",
+           "resolve_backend"]
 
 #: The back ends :func:`knn_search` and :class:`KNNIndex` take.
 BACKENDS = ("torch", "faiss", "pruned", "auto")
@@ -44,13 +48,40 @@ def check_backend(backend: str, argument: str = "backend") -> str:
     return backend
 
 
-def _resolve_backend(backend: str, query: torch.Tensor, n_support: int) -> str:
+#: ``backend="auto"`` takes the pruned search where the support has at least this many rows and
+#: the search at least :data:`PRUNED_MIN_PRODUCTS` query x support distances, the brute-force torch
+#: search below (:func:`resolve_backend`).
+PRUNED_MIN_SUPPORT = 24_000
+#: See :data:`PRUNED_MIN_SUPPORT`.
+PRUNED_MIN_PRODUCTS = 40_000_000
+
+
+def resolve_backend(backend: str, n_support: int, n_queries: int, device: torch.device | str = "cpu",
+                    argument: str = "backend") -> str:
+    """The back end a search of ``n_queries`` rows against ``n_support`` rows on ``device`` runs with:
+    ``backend`` itself, except ``"auto"`` -- the one meaning of ``"auto"`` in the library.
+
+    ``"auto"`` is ``"pruned"`` for CPU tensors where ``n_support >= PRUNED_MIN_SUPPORT`` (24,000)
+    and ``n_support * n_queries >= PRUNED_MIN_PRODUCTS`` (4e7), else ``"torch"``. Measured on LeNet
+    embeddings, k = 10, with the index built beforehand (``docs/heads_metrics.md``, "kNN search"):
+    below these sizes the pruned search's per-block work costs more than the products it skips.
+    Pruning is CPU-only (elsewhere the pruned back end is the brute-force search), so other devices
+    get ``"torch"``. ``"faiss"`` runs only when named: on class-clustered embeddings the pruned
+    search is faster, and an optional install must not change which search ``"auto"`` is.
+
+    Raises ``ValueError`` naming ``argument`` for a back end not in :data:`BACKENDS`.
+
+    Examples:
+        >>> resolve_backend("auto", 48_000, 10_000), resolve_backend("auto", 8_000, 1_000)
+        ('pruned', 'torch')
+        >>> resolve_backend("faiss", 10, 10)
+        'faiss'
+    """
+    check_backend(backend, argument)
     if backend != "auto":
         return backend
-    # FAISS pays a float32 copy to numpy; it wins only for large galleries on CPU.
-    if query.device.type == "cpu" and n_support >= 50_000 and faiss_available():
-        return "faiss"
-    return "torch"
+    large = n_support >= PRUNED_MIN_SUPPORT and n_support * n_queries >= PRUNED_MIN_PRODUCTS
+    return "pruned" if large and torch.device(device).type == "cpu" else "torch"
 
 
 def _check_support(support) -> torch.Tensor:
@@ -103,7 +134,8 @@ def _check_k(k: int, n_s: int, self_index: Optional[torch.Tensor], exclude_self:
 
 
 def _dispatch(query, support, k, backend, self_index, chunk_size, index=None, keys=None):
-    """Validated-input kNN; ``self_index`` (Nq,) or None; ``index`` (pruned) or ``keys`` (torch:
+    """Validated-input kNN with a resolved ``backend`` (not ``"auto"``); ``self_index`` (Nq,) or None;
+    ``index`` (pruned) or ``keys`` (torch:
     :func:`~shiftguard.neighbors.exact.key_rows`, faiss: ``faiss_index``) prepared by the caller."""
     if query.shape[0] == 0:
         empty = torch.empty((0, k), device=query.device)
@@ -113,7 +145,7 @@ def _dispatch(query, support, k, backend, self_index, chunk_size, index=None, ke
             index = PrunedKNNIndex(support)
         budget = chunk_size * support.shape[0] * support.element_size()
         return index.search(query, k, self_index, memory_budget_bytes=budget)
-    if _resolve_backend(backend, query, support.shape[0]) == "faiss":
+    if backend == "faiss":
         if query.device.type != "cpu":
             raise ValueError("backend: 'faiss' (faiss-cpu) needs CPU tensors; use backend='torch' on GPU")
         return faiss_knn(query, support, k, self_index, keys=keys)
@@ -141,7 +173,7 @@ def knn_search(
         backend: ``"torch"`` (exact, chunked, any device), ``"faiss"`` (``IndexFlatL2``, CPU,
             needs ``faiss-cpu``), ``"pruned"`` (exact, torch arithmetic, skips products ruled out
             by a lower bound; see :class:`~shiftguard.neighbors.PrunedKNNIndex`) or ``"auto"``
-            (faiss for CPU galleries of >= 50k rows when installed, torch otherwise).
+            (pruned for large CPU searches, torch otherwise: :func:`resolve_backend`).
         exclude_self: the query set *is* the support set (``query[i]`` is ``support[i]``);
             every query's own row is left out (leave-one-out, retrieval evaluation).
         chunk_size: query rows per distance block; default from ``memory_budget_bytes``.
@@ -195,6 +227,7 @@ def knn_search(
         if not index.matches(support):
             raise ValueError("index: built for a different support tensor (or the support changed since); "
                              "build PrunedKNNIndex(support) again")
+    backend = resolve_backend(backend, n_s, n_q, query.device)
     return _dispatch(query, support, k, backend, self_index, chunk_size, index=index)
 
 
@@ -203,15 +236,20 @@ class KNNIndex:
 
     What a back end builds from the support alone is built once here: the centred key rows of the
     torch search, the faiss ``IndexFlatL2``, or the :class:`~shiftguard.neighbors.PrunedKNNIndex`.
-    :meth:`search` returns exactly what :func:`knn_search` returns for the same arguments, without
-    re-validating the support; the support must not be modified in place afterwards.
+    :meth:`search` returns exactly what :func:`knn_search` returns for the same arguments (with
+    ``"auto"``: for queries of ``n_queries`` rows), without re-validating the support; the support
+    must not be modified in place afterwards.
 
     Args:
         support: ``(Ns, D)`` float tensor, finite, non-empty.
-        backend: one of :data:`BACKENDS` (see :func:`knn_search`); ``"auto"`` is resolved here.
+        backend: one of :data:`BACKENDS` (see :func:`knn_search`); ``"auto"`` is resolved here
+            (:func:`resolve_backend`) for searches of ``n_queries`` rows.
+        n_queries: query rows of one search, for resolving ``"auto"``; default ``Ns`` (every
+            support row queries the others, as in the retrieval metrics).
 
     Attributes:
-        support: the validated support tensor. backend: the back end as given.
+        support: the validated support tensor. backend: the back end its searches run with
+        (``"auto"`` resolved).
 
     Examples:
         >>> support = torch.tensor([[0.0, 0.0], [1.0, 0.0], [5.0, 5.0]])
@@ -220,14 +258,18 @@ class KNNIndex:
         [1, 0]
     """
 
-    def __init__(self, support: torch.Tensor, backend: str = "torch"):
+    def __init__(self, support: torch.Tensor, backend: str = "torch", n_queries: Optional[int] = None):
         check_backend(backend)
         self.support = _check_support(support)
-        self.backend = backend
+        if n_queries is not None:
+            check_positive(n_queries, "n_queries", integer=True)
+        n_s = self.support.shape[0]
+        self.backend = backend = resolve_backend(backend, n_s, n_s if n_queries is None else n_queries,
+                                                 self.support.device)
         self._state: dict = {}
         if backend == "pruned":
             self._state = {"index": PrunedKNNIndex(self.support)}
-        elif _resolve_backend(backend, self.support, self.support.shape[0]) == "torch":
+        elif backend == "torch":
             self._state = {"keys": key_rows(self.support)}
         elif self.support.device.type == "cpu":
             self._state = {"keys": faiss_index(self.support)}
