@@ -596,6 +596,14 @@ _KEPT_POINTS = 10.0
 _LARGE_EPS = 0.1
 
 
+def _first_lower(points: list[tuple[float, float]], reference: list[tuple[float, float]]
+                 ) -> Optional[tuple[float, float, float]]:
+    """The first ``(eps, accuracy, reference accuracy)`` at which ``points`` is more than a point
+    below ``reference`` at the same budget (accuracies in %); ``None`` where it never is."""
+    ref = dict(reference)
+    return next(((e, v, ref[e]) for e, v in points if e in ref and v < ref[e] - 1.0), None)
+
+
 def masking_signs(results: dict) -> list[str]:
     """Signs of gradient masking in the adversarial cells (Athalye, Carlini & Wagner 2018, Sec. 3.1;
     Carlini et al. 2019, Sec. 5): per series, (1) a one-step attack (FGSM) removes more accuracy
@@ -640,20 +648,18 @@ def masking_signs(results: dict) -> list[str]:
             for am in multi:
                 if kind[a1].get("norm", "linf") != kind[am].get("norm", "linf"):
                     continue
-                m_at = dict(acc[am])
-                worse = [(e, v1, m_at[e]) for e, v1 in acc[a1] if e in m_at and v1 < m_at[e] - 1.0]
+                worse = _first_lower(acc[a1], acc[am])
                 if worse:
-                    e, v1, vm = worse[0]
+                    e, v1, vm = worse
                     out.append(f"{label}: one-step {_e(a1)} ({v1:.1f}%) beats iterative {_e(am)} "
                                f"({vm:.1f}%) at eps {e:.4g}")
         for at, spec in kind.items():
             base, src = at.partition("@")[0], spec.get("source")
             if not spec.get("transfer") or src == key[0] or base not in acc:
                 continue
-            white = dict(acc[base])
-            beaten = [(e, v, white[e]) for e, v in acc[at] if e in white and v < white[e] - 1.0]
+            beaten = _first_lower(acc[at], acc[base])
             if beaten:
-                e, v, w = beaten[0]
+                e, v, w = beaten
                 out.append(f"{label}: images made on {_e(src)} ({_e(at)}, {v:.1f}%) remove more accuracy than "
                            f"its own white-box {_e(base)} ({w:.1f}%) at eps {e:.4g}")
     return out
