@@ -66,6 +66,8 @@ from shiftguard.metrics import auroc_error, excess_aurc, one_nn_misses
 from shiftguard.models import EmbeddingClassifier, build_model
 from shiftguard.uncertainty import UncertaintyEstimator, entropy_from_log_probs
 
+from .arguments import ListAction
+
 if TYPE_CHECKING:
     from shiftguard.losses import ESupConLoss, SPCELoss, TightnessLoss
     from shiftguard.uncertainty import SNGP
@@ -819,15 +821,14 @@ def run_benchmark(splits: Sequence[str], methods: Sequence[str], seeds: Sequence
 # -------------------------------------------------------------------------------------------------- CLI
 
 
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(SPLITS), help="one split (same as --splits NAME)")
-    p.add_argument("--splits", type=_csv, default=None, help=f"comma-separated; default all: {','.join(SPLITS)}")
-    p.add_argument("--methods", type=_csv, default=None, help=f"comma-separated; default all: {','.join(METHODS)}")
-    p.add_argument("--seeds", type=_csv, default=["0", "1", "2"], help="comma-separated ints (default 0,1,2)")
+    p.add_argument("--splits", nargs="+", action=ListAction, default=None,
+                   help=f"space- or comma-separated; default all: {','.join(SPLITS)}")
+    p.add_argument("--methods", nargs="+", action=ListAction, default=None,
+                   help=f"space- or comma-separated; default all: {','.join(METHODS)}")
+    p.add_argument("--seeds", nargs="+", action=ListAction, default=["0", "1", "2"],
+                   help="space- or comma-separated ints (default 0 1 2)")
     p.add_argument("--train-subset", type=int, default=6000, help="upstream training images (default 6000; 0 = all)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
     p.add_argument("--batch-size", type=int, default=128)
@@ -867,7 +868,7 @@ def main(argv=None) -> int:
     try:
         seeds = [int(s) for s in args.seeds]
     except ValueError:
-        raise ValueError(f"--seeds: expected comma-separated integers, got {','.join(args.seeds)}") from None
+        raise ValueError(f"--seeds: expected integers, got {' '.join(args.seeds)}") from None
     if not seeds:
         raise ValueError("--seeds: expected at least one seed")
     if args.threads is not None:
