@@ -572,3 +572,27 @@ def test_gathering_outside_a_process_group_is_the_local_result():
     before = {k: v.clone() for k, v in lin.state_dict().items()}
     broadcast_module(lin)
     assert all(torch.equal(before[k], v) for k, v in lin.state_dict().items())
+
+
+def test_no_process_reaches_the_grid_before_the_cache_fingerprints_are_written(tmp_path, monkeypatch):
+    """A process that wrote its first outputs while another was still checking the cache folders
+    would show that one outputs without a fingerprint: the check ends in a barrier, after the
+    fingerprints are written."""
+    import importlib
+
+    import shiftguard.train.distributed as D
+
+    E = importlib.import_module("shiftguard.evaluation.evaluate")  # the module, not the function
+    from shiftguard.evaluation.cache import FINGERPRINT_FILE
+    from shiftguard.evaluation.outputs import ModelOutputs
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(16, 3))
+    seen = []
+    monkeypatch.setattr(D, "barrier", lambda: seen.append((tmp_path / "m" / FINGERPRINT_FILE).is_file()))
+    monkeypatch.setattr(D, "is_main_process", lambda: True)
+    x, y = torch.rand(6, 1, 4, 4), torch.arange(6) % 3
+    entry = {"name": "m", "model": model, "outputs": ModelOutputs(model)}
+    E._check_cache(tmp_path, [entry], test=(x, y), support=None, validation=None, calibration=None, preprocess=None,
+                   batch_size=4, output="logits", embed=None, source="engine", seed=0, distributed=True,
+                   device=torch.device("cpu"))
+    assert seen == [True]

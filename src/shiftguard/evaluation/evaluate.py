@@ -647,8 +647,13 @@ def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validat
                  batch_size: int,
                  output: str, embed, source: str, seed: int, distributed: bool, device: torch.device) -> None:
     """Each model's cache folder belongs to this evaluation (``cache.check_fingerprint``); the
-    fingerprint of a new folder is written by one process."""
-    from shiftguard.train.distributed import is_main_process
+    fingerprint of a new folder is written by one process.
+
+    Under torch.distributed every process checks the same folders before any writes an output (so
+    all raise or none does), and none goes on to the grid until the fingerprints are written: a
+    process that wrote its first outputs while another was still checking would show that one a
+    folder of outputs without a fingerprint."""
+    from shiftguard.train.distributed import barrier, is_main_process
 
     probe = torch.rand((2, *test[0].shape[1:]), generator=torch.Generator().manual_seed(0))
     write = not distributed or is_main_process()
@@ -658,6 +663,8 @@ def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validat
                          probe=probe.to(device=device, dtype=e["outputs"].dtype), batch_size=batch_size,
                          output=output, embed=embed, corruption_source=source, seed=seed)
         check_fingerprint(cache_dir / e["name"], fp, write=write)
+    if distributed:
+        barrier()
 
 
 def _on_device(model: nn.Module, device: torch.device, embed, name: str) -> nn.Module:
