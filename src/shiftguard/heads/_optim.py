@@ -14,7 +14,7 @@ threads whose workers spin 10,000 iterations (``docs/performance.md``, "Threads"
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Union
 
 import numpy as np
 import torch
@@ -34,7 +34,8 @@ def one_blas_thread():
     return _CONTROLLER[0].limit(limits=1, user_api="blas")
 
 
-def minimize_lbfgs(loss_fn: Callable[[torch.Tensor], torch.Tensor], x0: torch.Tensor, max_iter: int = 500,
+def minimize_lbfgs(loss_fn: Callable[[torch.Tensor], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
+                   x0: torch.Tensor, max_iter: int = 500,
                    gtol: float = 1e-8, with_grad: bool = False) -> tuple[torch.Tensor, float, int]:
     """Minimise ``loss_fn(params)`` from ``x0`` (float64, 1-D); returns ``(params, loss, n_iter)``.
 

@@ -411,7 +411,8 @@ class PrunedKNNIndex:
         cand, want = order, max(k + 1, first_cols)
         min_need = max(1, int(math.ceil(core_fraction * b)))
         while cand:
-            take, cols = [], 0
+            take: list[int] = []
+            cols = 0
             for c in cand:
                 size = starts[c + 1] - starts[c]
                 if take and (cols >= want or cols + size > group_cols):
@@ -430,7 +431,7 @@ class PrunedKNNIndex:
 
     def _merge(self, q, clusters, self_pos, best_key, best_pos):
         """Keys of ``q`` against the rows of ``clusters`` (sorted ids), merged into the top k."""
-        runs = []
+        runs: list[list[int]] = []
         for c in clusters:  # adjacent clusters are one contiguous run of rows
             a, e = self.starts[c], self.starts[c + 1]
             if runs and runs[-1][1] == a:
