@@ -22,40 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 from pathlib import Path
 
 import torch
+from reproduce_adaptation import load_trained, t_interval  # the sibling script that trained the models
 
 import shiftguard
-from shiftguard.experiments import config as C
-from shiftguard.experiments.run import load_data
 from shiftguard.io import atomic_write_json, atomic_write_text
-from shiftguard.models import build_model
 from shiftguard.train import to_model_input
 
 HERE = Path(__file__).resolve().parent
 MODELS = {"lenet-relu-ce": ["softmax", "temperature", "ned", "knn"], "lenet-qact-watershed": ["quantile"]}
 METHODS = ["lac", "aps", "raps"]
 SEVERITIES = (0, 3, 5)
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776}
 
 
 def run(a) -> None:
-    run_dir = Path(a.runs) / f"adapt-{a.dataset}-seed{a.seed}"
-    stored = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["config"]
-    stored["data"]["test_subset"] = a.test_subset
-    cfg = C.config_from_dict(stored, source=str(run_dir / "config.json"))
-    data = load_data(cfg)
-    models = {}
-    for m in cfg.models:
-        if m.name in MODELS:
-            net = build_model(m.arch, activation=m.activation, num_classes=data["num_classes"],
-                              in_channels=data["in_channels"], **m.model_kwargs)
-            net.load_state_dict(torch.load(run_dir / "models" / m.name / "model.pt", map_location="cpu",
-                                           weights_only=True))
-            models[m.name] = net.eval()
+    _, data, models, _ = load_trained(a.runs, a.dataset, a.seed, a.test_subset, MODELS)
     t0 = time.perf_counter()
     res = shiftguard.evaluate(models, data["test"], support=data["train"], validation=data["val"],
                               heads=MODELS, severities=[s for s in SEVERITIES if s], preprocess=to_model_input,
@@ -66,16 +50,6 @@ def run(a) -> None:
     res.write_report(out)
     print(res.summary())
     print(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
-
-
-def _mean_ci(values: list[float]) -> tuple[float, float, float]:
-    m = statistics.mean(values)
-    if len(values) < 2:
-        return m, math.nan, math.nan
-    if len(values) == 2:  # a t-interval on one degree of freedom (x12.7) says little: the two values
-        return m, min(values), max(values)
-    half = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
-    return m, m - half, m + half
 
 
 def _fmt(t: tuple[float, float, float], scale: float = 100.0, nd: int = 1) -> str:
@@ -114,7 +88,7 @@ def table(a) -> None:
                         for s in SEVERITIES:
                             per[f"coverage_s{s}"].append(aggs[s][f"{cov}_mean"])
                             per[f"size_s{s}"].append(aggs[s][f"{size}_mean"])
-                    stats = {k: _mean_ci(v) for k, v in per.items()}
+                    stats = {k: t_interval(v) for k, v in per.items()}
                     out["series"][f"{model}/{head}/{method}{variant}"] = stats
                     label = method + (" (weighted)" if variant else "")
                     L.append(f"| {model} | {head} | {label} | "

@@ -41,10 +41,11 @@ import time
 from pathlib import Path
 
 import torch
+from scipy.stats import t as student_t
 
 from shiftguard.experiments import config as C
 from shiftguard.experiments.report import load_run
-from shiftguard.experiments.run import COMPLETE_MARKER, execute
+from shiftguard.experiments.run import COMPLETE_MARKER, execute, load_data, train_model
 from shiftguard.io import atomic_write_json, atomic_write_text
 
 HERE = Path(__file__).resolve().parent
@@ -65,8 +66,6 @@ MODELS = [
 OWN_HEAD = {"lenet-relu-ce": "softmax", "lenet-bnrelubn-ce": "softmax", "lenet-qact-watershed": "quantile",
             "lenet-qact-ce": "softmax"}
 TWIN = "lenet-bnrelubn-ce"
-#: Two-sided 95% Student t quantiles by degrees of freedom.
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
 
 
 def config(dataset: str, seed: int, root: str, test_subset: int, arms: list[str], epochs: int = 30,
@@ -124,8 +123,27 @@ def t_interval(values: list[float]) -> tuple[float, float, float]:
         return m, math.nan, math.nan
     if len(values) == 2:  # a t-interval on one degree of freedom (x12.7) says little: the two values
         return m, min(values), max(values)
-    half = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+    half = float(student_t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
     return m, m - half, m + half
+
+
+def load_trained(runs: str | Path, dataset: str, seed: int, test_subset: int, names) -> tuple:
+    """``(config, data, {name: model}, {name: trained embedding loss})`` of the models ``names`` that
+    ``run`` trained into ``<runs>/adapt-<dataset>-seed<seed>``, read back by the run pipeline's own
+    loader (weights and learnt loss parameters, checksums checked), on ``test_subset`` test images."""
+    run_dir = Path(runs) / f"adapt-{dataset}-seed{seed}"
+    stored = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["config"]
+    stored["data"]["test_subset"] = test_subset
+    cfg = C.config_from_dict(stored, source=str(run_dir / "config.json"))
+    data = load_data(cfg)
+    models, losses = {}, {}
+    for m in cfg.models:
+        if m.name in names:
+            net, _, loss = train_model(cfg, m, data, run_dir, torch.device("cpu"), resume=True, progress=False)
+            models[m.name] = net.eval()
+            if loss is not None:
+                losses[m.name] = loss
+    return cfg, data, models, losses
 
 
 def _fmt(m, lo, hi) -> str:

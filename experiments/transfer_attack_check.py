@@ -21,10 +21,9 @@ import time
 from pathlib import Path
 
 import torch
+from reproduce_adaptation import load_trained  # the sibling script that trained the models
 
 import shiftguard
-from shiftguard.experiments import config as C
-from shiftguard.experiments.run import load_data, train_model
 from shiftguard.io import atomic_write_json, atomic_write_text
 from shiftguard.train import to_model_input
 
@@ -36,18 +35,7 @@ EPS = [0.1, 0.2, 0.3]
 
 
 def run(a) -> None:
-    run_dir = Path(a.runs) / f"adapt-{a.dataset}-seed{a.seed}"
-    stored = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))["config"]
-    stored["data"]["test_subset"] = a.test_subset
-    cfg = C.config_from_dict(stored, source=str(run_dir / "config.json"))
-    data = load_data(cfg)
-    models, losses = {}, {}
-    for m in cfg.models:
-        if m.name in MODELS:
-            net, _, loss = train_model(cfg, m, data, run_dir, torch.device("cpu"), resume=True, progress=False)
-            models[m.name] = net.eval()
-            if loss is not None:
-                losses[m.name] = loss
+    _, data, models, losses = load_trained(a.runs, a.dataset, a.seed, a.test_subset, MODELS)
     t0 = time.perf_counter()
     res = shiftguard.evaluate(models, data["test"], support=data["train"], heads=MODELS, corruptions=["fog"],
                               severities=[1], preprocess=to_model_input, batch_size=500, contexts=("batch",),
