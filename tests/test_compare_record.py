@@ -21,6 +21,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _evaluate_helpers import quadrant_data as _data
 from torch import nn
 
 import shiftguard
@@ -44,15 +45,6 @@ class TinyCNN(nn.Module):
 
     def forward(self, x):
         return self.out(self.hidden(self.features(x)))
-
-
-def _data(n=90, seed=0, size=16):
-    g = torch.Generator().manual_seed(seed)
-    y = torch.arange(n) % 3
-    base = torch.rand(n, 1, size, size, generator=g) * 90
-    base[:, :, : size // 2] += (y == 1).view(-1, 1, 1, 1) * 120.0
-    base[:, :, :, : size // 2] += (y == 2).view(-1, 1, 1, 1) * 120.0
-    return base.clamp(0, 255).to(torch.uint8), y
 
 
 def _trained(steps: int, seed: int = 0) -> nn.Module:
