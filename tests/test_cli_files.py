@@ -5,31 +5,16 @@ is required; reports embed only a real PNG inside their own folder."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
+from _cli_helpers import evaluate_argv
 
 from shiftguard.cli import main as cli
 from shiftguard.evaluation.report import MAX_GALLERY_BYTES, make_plots, safe_png
 
-FACTORY = '''
-import torch
-from torch import nn
-
-def make_net(num_classes):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, num_classes))
-'''
-
 
 @pytest.fixture
 def argv(tmp_path, monkeypatch):
-    (tmp_path / "filenets.py").write_text(FACTORY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("filenets", None)
-    return ["evaluate", "--model", "filenets:make_net", "--test-subset", "60", "--support-size", "120",
-            "--val-size", "0", "--corruptions", "fog", "--severities", "5", "--n-boot", "10", "--no-progress",
-            "--heads", "softmax"]
+    return evaluate_argv(tmp_path, monkeypatch, "filenets")
 
 
 def _error(capsys) -> str:

@@ -251,26 +251,11 @@ def test_run_with_a_file_as_out_folder_is_one_line(reference, tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------ shiftguard evaluate
-FACTORY = '''
-import torch
-from torch import nn
-
-def make_net(num_classes):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, num_classes))
-'''
-
-
 @pytest.fixture
 def evaluate_argv(tmp_path, monkeypatch):
-    import sys
+    from _cli_helpers import evaluate_argv as argv
 
-    (tmp_path / "envnets.py").write_text(FACTORY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("envnets", None)
-    return ["evaluate", "--model", "envnets:make_net", "--test-subset", "60", "--support-size", "120",
-            "--val-size", "0", "--corruptions", "rotate", "--severities", "5", "--n-boot", "10", "--no-progress",
-            "--heads", "softmax", "--random-weights"]
+    return argv(tmp_path, monkeypatch, "envnets", "--random-weights", corruption="rotate")
 
 
 def test_evaluate_with_a_file_as_out_is_refused_before_evaluating(evaluate_argv, tmp_path, monkeypatch, capsys):

@@ -5,8 +5,7 @@ dataset whose length cannot fit in memory, decompression bombs, output paths and
 
 from __future__ import annotations
 
-import sys
-
+import _cli_helpers
 import pytest
 import torch
 from torch import nn
@@ -14,14 +13,7 @@ from torch import nn
 import shiftguard
 from shiftguard.cli import main as cli
 
-FACTORY = '''
-import torch
-from torch import nn
-
-def make_net(num_classes):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, num_classes))
-
+FACTORY = _cli_helpers.FACTORY + '''
 def make_any(num_classes):
     torch.manual_seed(0)
     return nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, num_classes))
@@ -30,12 +22,7 @@ def make_any(num_classes):
 
 @pytest.fixture
 def argv(tmp_path, monkeypatch):
-    (tmp_path / "errnets.py").write_text(FACTORY)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("errnets", None)
-    return ["evaluate", "--model", "errnets:make_net", "--test-subset", "60", "--support-size", "120",
-            "--val-size", "0", "--corruptions", "fog", "--severities", "5", "--n-boot", "10", "--no-progress",
-            "--heads", "softmax", "--out", str(tmp_path / "o")]
+    return _cli_helpers.evaluate_argv(tmp_path, monkeypatch, "errnets", "--out", str(tmp_path / "o"), source=FACTORY)
 
 
 def _one_line(capsys, command: str) -> str:
