@@ -7,7 +7,6 @@ correctness each result stores (:func:`encode_per_image`, ``results["per_image_c
 from __future__ import annotations
 
 import base64
-import hashlib
 import math
 import zlib
 from typing import Any, Iterable, Mapping, Optional, Sequence
@@ -18,19 +17,7 @@ import torch
 from .aggregate import series_fields, series_key
 
 __all__ = ["match_series", "pairing_problems", "paired_accuracy_intervals", "bootstrap_settings", "encode_per_image",
-           "images_fingerprint", "series_text"]
-
-
-def images_fingerprint(images: torch.Tensor, labels: torch.Tensor) -> str:
-    """SHA-256 of the test images and labels (dtype, shape and values, in order): two results with
-    the same fingerprint scored the very same test images, image by image, so their per-image
-    correctness can be paired."""
-    h = hashlib.sha256()
-    for t in (images, labels):
-        c = t.detach().to("cpu").contiguous()
-        h.update(f"{c.dtype}:{tuple(c.shape)};".encode())
-        h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
-    return h.hexdigest()
+           "series_text"]
 
 
 # -- per-image correctness ------------------------------------------------------------------------

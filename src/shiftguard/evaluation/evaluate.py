@@ -29,8 +29,8 @@ from shiftguard.neighbors import check_backend
 from . import aggregate as A
 from .adaptation import AdaptSpec, adapt_specs
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
-from .cache import check_fingerprint, fingerprint
-from .compare import encode_per_image, images_fingerprint
+from .cache import check_fingerprint, fingerprint, tensor_digest
+from .compare import encode_per_image
 from .conformal import conformal_spec, split_validation
 from .grid import Cell, model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs, looks_like_probabilities
@@ -621,7 +621,8 @@ def evaluate(
             "n_val": 0 if val is None else int(val[1].numel()),
             "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source,
             "corruption_seed": seed if source == "engine" else None,
-            "test_sha256": images_fingerprint(test_x, test_y)}
+            # the very test images and labels, in order: two results with one digest can be paired image by image
+            "test_sha256": tensor_digest(test_x, test_y)}
     if choose is None and baseline_key is not None:
         choose = baseline_chooser({"rows": grid["rows"]}, baseline_key, name="this evaluation")
     results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
