@@ -14,14 +14,14 @@ reported apart (``mca_extra``), as the benchmark does.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
 from shiftguard import metrics as M
 
 __all__ = ["CLEAN", "SERIES", "aggregate", "accuracy_drops", "robustness_table", "intervals", "INTERVAL_METRICS",
-           "series_key"]
+           "series_key", "primary_head"]
 
 CLEAN = "clean"
 
@@ -39,6 +39,18 @@ INTERVAL_METRICS = {
 SERIES = ("model", "context", "adaptation", "head")
 
 _KEY_FIELDS = (*SERIES, "corruption", "severity", "n", "group")
+
+
+def primary_head(heads: Sequence[str]) -> str:
+    """The head a model's model-level views show (the per-corruption table, the drop heatmap, mCE):
+    its own trained classifier, ``softmax``, when it was scored (a model's logits are trained
+    whenever ``softmax`` may be asked for: configs refuse it for embedding losses); else the
+    protocol head of [QACT, Sec. 4, Remark], the quantile classifier, else the logistic refit,
+    else the first head. The other heads are comparisons beside it."""
+    for h in ("softmax", "quantile", "logistic"):
+        if h in heads:
+            return h
+    return heads[0]
 
 
 def series_key(row: dict) -> tuple:

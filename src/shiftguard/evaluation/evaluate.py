@@ -29,6 +29,7 @@ from shiftguard.neighbors import check_backend
 from . import aggregate as A
 from .adaptation import AdaptSpec, adapt_specs
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
+from .aggregate import primary_head
 from .cache import check_fingerprint, fingerprint, tensor_digest
 from .compare import encode_per_image
 from .conformal import conformal_spec, split_validation
@@ -42,18 +43,6 @@ __all__ = ["evaluate", "DEFAULT_HEADS", "build_cells", "build_results", "primary
 #: Heads evaluated when ``heads`` is not given: the model's own softmax, temperature scaling, the
 #: logistic refit of [QACT, Sec. 4], NED and the kNN vote of [NED].
 DEFAULT_HEADS = ("softmax", "temperature", "logistic", "ned", "knn")
-
-
-def primary_head(heads: Sequence[str]) -> str:
-    """The head a model's model-level views show (the per-corruption table, the drop heatmap, mCE):
-    its own trained classifier, ``softmax``, when it was scored (a model's logits are trained
-    whenever ``softmax`` may be asked for: configs refuse it for embedding losses); else the
-    protocol head of [QACT, Sec. 4, Remark], the quantile classifier, else the logistic refit,
-    else the first head. The other heads are comparisons beside it."""
-    for h in ("softmax", "quantile", "logistic"):
-        if h in heads:
-            return h
-    return heads[0]
 
 
 def build_cells(suite: str, corruptions: Optional[Sequence[str]], severities: Sequence[int],

@@ -31,7 +31,7 @@ import numpy as np
 
 from shiftguard.io import atomic_write_bytes
 
-from .aggregate import series_key
+from .aggregate import primary_head, series_key
 
 __all__ = [
     "pyplot", "save_png", "metric_vs_severity", "drop_heatmap", "reliability_diagrams", "corruption_gallery",
@@ -218,14 +218,6 @@ def _sort_contexts(ctxs) -> list[str]:
     return sorted(ctxs, key=lambda c: (_CONTEXT_ORDER.get(c, 3), str(c)))
 
 
-def _protocol_head(heads: Sequence[str]) -> str:
-    """``evaluate.primary_head``'s rule, for results that do not record their primary heads."""
-    for h in ("softmax", "quantile", "logistic"):
-        if h in heads:
-            return h
-    return heads[0]
-
-
 def _settings(results: dict, model: str, ctxs: Sequence[str]) -> list[tuple[str, str]]:
     """The ``(context, adaptation)`` pairs of ``model`` that have rows: arm by arm in row order, and
     within an arm its contexts in the order of ``ctxs``."""
@@ -241,7 +233,7 @@ def primary_keys(results: dict) -> list[tuple[str, str, str, str]]:
     adaptation arm it was evaluated in and that has result rows.
 
     From ``results["models"]`` (``primary_head``, ``contexts``) when present; otherwise from
-    ``results["config"]["models"]`` or the rows, with the rule of ``evaluate.primary_head`` (the
+    ``results["config"]["models"]`` or the rows, with the rule of ``aggregate.primary_head`` (the
     model's own softmax, else the quantile classifier, else the logistic refit, else the first head)."""
     present = {series_key(r) for r in results["rows"]}
     contexts: dict = {}
@@ -265,7 +257,7 @@ def primary_keys(results: dict) -> list[tuple[str, str, str, str]]:
                     heads[r["model"]].append(r["head"])
         for name, hs in heads.items():
             if hs:
-                out += [(name, c, a, _protocol_head(hs))
+                out += [(name, c, a, primary_head(hs))
                         for c, a in _settings(results, name, _sort_contexts(contexts.get(name, ())))]
     return [k for k in out if k in present]
 
