@@ -21,7 +21,7 @@ import numpy as np
 from shiftguard import metrics as M
 
 __all__ = ["CLEAN", "SERIES", "aggregate", "accuracy_drops", "robustness_table", "intervals", "INTERVAL_METRICS",
-           "series_key", "primary_head"]
+           "series_key", "series_text", "parse_series", "primary_head"]
 
 CLEAN = "clean"
 
@@ -51,6 +51,26 @@ def primary_head(heads: Sequence[str]) -> str:
         if h in heads:
             return h
     return heads[0]
+
+
+def series_text(key: tuple) -> str:
+    """``model/context/head``, or ``model/context/adaptation/head`` for an adapted arm: how a
+    :func:`series_key` is written by users (``baseline_key``, ``[eval] baseline``) and in messages."""
+    m, c, a, h = key
+    return f"{m}/{c}/{h}" if a in (None, "none") else f"{m}/{c}/{a}/{h}"
+
+
+def parse_series(text: str, argument: str) -> tuple:
+    """The :func:`series_key` that :func:`series_text` wrote as ``text`` (three parts: the static arm).
+
+    Raises ``ValueError`` naming ``argument`` for any other form."""
+    parts = text.split("/")
+    if len(parts) == 3:
+        parts.insert(2, "none")
+    if len(parts) != 4 or not all(parts):
+        raise ValueError(f"{argument}: expected 'model/context/head' or 'model/context/adaptation/head', "
+                         f"got {text!r}")
+    return tuple(parts)
 
 
 def series_key(row: dict) -> tuple:

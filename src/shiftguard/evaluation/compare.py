@@ -14,10 +14,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from .aggregate import series_fields, series_key
+from .aggregate import series_fields, series_key, series_text
 
-__all__ = ["match_series", "pairing_problems", "paired_accuracy_intervals", "bootstrap_settings", "encode_per_image",
-           "series_text"]
+__all__ = ["match_series", "pairing_problems", "paired_accuracy_intervals", "bootstrap_settings", "encode_per_image"]
 
 
 # -- per-image correctness ------------------------------------------------------------------------
@@ -182,12 +181,6 @@ def paired_accuracy_intervals(a: dict, a_key: tuple, b: dict, b_key: tuple, *, c
 
 
 # -- matching series ------------------------------------------------------------------------------
-def series_text(key: tuple) -> str:
-    """``model/context/head``, or ``model/context/adaptation/head`` for an adapted arm."""
-    m, c, a, h = key
-    return f"{m}/{c}/{h}" if a in (None, "none") else f"{m}/{c}/{a}/{h}"
-
-
 def _listing(keys: Sequence[tuple], limit: int = 12) -> str:
     shown = [series_text(k) for k in keys[:limit]]
     return ", ".join(shown) + (f" and {len(keys) - limit} more" if len(keys) > limit else "") if shown else "none"

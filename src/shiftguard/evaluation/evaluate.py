@@ -185,20 +185,6 @@ def _labels_from_zero(parts: Sequence[tuple[str, torch.Tensor]]) -> None:
                          f"(subtract {lo} if they start at {lo})")
 
 
-def _baseline_key(key: str) -> tuple:
-    parts = key.split("/")
-    if len(parts) == 3:
-        parts.insert(2, "none")
-    if len(parts) != 4 or not all(parts):
-        raise ValueError(f"baseline_key: expected 'model/context/head' or 'model/context/adaptation/head', "
-                         f"got {key!r}")
-    return tuple(parts)
-
-
-def _key_text(key: tuple) -> str:
-    return "/".join(key) if key[2] != "none" else f"{key[0]}/{key[1]}/{key[3]}"
-
-
 def _baseline_results(baseline) -> Optional[dict]:
     if baseline is None:
         return None
@@ -232,11 +218,11 @@ def baseline_chooser(res: dict, key: Optional[str], name: Optional[str] = None) 
     for r in rows:
         by_key.setdefault(A.series_key(r), []).append(r)
     if key is not None:
-        k = _baseline_key(key)
+        k = A.parse_series(key, "baseline_key")
         if k not in by_key:
             raise ValueError(f"baseline_key: {key!r} is not in the baseline; it has "
-                             f"{', '.join(sorted(_key_text(h) for h in have))}")
-        return lambda head: (by_key[k], f"{label}: {_key_text(k)}")
+                             f"{', '.join(sorted(A.series_text(h) for h in have))}")
+        return lambda head: (by_key[k], f"{label}: {A.series_text(k)}")
     models = res.get("models") or [{"name": have[0][0], "heads": [h for m, _, _, h in have if m == have[0][0]]}]
     first = models[0]["name"]
     ctx = next(c for m, c, a, _ in have if m == first and a == "none") if any(
@@ -246,7 +232,7 @@ def baseline_chooser(res: dict, key: Optional[str], name: Optional[str] = None) 
 
     def choose(head: str) -> tuple:
         k = (first, ctx, "none", head if head in heads else primary)
-        return by_key[k], f"{label}: {_key_text(k)}"
+        return by_key[k], f"{label}: {A.series_text(k)}"
     return choose
 
 
@@ -582,7 +568,7 @@ def evaluate(
         base_results = _baseline_results(baseline)
         choose = baseline_chooser(base_results, baseline_key) if base_results is not None else None
         if base_results is None and baseline_key is not None:  # a series of this evaluation: checked now
-            own = _baseline_key(baseline_key)
+            own = A.parse_series(baseline_key, "baseline_key")
             if own[0] not in head_map or own[3] not in head_map[own[0]]:
                 listed = "; ".join(f"{m}: {', '.join(h)}" for m, h in head_map.items())
                 raise ValueError(f"baseline_key: {baseline_key!r} names no model and head of this evaluation "

@@ -641,13 +641,16 @@ def _check_values(cfg: RunConfig, src: str) -> None:
 
     # --- the baseline of mCE: one of this run's series
     if e.baseline and e.baseline != "none":
-        parts = e.baseline.split("/")
-        if len(parts) not in (3, 4) or not all(parts):
+        from shiftguard.evaluation.aggregate import parse_series
+
+        try:
+            series = parse_series(e.baseline, "eval.baseline")
+        except ValueError:
             bad("eval.baseline", "be 'model/context/head', 'model/context/adaptation/head', '' or 'none'", e.baseline)
-        model = next((m for m in cfg.models if m.name == parts[0]), None)
+        model = next((m for m in cfg.models if m.name == series[0]), None)
         if model is None:
             bad("eval.baseline", f"name a model of this run ({', '.join(m.name for m in cfg.models)})", e.baseline)
-        elif parts[-1] not in model.heads:
+        elif series[3] not in model.heads:
             bad("eval.baseline", f"name a head of model {model.name!r} ({', '.join(model.heads)})", e.baseline)
 
     # --- the support the kNN heads search (k nearest of at most this many training embeddings)
