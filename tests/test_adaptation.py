@@ -260,6 +260,39 @@ def test_the_callers_model_is_unchanged_bit_for_bit_by_an_evaluation_with_every_
     assert net.bn1.running_mean is not None and net.bn1.track_running_stats
 
 
+def test_an_evaluation_with_every_arm_reseeds_no_other_devices_generator_and_restores_the_cpu_stream(monkeypatch):
+    # torch.manual_seed would also reseed every CUDA device, which fork_rng(devices=[]) does not
+    # restore: the caller's CUDA random stream would change behind its back
+    calls = []
+    for mod in (torch.cuda, torch.xpu, torch.mtia):
+        monkeypatch.setattr(mod, "manual_seed_all", lambda seed, _m=mod.__name__: calls.append(_m))
+    net = _trained_net()
+    x = _images(60)
+    y = torch.arange(60) % 3
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    calls.clear()
+    shiftguard.evaluate(net, (x, y), support=(x, y), validation=(x, y), suite="mnist-c", corruptions=["fog"],
+                        severities=[3], heads=["softmax", "knn"], n_boot=10, batch_size=30,
+                        adapt=["none", "bn-batch", "bn", "tent", "refresh:passes=1"])
+    assert calls == []
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_seeded_seeds_and_restores_the_cpu_generator_only():
+    from shiftguard._rng import seeded
+
+    torch.manual_seed(5)
+    expected = torch.rand(2)
+    torch.manual_seed(5)
+    with seeded(7):
+        inside = torch.rand(2)
+    assert torch.equal(torch.rand(2), expected)
+    torch.manual_seed(7)
+    assert torch.equal(torch.rand(2), inside)
+
+
 def test_arms_a_model_cannot_use_are_skipped_with_the_reason():
     plain = nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3))
     outs = ModelOutputs(plain)

@@ -50,6 +50,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from shiftguard._rng import seeded
 from shiftguard.nn import QuantileActivation, has_qact, qact_context
 from shiftguard.registry import Registry
 
@@ -322,8 +323,7 @@ class AdaptedModel:
         self._set_modes(batchnorm=True, qact=False)
         order, bounds = batch_order(images.shape[0], batch_size)
         try:
-            with torch.random.fork_rng(devices=[]), qact_context(self.model, "batch" if context == "none" else context):
-                torch.manual_seed(0)
+            with seeded(0, device), qact_context(self.model, "batch" if context == "none" else context):
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     self.outputs.raw(images[order[a:b]], device)
         finally:
@@ -342,8 +342,7 @@ class AdaptedModel:
         self._set_modes(batchnorm=True, qact=True)
         n = images.shape[0]
         try:
-            with torch.random.fork_rng(devices=[]), qact_context(self.model, "batch"):
-                torch.manual_seed(0)
+            with seeded(0, device), qact_context(self.model, "batch"):
                 for p in range(self.spec.passes):
                     order, bounds = batch_order(n, batch_size, order_seed=self.seed * 1_000_003 + p + 1)
                     for a, b in zip(bounds[:-1], bounds[1:]):
@@ -373,8 +372,7 @@ class AdaptedModel:
         embs: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
         try:
-            with torch.random.fork_rng(devices=[]), qact_context(model, "batch" if context == "none" else context):
-                torch.manual_seed(0)
+            with seeded(0, device), qact_context(model, "batch" if context == "none" else context):
                 for a, b in zip(bounds[:-1], bounds[1:]):
                     x = images[order[a:b]]
                     emb: Optional[torch.Tensor] = None

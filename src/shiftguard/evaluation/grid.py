@@ -26,12 +26,12 @@ and each returns the one-process result (:func:`grid_shards`, ``docs/distributed
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from shiftguard._rng import seeded
 from shiftguard.heads import build_head, head_class
 from shiftguard.neighbors import SearchCache, resolve_backend
 from shiftguard.nn import has_qact, qact_context
@@ -101,15 +101,6 @@ def grid_jobs(models: Sequence[dict], contexts: Sequence[str], adapt: Sequence[A
 def _slug(label: str) -> str:
     """An arm label as a folder name."""
     return "".join(ch if ch.isalnum() or ch in "-." else "-" for ch in label)
-
-
-@contextmanager
-def _seeded(seed: int = 0):
-    """A fixed global RNG for one head fit / prediction (QACT heads sample from it), so a resumed
-    run, whose RNG state differs after skipped training, scores exactly like an uninterrupted one."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 def run_grid(
@@ -249,7 +240,9 @@ def run_grid(
             for h, head in built.items():
                 train = (sup[head.input], support_y) if sup is not None else (None, None)
                 held_out = (val[head.input], validation_y) if val is not None and head.uses_validation else ()
-                with _seeded():
+                # a fixed global RNG for each head fit / prediction (QACT heads sample from it), so a
+                # resumed run, whose RNG state differs after skipped training, scores like an uninterrupted one
+                with seeded(0, device):
                     head.fit(*train, *held_out)
                 fitted[m["name"], ctx, h] = head
             if conformal is not None:
@@ -259,7 +252,7 @@ def run_grid(
                     cal["embeddings"] if cal["embeddings"] is not None else cal["logits"])
                 for h in heads:
                     head = fitted[m["name"], ctx, h]
-                    with _seeded():
+                    with seeded(0, device):
                         probs = torch.as_tensor(head.predict_proba(cal[head.input]))
                     fitted[m["name"], ctx, h, "conformal"] = fit_calibrators(conformal, probs, calibration[1], seed)
             timings["fit_heads_s"] += time.perf_counter() - t0
@@ -404,7 +397,7 @@ def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, h
         head = fitted[name, ctx, h]
         x = out[head.input]
         ovr = None
-        with _seeded():
+        with seeded(0, x.device):
             probs = torch.as_tensor(head.predict_proba(x))
             if hasattr(head, "predict_one_vs_rest"):
                 ovr = torch.as_tensor(head.predict_one_vs_rest(x))

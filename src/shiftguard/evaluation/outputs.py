@@ -29,6 +29,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from shiftguard._rng import seeded
+
 __all__ = ["ModelOutputs", "OUTPUTS", "batch_order", "compute_outputs", "model_dtype"]
 
 #: What ``model(x)`` may return (``ModelOutputs(output=...)``).
@@ -254,8 +256,7 @@ def compute_outputs(outputs: ModelOutputs, images: torch.Tensor, batch_size: int
     so the same call gives the same outputs without disturbing the caller's random stream.
     """
     outputs.model.eval()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
+    with seeded(0, device):
         n = images.shape[0]
         order, bounds = batch_order(n, batch_size, order_seed)
         # Each batch returns embeddings exactly when outputs.has_embeddings, logits when has_logits.
