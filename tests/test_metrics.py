@@ -89,6 +89,21 @@ def test_marginal_ece_is_the_mean_of_classwise_binary_errors():
     assert ece(p, y, kind="marginal", p=2) == pytest.approx(np.sqrt(np.mean(per_class2)), abs=1e-12)
 
 
+@pytest.mark.parametrize("p_norm, debiased", [(1, False), (2, False), (2, True)])
+def test_marginal_ece_of_all_classes_at_once_equals_each_class_on_its_own_also_on_bin_edges(p_norm, debiased):
+    from shiftguard.metrics.calibration import calibration_error_1d
+
+    g = torch.Generator().manual_seed(3)
+    # scores on the 15 bin edges exactly (multiples of 1/15) and between them
+    p = torch.randint(0, 16, (240, 5), generator=g).double() / 15
+    p[120:] = torch.rand(120, 5, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 5, (240,), generator=g)
+    onehot = torch.nn.functional.one_hot(y, 5).bool()
+    each = [calibration_error_1d(p[:, c], onehot[:, c], 15, "width", p_norm, debiased) ** p_norm for c in range(5)]
+    assert ece(p, y, kind="marginal", one_vs_rest=True, p=p_norm, debiased=debiased) == pytest.approx(
+        np.mean(each) ** (1 / p_norm), rel=1e-12, abs=1e-15)
+
+
 def test_one_vs_rest_ece_uses_per_class_probabilities_without_renormalising():
     """[QACT, Sec. 3-4]: the quantile classifier's one-vs-rest probabilities are calibrated as they are."""
     g = torch.Generator().manual_seed(7)

@@ -79,13 +79,36 @@ def calibration_error_1d(scores: torch.Tensor, hits: torch.Tensor, n_bins: int =
                          p: int = 1, debiased: bool = False) -> float:
     """Binned calibration error of scores in [0, 1] against 0/1 outcomes (the ``ce_1d`` of Kumar et al.)."""
     count, conf, acc, _ = binned_statistics(scores, hits, n_bins, binning)
-    weight = count / count.sum()
-    err = (acc - conf).abs().pow(p)
+    return float(_error_from_bins(count, conf, acc, p, debiased))
+
+
+def _error_from_bins(count: torch.Tensor, conf: torch.Tensor, acc: torch.Tensor, p: int, debiased: bool) -> torch.Tensor:
+    """The calibration error of each row of per-bin ``(count, mean score, mean hit)`` (``(..., bins)``):
+    ``(sum_b w_b |acc_b - conf_b|^p)^(1/p)``, or Kumar et al.'s debiased L2 estimate."""
+    weight = count / count.sum(-1, keepdim=True)
     if debiased:
         var = acc * (1 - acc) / (count - 1).clamp(min=1)
-        err = torch.where(count >= 2, (acc - conf).pow(2) - var, torch.zeros_like(err))
-        return float((weight * err).sum().clamp(min=0).sqrt())
-    return float((weight * err).sum().pow(1.0 / p))
+        err = torch.where(count >= 2, (acc - conf).pow(2) - var, torch.zeros_like(acc))
+        return (weight * err).sum(-1).clamp(min=0).sqrt()
+    return (weight * (acc - conf).abs().pow(p)).sum(-1).pow(1.0 / p)
+
+
+def _marginal_width_errors(prob: torch.Tensor, onehot: torch.Tensor, n_bins: int, p: int,
+                           debiased: bool) -> torch.Tensor:
+    """:func:`calibration_error_1d` of every class's column with equal-width bins, ``(C,)``: the
+    same bins (``bin_assignments`` of all the scores at once) and per-bin sums, one pass for all
+    classes instead of one per class."""
+    c = prob.shape[1]
+    scores = prob.t().contiguous()  # class-major: each class's scores in image order, as one column would be
+    idx, _ = bin_assignments(scores.reshape(-1), n_bins, "width")
+    flat = (idx.view(c, -1) + torch.arange(c, device=prob.device).unsqueeze(1) * n_bins).reshape(-1)
+    zeros = torch.zeros(c * n_bins, dtype=torch.float64, device=prob.device)
+    count = zeros.index_add(0, flat, torch.ones(flat.numel(), dtype=torch.float64, device=prob.device))
+    conf = zeros.index_add(0, flat, scores.reshape(-1).double())
+    acc = zeros.index_add(0, flat, onehot.t().reshape(-1).double())
+    safe = count.clamp(min=1)
+    return _error_from_bins(count.view(c, n_bins), (conf / safe).view(c, n_bins), (acc / safe).view(c, n_bins),
+                            p, debiased)
 
 
 def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str = "width",
@@ -122,8 +145,11 @@ def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str =
         conf, pred = prob.max(dim=1)
         return calibration_error_1d(conf, (pred == y), n_bins, binning, p, debiased)
     onehot = torch.nn.functional.one_hot(y, prob.shape[1]).bool()
-    per_class = torch.tensor([
-        calibration_error_1d(prob[:, c], onehot[:, c], n_bins, binning, p, debiased) ** p
-        for c in range(prob.shape[1])
-    ], dtype=torch.float64)
+    if binning == "width":
+        per_class = _marginal_width_errors(prob, onehot, n_bins, p, debiased).pow(p)
+    else:  # equal-mass bins are each class's own
+        per_class = torch.tensor([
+            calibration_error_1d(prob[:, c], onehot[:, c], n_bins, binning, p, debiased) ** p
+            for c in range(prob.shape[1])
+        ], dtype=torch.float64)
     return float(per_class.mean() ** (1.0 / p))
