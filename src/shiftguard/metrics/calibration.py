@@ -82,7 +82,8 @@ def calibration_error_1d(scores: torch.Tensor, hits: torch.Tensor, n_bins: int =
     return float(_error_from_bins(count, conf, acc, p, debiased))
 
 
-def _error_from_bins(count: torch.Tensor, conf: torch.Tensor, acc: torch.Tensor, p: int, debiased: bool) -> torch.Tensor:
+def _error_from_bins(count: torch.Tensor, conf: torch.Tensor, acc: torch.Tensor, p: int,
+                     debiased: bool) -> torch.Tensor:
     """The calibration error of each row of per-bin ``(count, mean score, mean hit)`` (``(..., bins)``):
     ``(sum_b w_b |acc_b - conf_b|^p)^(1/p)``, or Kumar et al.'s debiased L2 estimate."""
     weight = count / count.sum(-1, keepdim=True)
