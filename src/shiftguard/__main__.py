@@ -4,4 +4,7 @@ import sys
 
 from shiftguard.cli import main
 
-sys.exit(main())
+# the guard: a process started by multiprocessing's spawn (parallel training) imports this module
+# again, as __mp_main__, and must not run the command a second time
+if __name__ == "__main__":
+    sys.exit(main())

@@ -109,6 +109,10 @@ class TrainConfig:
     jsd_weight: float = 0.0
     #: evaluate validation every epoch on at most this many images (0 = the whole split).
     max_val: int = 0
+    #: models trained at once, each in a process of its own with an equal share of the torch
+    #: threads (CPU only; a setting of the whole run, not of a model): 0 = auto, one per model up
+    #: to the thread count on the CPU, 1 elsewhere; 1 = one after the other in this process.
+    jobs: int = 0
 
 
 @dataclass
@@ -368,6 +372,7 @@ _RULES: dict[str, dict[str, Any]] = {
         "augmix_suite": None,  # the corruption suites (or ""), filled in from shiftguard.corruptions.SUITES
         "jsd_weight": _reals(0),
         "max_val": _ints(0, why=" (0 = the whole validation split)"),
+        "jobs": _ints(0, why=" (0 = auto)"),
     },
     "eval": {
         "batch_size": _ints(2, why=" (QACT needs a context of 2 images)"),
@@ -630,9 +635,10 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         if dim is not None and (not _is_int(dim) or dim < 1):
             bad(f"{where}.model_kwargs.embedding_dim", "be an integer >= 1", dim)
         for k, v in list(m.train.items()):
-            if k not in train_hints:
-                raise ValueError(f"{src}: key {where}.train.{k} is unknown; allowed keys: "
-                                 f"{', '.join(sorted(train_hints))}")
+            if k not in train_hints or k == "jobs":
+                whole_run = " (jobs is a setting of the whole run: [train] jobs)" if k == "jobs" else ""
+                raise ValueError(f"{src}: key {where}.train.{k} is unknown{whole_run}; allowed keys: "
+                                 f"{', '.join(sorted(set(train_hints) - {'jobs'}))}")
             m.train[k] = _typed(v, train_hints[k], f"{where}.train.{k}", src)
             if k == "augmix_suite":
                 m.train[k] = _suite_name(m.train[k])

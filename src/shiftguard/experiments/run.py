@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny smoke run (subsets, 1 epoch, 3 corruptions x 2 severities)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; "
                    "docs/performance.md, \"Threads\")")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="override train.jobs: models trained at once, each in its own process with an equal share "
+                        "of the threads (CPU; 0 = auto: one per model up to the thread count; 1 = one at a time)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list-configs", action="store_true", help="list the shipped configs and exit")
     p.add_argument("--nproc", type=int, default=0, metavar="N",
@@ -103,6 +106,11 @@ def resolve_config(args) -> C.RunConfig:
             m.train.pop("epochs", None)
     if args.seed is not None:
         cfg.seed = args.seed
+    jobs = getattr(args, "jobs", None)
+    if jobs is not None:
+        if jobs < 0:
+            raise ValueError(f"--jobs: expected >= 0 (0 = auto), got {jobs}")
+        cfg.train.jobs = jobs
     adapt = getattr(args, "adapt", None)
     if adapt is not None:
         cfg.eval.adapt = list(adapt)
@@ -126,7 +134,7 @@ def _shrink(cfg: C.RunConfig) -> C.RunConfig:
     cfg.data.test_subset = min(cfg.data.test_subset or 10**9, q.data.test_subset)
     cfg.data.corruptions = cfg.data.corruptions[:2] if cfg.data.corruptions else []
     cfg.data.severities = [5]
-    cfg.train.epochs, cfg.train.batch_size = 1, q.train.batch_size
+    cfg.train.epochs, cfg.train.batch_size, cfg.train.jobs = 1, q.train.batch_size, q.train.jobs
     cfg.eval.batch_size = q.eval.batch_size
     for m in cfg.models:
         m.train = {}
@@ -339,7 +347,8 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         train_x = data["train"][0]
         step = cfg.eval.batch_size
         fit_covariance(to_model_input(train_x[i : i + step], device) for i in range(0, len(train_x), step))
-    summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": trainer.loss_on})
+    summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": trainer.loss_on,
+                    "threads": torch.get_num_threads()})
     # the module the trainer optimised (moved in place by .to; a distributed wrapper holds it)
     trained_loss = loss if isinstance(loss, torch.nn.Module) and loss_on == "embeddings" else None
     if is_main_process():
@@ -350,6 +359,109 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         atomic_write_json(summary_path, summary)
     barrier()
     return model, summary, trained_loss
+
+
+def training_jobs(cfg: C.RunConfig, device, distributed: bool, n_models: int, threads: int) -> int:
+    """How many models train at once: ``train.jobs``, or for 0 (auto) one per model up to torch's
+    thread count on the CPU, and 1 on other devices or under torch.distributed (where every
+    process trains each model). Never more than ``n_models``.
+
+    Raises ``ValueError`` for ``jobs > 1`` on a non-CPU device or under torch.distributed."""
+    jobs = cfg.train.jobs
+    if jobs > 1 and (distributed or torch.device(device).type != "cpu"):
+        where = "under torch.distributed" if distributed else f"on device {device}"
+        raise ValueError(f"{cfg.source}: train.jobs = {jobs}: models train in parallel processes on the CPU "
+                         f"only; {where} set jobs = 1 (or 0, auto)")
+    if jobs == 0:
+        jobs = 1 if distributed or torch.device(device).type != "cpu" else threads
+    return max(1, min(jobs, n_models))
+
+
+def _finished(run_dir: Path, m: C.ModelConfig) -> bool:
+    """Whether ``run_dir`` holds the final weights and summary of ``m`` (what --resume loads)."""
+    mdir = run_dir / "models" / m.name
+    return (mdir / "model.pt").is_file() and (mdir / "model.json").is_file()
+
+
+def _train_worker(cfg: C.RunConfig, index: int, data: dict, run_dir: Path, resume: bool,
+                  threads: int) -> tuple[dict, float]:
+    """One model trained in a worker process with ``threads`` torch threads; returns its summary and
+    seconds. Its weights reach the parent through the run directory (as a finished model of --resume)."""
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    _, summary, _ = train_model(cfg, cfg.models[index], data, run_dir, torch.device("cpu"), resume, progress=False)
+    return summary, time.perf_counter() - t0
+
+
+def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bool, progress: bool,
+                 distributed: bool, log: Callable[[str], None]) -> tuple[dict, dict, dict, dict]:
+    """Train every model of ``cfg`` (or load the finished ones on ``resume``); return ``(models,
+    training summaries, trained losses, timings)`` keyed by model name, ``timings`` with
+    ``train_s`` (seconds per model), ``train_wall_s`` and ``train_jobs``.
+
+    With ``jobs`` > 1 (:func:`training_jobs`) the models still to train are trained that many at
+    a time, each in a process of its own with ``threads // jobs`` torch threads (small models use
+    two threads far less than twice as well as one: docs/performance.md, "Parallel training");
+    models with QACT start first, their epochs cost about twice a ReLU model's. Each model is
+    trained by the same code, from the same seed, as in one process with that thread count, and
+    its weights come back through the run directory. A model's epoch lines are printed as they come;
+    progress bars are off in the workers."""
+    t_start = time.perf_counter()
+    threads = torch.get_num_threads()
+    pending = [i for i, m in enumerate(cfg.models) if not (resume and _finished(run_dir, m))]
+    jobs = training_jobs(cfg, device, distributed, len(pending), threads)
+    train_s: dict[str, float] = {}
+    summaries: dict[str, dict] = {}
+
+    def report(m: C.ModelConfig, summary: dict) -> None:
+        log(f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
+            f"({summary['epochs_run']} epochs, {train_s[m.name]:.1f} s)")
+
+    if jobs > 1:
+        import concurrent.futures as cf
+
+        import torch.multiprocessing as tmp
+
+        from shiftguard.nn.qact import ACTIVATION_REGISTRY
+
+        def qact_first(i: int) -> int:
+            act = cfg.models[i].activation
+            return 0 if act in ACTIVATION_REGISTRY and ACTIVATION_REGISTRY.canonical(act) == "qact" else 1
+
+        per_job = max(1, threads // jobs)
+        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=tmp.get_context("spawn")) as pool:
+            futures = {pool.submit(_train_worker, cfg, i, data, run_dir, resume, per_job): i
+                       for i in sorted(pending, key=qact_first)}
+            try:
+                for fut in cf.as_completed(futures):
+                    m = cfg.models[futures[fut]]
+                    try:
+                        summaries[m.name], train_s[m.name] = fut.result()
+                    except cf.process.BrokenProcessPool:
+                        raise RuntimeError(f"training {m.name}: a training process ended abnormally (killed, or out "
+                                           "of memory); --resume continues from the last checkpoints") from None
+                    report(m, summaries[m.name])
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    trained: dict[str, torch.nn.Module] = {}
+    training: dict[str, dict] = {}
+    attack_losses: dict[str, Any] = {}
+    for m in cfg.models:
+        t0 = time.perf_counter()
+        # trained by a worker: its final weights are loaded like a finished model of --resume
+        loads = resume or m.name in summaries
+        model, summary, attack_losses[m.name] = train_model(cfg, m, data, run_dir, device, loads, progress, distributed)
+        if m.name in summaries:
+            summary = summaries[m.name]
+        else:
+            train_s[m.name] = time.perf_counter() - t0
+            report(m, summary)
+        trained[m.name], training[m.name] = model, summary
+    timings = {"train_s": {m.name: train_s[m.name] for m in cfg.models}, "train_jobs": jobs,
+               "train_wall_s": time.perf_counter() - t_start}
+    return trained, training, attack_losses, timings
 
 
 def preflight(cfg: C.RunConfig) -> None:
@@ -450,6 +562,10 @@ def _check_run_dir(cfg: C.RunConfig, run_dir: Path, resume: bool) -> None:
         if not isinstance(old, dict) or not isinstance(old.get("config"), dict):
             raise ValueError(f"--resume: {stored} is damaged (no configuration table)")
         new = _jsonable(cfg.to_dict())
+        # how many models train at once is how the run is computed, like --threads, not what it computes
+        for tree in (old["config"], new):
+            if isinstance(tree.get("train"), dict):
+                tree["train"].pop("jobs", None)
         if old["config"] != new:
             diff = C.config_diff(old["config"], new)
             shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
@@ -551,19 +667,10 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
 
     e = cfg.eval
     contexts = ("batch", "frozen") if e.frozen_context else ("batch",)
-    trained: dict[str, torch.nn.Module] = {}
-    timings: dict[str, Any] = {"compile_s": compile_s, "train_s": {}, "evaluate_s": 0.0}
-    training = {}
-    attack_losses: dict[str, Any] = {}
-    for m in cfg.models:
-        t0 = time.perf_counter()
-        model, summary, trained_loss = train_model(cfg, m, data, run_dir, device, resume, progress, distributed)
-        attack_losses[m.name] = trained_loss
-        timings["train_s"][m.name] = time.perf_counter() - t0
-        training[m.name] = summary
-        log(f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
-            f"({summary['epochs_run']} epochs, {timings['train_s'][m.name]:.1f} s)")
-        trained[m.name] = model
+    timings: dict[str, Any] = {"compile_s": compile_s, "evaluate_s": 0.0}
+    trained, training, attack_losses, train_timings = train_models(cfg, data, run_dir, device, resume, progress,
+                                                                   distributed, log)
+    timings.update(train_timings)
 
     t0 = time.perf_counter()
     if distributed:
