@@ -774,16 +774,18 @@ def quick_config() -> RunConfig:
     raw = {**_DEFAULT}
     raw["data"] = {**_DEFAULT["data"], "train_subset": 500, "test_subset": 200,
                    "corruptions": ["shot_noise", "rotate", "fog"], "severities": [1, 5]}
-    raw["train"] = {**_DEFAULT["train"], "epochs": 1, "batch_size": 100}
-    # The smoke run checks the pipeline, not accuracy: the plain-width LeNet keeps it fast.
-    raw["models"] = [{**m, "train": {}, "model_kwargs": {}} for m in _DEFAULT["models"]]
+    # its models train in under a second each: a process per model would cost more than it saves
+    raw["train"] = {**_DEFAULT["train"], "epochs": 1, "batch_size": 100, "jobs": 1}
+    raw["models"] = [{**m, "train": {}} for m in _DEFAULT["models"]]
     raw["eval"] = {**_DEFAULT["eval"], "batch_size": 100, "retrieval_ks": [1, 5]}
     return config_from_dict(raw, source="<quick>")
 
 
 # Trained to the plateau (measured, see docs/run.md, "Reproduction"): on the embedded subset the
 # plain LeNet-5 ReLU levels off at ~97.2% clean accuracy; the over-parametrised LeNet of
-# [QACT, Sec. 4], width 2, reaches ~97.7%, so every model uses it. All 10,000 embedded training images
+# [QACT, Sec. 4], width 2, reaches ~97.7% but costs 2-5x per image (docs/performance.md, "The
+# default run"), so the default uses the plain width, the width of the adaptation study
+# (docs/reproduction.md); experiments/reproduce_mnist_c.py keeps width 2. All 10,000 embedded training images
 # (8,000 train / 2,000 validation, the 80:20 split of [QACT, App. B]); 1,000 test images (100 per digit)
 # per corruption x severity. Schedule: [QACT, App. B] (Adam 1e-3, ReduceLROnPlateau on validation
 # accuracy with factor 0.1, early stopping at +0.001) with patience 2 / cooldown 0 / threshold
@@ -803,17 +805,16 @@ _DEFAULT: dict = {
     "models": [
         # ReLU steps are cheap: batches of 64 at lr 2e-3 reach its plateau in ~11 epochs.
         {"name": "lenet-relu-ce", "arch": "lenet", "activation": "relu", "loss": "cross_entropy",
-         "heads": ["logistic", "softmax", "temperature", "ned", "knn"], "model_kwargs": {"width": 2},
-         "train": {"batch_size": 64, "lr": 2e-3}},
+         "heads": ["logistic", "softmax", "temperature", "ned", "knn"], "train": {"batch_size": 64, "lr": 2e-3}},
         # The BatchNorm twin of the QACT LeNet below: its BN-QACT-BN blocks with ReLU in place of QACT,
         # so that "QACT vs ReLU" does not compare different amounts of BatchNorm.
         # It trains with the QACT model's schedule (batches of 256, Adam 1e-3), so that the pair differs
         # in the activation only.
         {"name": "lenet-bnrelubn-ce", "arch": "lenet", "activation": "bn-relu-bn", "loss": "cross_entropy",
-         "heads": ["logistic", "softmax", "temperature", "ned", "knn"], "model_kwargs": {"width": 2}},
+         "heads": ["logistic", "softmax", "temperature", "ned", "knn"]},
         # QACT's context is the training batch: 256 images per context, Adam 1e-3 [QACT, App. B].
         {"name": "lenet-qact-watershed", "arch": "lenet", "activation": "qact", "loss": "watershed",
-         "heads": ["quantile", "logistic", "ned", "knn"], "model_kwargs": {"width": 2}},
+         "heads": ["quantile", "logistic", "ned", "knn"]},
     ],
 }
 
