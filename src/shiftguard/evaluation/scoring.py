@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from shiftguard import metrics as M
+from shiftguard.metrics.classification import check_probs_labels
 
 __all__ = ["score_cell", "calibration_view", "score_retrieval", "reliability_bins", "CELL_METRICS"]
 
@@ -33,15 +34,20 @@ def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: Optional[torch.T
     """
     probs, calib = calibration_view(probs, one_vs_rest)
     ovr = one_vs_rest is not None
+    # the values checked once here (finite, rows on the simplex, labels in range), not by every metric
+    check_probs_labels(probs, labels)
+    if ovr:
+        check_probs_labels(calib, labels, probs_name="one_vs_rest", simplex=False)
     conf, pred = calib.max(1)
     uncertainty = 1.0 - conf
     wrong = probs.argmax(1) != labels
+    checked = {"validate_args": False}
     return {
-        "accuracy": float(M.accuracy(probs, labels)),
-        "nll": float(M.nll(probs, labels)),
-        "brier": float(M.brier(probs, labels)),
-        "ece_top_label": float(M.ece(calib, labels, n_bins=n_bins, kind="top-label", one_vs_rest=ovr)),
-        "ece_marginal": float(M.ece(calib, labels, n_bins=n_bins, kind="marginal", one_vs_rest=ovr)),
+        "accuracy": float(M.accuracy(probs, labels, **checked)),
+        "nll": float(M.nll(probs, labels, **checked)),
+        "brier": float(M.brier(probs, labels, **checked)),
+        "ece_top_label": float(M.ece(calib, labels, n_bins=n_bins, kind="top-label", one_vs_rest=ovr, **checked)),
+        "ece_marginal": float(M.ece(calib, labels, n_bins=n_bins, kind="marginal", one_vs_rest=ovr, **checked)),
         "r_auroc": None if miss is None else _or_none(lambda: M.auroc_error(uncertainty, miss)),
         "auroc_error": _or_none(lambda: M.auroc_error(uncertainty, pred != labels)),
         "aurc": _or_none(lambda: M.aurc(uncertainty, wrong)),
