@@ -109,11 +109,30 @@ def test_cli_gallery_writes_a_png(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _grid(fig) -> tuple[list[str], list[str]]:
+    """The gallery's row (corruption) and column (severity) labels."""
+    (ax,) = fig.axes
+    return [t.get_text() for t in ax.get_yticklabels()], [t.get_text() for t in ax.get_xticklabels()]
+
+
 def test_gallery_function_returns_one_row_per_corruption_and_six_columns():
-    fig = C.gallery(synthetic_scene(2, 32), "cifar-c-extra", index=1)
-    assert len(fig.axes) == 4 * 6
     import matplotlib.pyplot as plt
 
+    from shiftguard.corruptions import corrupt
+
+    scene = synthetic_scene(2, 32)
+    fig = C.gallery(scene, "cifar-c-extra", index=1)
+    rows, cols = _grid(fig)
+    assert rows == list(C.names("cifar-c-extra")) and cols == ["clean"] + [f"severity {s}" for s in range(1, 6)]
+    # every cell shows the image at that corruption and severity
+    mosaic = fig.axes[0].get_images()[0].get_array()
+    gap = 32 // 8
+    for i, name in enumerate(rows):
+        for j, sev in enumerate(range(6)):
+            want = corrupt(scene[1:2], name, sev, seed=0, suite="cifar-c-extra")[0].float() / 255
+            top, left = gap + i * (32 + gap), gap + j * (32 + gap)
+            got = torch.as_tensor(mosaic[top:top + 32, left:left + 32]).permute(2, 0, 1).float()
+            assert torch.allclose(got, want, atol=1e-6), (name, sev)
     plt.close(fig)
 
 
@@ -121,8 +140,8 @@ def test_gallery_without_suite_resolves_names_by_channel_count():
     import matplotlib.pyplot as plt
 
     fig = C.gallery(synthetic_scene(1, 32), names=["zoom_blur", "fog"], severities=(0, 3))
-    assert len(fig.axes) == 2 * 2
+    assert _grid(fig) == (["zoom_blur", "fog"], ["clean", "severity 3"])
     plt.close(fig)
     fig = C.gallery(synthetic_scene(1, 28)[:, :1], severities=(0, 5))  # grey: the MNIST-C suite
-    assert len(fig.axes) == 15 * 2
+    assert len(_grid(fig)[0]) == 15 and _grid(fig)[1] == ["clean", "severity 5"]
     plt.close(fig)

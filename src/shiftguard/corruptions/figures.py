@@ -84,25 +84,32 @@ def gallery(
     else:
         rows = list(names)
     one = images[index : index + 1]
-    fig, axes = plt.subplots(
-        len(rows), len(severities), figsize=(cell * len(severities) + 1.2, cell * len(rows) + 0.4), squeeze=False
-    )
-    for i, name in enumerate(rows):
-        for j, sev in enumerate(severities):
+    # One image of all the cells with white gaps, drawn on one axes: the same picture as a grid of
+    # len(rows) x len(severities) axes at a tenth of the drawing time.
+    cells = []
+    for name in rows:
+        for sev in severities:
             y = corrupt(one, name, sev, seed=seed, suite=suite)[0]
-            y = y.float() / 255 if y.dtype == torch.uint8 else y.float()
-            ax = axes[i][j]
-            if y.shape[0] == 1:
-                ax.imshow(y[0].cpu().numpy(), cmap="gray", vmin=0, vmax=1, interpolation="nearest")
-            else:
-                ax.imshow(y.permute(1, 2, 0).cpu().numpy(), interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if i == 0:
-                ax.set_title("clean" if sev == 0 else f"severity {sev}", fontsize=8)
-            if j == 0:
-                ax.set_ylabel(name, fontsize=7, rotation=0, ha="right", va="center")
-    title = suite or ("mnist-c" if images.shape[1] == 1 and names is None else "corruptions")
-    fig.suptitle(f"{title}: corruptions x severities (seed {seed})", fontsize=9)
+            cells.append((y.float() / 255 if y.dtype == torch.uint8 else y.float()).clamp(0, 1).cpu())
+    c, h, w = cells[0].shape
+    # RGB, white gaps, each image in a grey frame (a white image border must not merge with the gap)
+    gap = max(3, h // 8)
+    mosaic = torch.ones(3, len(rows) * (h + gap) + gap, len(severities) * (w + gap) + gap)
+    for k, y in enumerate(cells):
+        i, j = divmod(k, len(severities))
+        top, left = gap + i * (h + gap), gap + j * (w + gap)
+        mosaic[:, top - 1:top + h + 1, left - 1:left + w + 1] = 0.6
+        mosaic[:, top:top + h, left:left + w] = y.expand(3, h, w) if c == 1 else y[:3]
+    fig, ax = plt.subplots(figsize=(cell * len(severities) + 1.2, cell * len(rows) + 0.4))
+    ax.imshow(mosaic.permute(1, 2, 0).numpy(), interpolation="nearest")
+    ax.set_xticks([gap + j * (w + gap) + (w - 1) / 2 for j in range(len(severities))],
+                  ["clean" if sev == 0 else f"severity {sev}" for sev in severities], fontsize=8)
+    ax.xaxis.tick_top()
+    ax.set_yticks([gap + i * (h + gap) + (h - 1) / 2 for i in range(len(rows))], list(rows), fontsize=7)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    title = suite or ("mnist-c" if images.shape[1] == 1 and names is None else "")
+    fig.suptitle(f"{title + ': ' if title else ''}corruptions x severities (seed {seed})", fontsize=9)
     fig.tight_layout()
     return fig
