@@ -385,8 +385,9 @@ def _finished(run_dir: Path, m: C.ModelConfig) -> bool:
 
 def _train_worker(cfg: C.RunConfig, index: int, data: dict, run_dir: Path, resume: bool,
                   threads: int) -> tuple[dict, float]:
-    """One model trained in a worker process with ``threads`` torch threads; returns its summary and
-    seconds. Its weights reach the parent through the run directory (as a finished model of --resume)."""
+    """One model trained with ``threads`` torch threads (in a worker process, or in the parent); returns
+    its summary and seconds. Its weights reach the parent through the run directory (as a finished
+    model of --resume)."""
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     _, summary, _ = train_model(cfg, cfg.models[index], data, run_dir, torch.device("cpu"), resume, progress=False)
@@ -400,12 +401,12 @@ def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bo
     ``train_s`` (seconds per model), ``train_wall_s`` and ``train_jobs``.
 
     With ``jobs`` > 1 (:func:`training_jobs`) the models still to train are trained that many at
-    a time, each in a process of its own with ``threads // jobs`` torch threads (small models use
-    two threads far less than twice as well as one: docs/performance.md, "Parallel training");
-    models with QACT start first, their epochs cost about twice a ReLU model's. Each model is
-    trained by the same code, from the same seed, as in one process with that thread count, and
-    its weights come back through the run directory. A model's epoch lines are printed as they come;
-    progress bars are off in the workers."""
+    a time, each with ``threads // jobs`` torch threads: the first in this process, the others in
+    ``jobs - 1`` spawned ones (small models use two threads far less than twice as well as one:
+    docs/performance.md, "The default run"); models with QACT come first, their epochs cost about
+    twice a ReLU model's. Each model is trained by the same code, from the same seed, as in one
+    process with that thread count, and its weights come back through the run directory. A
+    model's epoch lines are printed as they come; progress bars are off."""
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
     pending = [i for i, m in enumerate(cfg.models) if not (resume and _finished(run_dir, m))]
@@ -429,10 +430,15 @@ def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bo
             return 0 if act in ACTIVATION_REGISTRY and ACTIVATION_REGISTRY.canonical(act) == "qact" else 1
 
         per_job = max(1, threads // jobs)
-        with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=tmp.get_context("spawn")) as pool:
-            futures = {pool.submit(_train_worker, cfg, i, data, run_dir, resume, per_job): i
-                       for i in sorted(pending, key=qact_first)}
+        first, *rest = sorted(pending, key=qact_first)
+        with cf.ProcessPoolExecutor(max_workers=jobs - 1, mp_context=tmp.get_context("spawn")) as pool:
+            futures = {pool.submit(_train_worker, cfg, i, data, run_dir, resume, per_job): i for i in rest}
             try:
+                # this process trains the first model meanwhile, with the same share of the threads
+                # (the workers spend their first seconds importing)
+                m = cfg.models[first]
+                summaries[m.name], train_s[m.name] = _train_worker(cfg, first, data, run_dir, resume, per_job)
+                report(m, summaries[m.name])
                 for fut in cf.as_completed(futures):
                     m = cfg.models[futures[fut]]
                     try:
@@ -445,6 +451,8 @@ def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bo
                 for f in futures:
                     f.cancel()
                 raise
+            finally:
+                torch.set_num_threads(threads)
     trained: dict[str, torch.nn.Module] = {}
     training: dict[str, dict] = {}
     attack_losses: dict[str, Any] = {}
