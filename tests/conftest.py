@@ -14,6 +14,11 @@ kernels), BLAS builds and thread counts, so
   uint8 data, digests of integer data) or compared within a tolerance that bounds the rounding
   (``tests/test_qact.py``'s record: relative 1e-5 in float32, 1e-9 in float64);
 - never a digest of floating-point results.
+
+Conventions: a documented convention (a bin edge, a registered default, a rule's threshold) is
+pinned by an exact test that puts its input on the edge (``tests/test_conventions.py``), since
+random inputs never reach it. A new convention comes with such a test and the one-line hand
+mutation of the code that the test was checked to fail on, named in the test's docstring.
 """
 
 from __future__ import annotations
