@@ -785,14 +785,14 @@ def quick_config() -> RunConfig:
 # plain LeNet-5 ReLU levels off at ~97.2% clean accuracy; the over-parametrised LeNet of
 # [QACT, Sec. 4], width 2, reaches ~97.7% but costs 2-5x per image (docs/performance.md, "The
 # default run"), so the default uses the plain width, the width of the adaptation study
-# (docs/reproduction.md); experiments/reproduce_mnist_c.py keeps width 2. All 10,000 embedded training images
-# (8,000 train / 2,000 validation, the 80:20 split of [QACT, App. B]); 500 test images (a fixed random
-# subset of the embedded 2,000) per corruption x severity: with 1,000 the run takes ~160 s on 2 cores,
-# above its 150 s budget (docs/performance.md, "The default run"). Schedule: [QACT, App. B] (Adam 1e-3, ReduceLROnPlateau on validation
-# accuracy with factor 0.1, early stopping at +0.001) with patience 2 / cooldown 0 / threshold
-# 0.002 instead of 50 / 10 / 0.01, which never fire within 20 epochs: the rate drops once
-# validation accuracy stalls for two epochs, and training stops when four epochs (two of them
-# at the lowered rate) bring no gain.
+# (docs/reproduction.md); experiments/reproduce_mnist_c.py keeps width 2. All 10,000 embedded
+# training images (8,000 train / 2,000 validation, the 80:20 split of [QACT, App. B]); 500 test
+# images (a fixed random subset of the embedded 2,000) per corruption x severity: with 1,000 the
+# run takes ~160 s on 2 cores, above its 150 s budget (docs/performance.md, "The default run").
+# Schedule: [QACT, App. B] (Adam 1e-3, ReduceLROnPlateau on validation accuracy with factor 0.1,
+# early stopping at +0.001) with patience 2 / cooldown 0 / threshold 0.002 instead of 50 / 10 /
+# 0.01, which never fire within 20 epochs: the rate drops once validation accuracy stalls for two
+# epochs, and training stops when four epochs (two of them at the lowered rate) bring no gain.
 _DEFAULT: dict = {
     "data": {"dataset": "mnist-default", "suite": "mnist-c", "severities": [1, 2, 3, 4, 5],
              "train_subset": 0, "test_subset": 500},
