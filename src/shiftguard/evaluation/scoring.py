@@ -41,13 +41,14 @@ def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: Optional[torch.T
     conf, pred = calib.max(1)
     uncertainty = 1.0 - conf
     wrong = probs.argmax(1) != labels
-    checked = {"validate_args": False}
     return {
-        "accuracy": float(M.accuracy(probs, labels, **checked)),
-        "nll": float(M.nll(probs, labels, **checked)),
-        "brier": float(M.brier(probs, labels, **checked)),
-        "ece_top_label": float(M.ece(calib, labels, n_bins=n_bins, kind="top-label", one_vs_rest=ovr, **checked)),
-        "ece_marginal": float(M.ece(calib, labels, n_bins=n_bins, kind="marginal", one_vs_rest=ovr, **checked)),
+        "accuracy": float(M.accuracy(probs, labels, validate_args=False)),
+        "nll": float(M.nll(probs, labels, validate_args=False)),
+        "brier": float(M.brier(probs, labels, validate_args=False)),
+        "ece_top_label": float(M.ece(calib, labels, n_bins=n_bins, kind="top-label", one_vs_rest=ovr,
+                                     validate_args=False)),
+        "ece_marginal": float(M.ece(calib, labels, n_bins=n_bins, kind="marginal", one_vs_rest=ovr,
+                                    validate_args=False)),
         "r_auroc": None if miss is None else _or_none(lambda: M.auroc_error(uncertainty, miss)),
         "auroc_error": _or_none(lambda: M.auroc_error(uncertainty, pred != labels)),
         "aurc": _or_none(lambda: M.aurc(uncertainty, wrong)),
