@@ -405,8 +405,8 @@ def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bo
     ``jobs - 1`` spawned ones (small models use two threads far less than twice as well as one:
     docs/performance.md, "The default run"); models with QACT come first, their epochs cost about
     twice a ReLU model's. Each model is trained by the same code, from the same seed, as in one
-    process with that thread count, and its weights come back through the run directory. A
-    model's epoch lines are printed as they come; progress bars are off."""
+    process with that thread count, and its weights come back through the run directory. Its
+    epoch lines are printed as they come, without progress bars."""
     t_start = time.perf_counter()
     threads = torch.get_num_threads()
     pending = [i for i, m in enumerate(cfg.models) if not (resume and _finished(run_dir, m))]
