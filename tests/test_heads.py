@@ -189,6 +189,26 @@ def test_lbfgs_runs_blas_on_one_thread_and_restores_the_setting_after():
     assert torch.allclose(theta, torch.full((4,), 3.0, dtype=torch.float64)) and value < 1e-12
 
 
+def test_lbfgs_also_limits_a_blas_library_loaded_after_its_first_call():
+    # faiss-cpu brings its own OpenBLAS; loaded after the optimiser's first call, it must run on one
+    # thread too (the optimiser's controller of the BLAS libraries is built again after an import)
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from shiftguard.heads._optim import minimize_lbfgs
+
+    minimize_lbfgs(lambda p: ((p - 3.0) ** 2).sum(), torch.zeros(4, dtype=torch.float64))
+    pytest.importorskip("faiss")
+    seen = []
+
+    def loss(p):
+        seen.append(sorted({lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"}))
+        return ((p - 3.0) ** 2).sum()
+
+    with threadpool_limits(limits=2, user_api="blas"):
+        minimize_lbfgs(loss, torch.zeros(4, dtype=torch.float64))
+    assert seen and all(s == [1] for s in seen)
+
+
 def test_distance_ratio_head_matches_paper_ii_equation_5():
     x, y = blobs()
     head = DistanceRatioHead().fit(x, y)

@@ -14,6 +14,7 @@ threads whose workers spin 10,000 iterations (``docs/performance.md``, "Threads"
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Union
 
 import numpy as np
@@ -23,15 +24,17 @@ from threadpoolctl import ThreadpoolController
 
 __all__ = ["minimize_lbfgs"]
 
-# one controller for the process: finding the loaded BLAS libraries costs ~6 ms, a limit ~15 us
-_CONTROLLER: list[ThreadpoolController] = []
+# one controller while no module is imported: finding the loaded BLAS libraries costs ~6 ms, a
+# limit ~15 us. A library loaded later (faiss-cpu brings its own OpenBLAS) arrives with an import,
+# so a grown sys.modules means the controller is built again, or that library would keep its threads.
+_CONTROLLER: list[tuple[ThreadpoolController, int]] = []
 
 
 def one_blas_thread():
-    """A context in which numpy's and SciPy's BLAS libraries run on one thread."""
-    if not _CONTROLLER:
-        _CONTROLLER.append(ThreadpoolController())
-    return _CONTROLLER[0].limit(limits=1, user_api="blas")
+    """A context in which every loaded BLAS library (numpy's, SciPy's, any other) runs on one thread."""
+    if not _CONTROLLER or _CONTROLLER[0][1] != len(sys.modules):
+        _CONTROLLER[:] = [(ThreadpoolController(), len(sys.modules))]
+    return _CONTROLLER[0][0].limit(limits=1, user_api="blas")
 
 
 def minimize_lbfgs(loss_fn: Callable[[torch.Tensor], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
