@@ -77,11 +77,19 @@ def main() -> None:
             base = s if spec == "none" else base
             results.append({"model": f"lenet-{activation}", "arm": spec, "seconds": s, "x_none": s / base})
             print(f"lenet-{activation:<11} {spec:<18} {s:7.3f} s  {s / base:5.2f}x none", flush=True)
-    atomic_write_json(Path(args.out), {
-        "n_images": args.n, "batch_size": args.batch_size, "repeats": args.repeats,
-        "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-        "cores": os.cpu_count(), "torch": torch.__version__, "results": results,
-    })
+    atomic_write_json(
+        Path(args.out),
+        {
+            "n_images": args.n,
+            "batch_size": args.batch_size,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "results": results,
+        },
+    )
     print(f"wrote {args.out}")
 
 

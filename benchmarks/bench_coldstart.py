@@ -91,9 +91,12 @@ def _run(mode: str, src: Path, cache: Path) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--src", nargs="*", default=[str(ROOT / "src")],
-                        help="source trees (folders holding the shiftguard package) to measure, each as PATH "
-                             "or LABEL=PATH")
+    parser.add_argument(
+        "--src",
+        nargs="*",
+        default=[str(ROOT / "src")],
+        help="source trees (folders holding the shiftguard package) to measure, each as PATH or LABEL=PATH",
+    )
     parser.add_argument("--modes", default="qact,warm_up,corrupt,corrupt_warm_up")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_coldstart.json"))
     args = parser.parse_args(argv)
@@ -109,13 +112,20 @@ def main(argv=None) -> int:
                 warm = _run(mode, Path(src), Path(cache))
             rows.append({"src": label, "mode": mode, "cold": cold, "warm": warm, "load": os.getloadavg()[0]})
             step = "warm_up" if mode in ("warm_up", "corrupt_warm_up") else "first"
-            print(f"{label:24s} {mode:16s} {step:8s} cold {cold[step + '_s']:6.2f} s (cpu {cold[step + '_cpu_s']:6.2f})"
-                  f"  warm {warm[step + '_s']:6.2f} s (cpu {warm[step + '_cpu_s']:6.2f})"
-                  + (f"  then first pass {cold['first_s']:.2f} s" if mode == "corrupt_warm_up" else "")
-                  + f"  import {cold['import_s']:.1f} s  load {rows[-1]['load']:.1f}", flush=True)
-    record = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-              "load_before": load_before, "load_after": os.getloadavg(),
-              "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "rows": rows}
+            print(
+                f"{label:24s} {mode:16s} {step:8s} cold {cold[step + '_s']:6.2f} s (cpu {cold[step + '_cpu_s']:6.2f})"
+                f"  warm {warm[step + '_s']:6.2f} s (cpu {warm[step + '_cpu_s']:6.2f})"
+                + (f"  then first pass {cold['first_s']:.2f} s" if mode == "corrupt_warm_up" else "")
+                + f"  import {cold['import_s']:.1f} s  load {rows[-1]['load']:.1f}",
+                flush=True,
+            )
+    record = {
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "load_before": load_before,
+        "load_after": os.getloadavg(),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "rows": rows,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -48,8 +48,14 @@ def main() -> None:
     calibration = (train.images[9000:], train.labels[9000:])
     torch.manual_seed(0)
     model = build_model("lenet", activation="relu", width=2).eval()
-    kw = dict(support=support, validation=validation, heads=HEADS, preprocess=to_model_input,
-              corruptions=K.names("mnist-c")[: args.corruptions], n_boot=100)
+    kw = dict(
+        support=support,
+        validation=validation,
+        heads=HEADS,
+        preprocess=to_model_input,
+        corruptions=K.names("mnist-c")[: args.corruptions],
+        n_boot=100,
+    )
     sets = {"conformal": ["lac", "aps", "raps"], "calibration": calibration}
     settings = {"none": {}, "plain": sets, "weighted": {**sets, "conformal_weighted": True}}
     times: dict[str, list[float]] = {k: [] for k in settings}
@@ -63,11 +69,21 @@ def main() -> None:
     rows = [{"setting": k, "seconds": min(v), "all": v, "x_none": min(v) / base} for k, v in times.items()]
     for r in rows:
         print(f"{r['setting']:<9} {r['seconds']:7.2f} s  {100 * (r['x_none'] - 1):+6.1f}%", flush=True)
-    atomic_write_json(Path(args.out), {
-        "corruptions": args.corruptions, "severities": 5, "n_test": int(test.labels.numel()), "heads": HEADS,
-        "repeats": args.repeats, "threads": torch.get_num_threads(), "cores": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "results": rows,
-    })
+    atomic_write_json(
+        Path(args.out),
+        {
+            "corruptions": args.corruptions,
+            "severities": 5,
+            "n_test": int(test.labels.numel()),
+            "heads": HEADS,
+            "repeats": args.repeats,
+            "threads": torch.get_num_threads(),
+            "cores": os.cpu_count(),
+            "cpu": platform.processor() or platform.machine(),
+            "torch": torch.__version__,
+            "results": rows,
+        },
+    )
     print(f"wrote {args.out}")
 
 

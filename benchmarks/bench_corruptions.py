@@ -52,8 +52,10 @@ def load_mnist_test(n: int) -> tuple[torch.Tensor, str]:
 def part_a(n: int) -> dict:
     x, source = load_mnist_test(n)
     rows, total, total_cpu = [], 0.0, 0.0
-    print(f"\nA. MNIST-C: {x.shape[0]} images ({source}) x 15 corruptions x 5 severities, "
-          f"{torch.get_num_threads()} thread(s)")
+    print(
+        f"\nA. MNIST-C: {x.shape[0]} images ({source}) x 15 corruptions x 5 severities, "
+        f"{torch.get_num_threads()} thread(s)"
+    )
     print(f"{'corruption':<16}{'wall s (5 sev.)':>17}{'CPU s':>9}{'images/s (wall)':>17}")
     for name in C.names("mnist-c"):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -62,14 +64,29 @@ def part_a(n: int) -> dict:
         dt, dc = time.perf_counter() - t0, time.process_time() - c0
         total += dt
         total_cpu += dc
-        rows.append({"corruption": name, "seconds": round(dt, 3), "cpu_seconds": round(dc, 3),
-                     "images_per_s": round(5 * x.shape[0] / dt, 1)})
+        rows.append(
+            {
+                "corruption": name,
+                "seconds": round(dt, 3),
+                "cpu_seconds": round(dc, 3),
+                "images_per_s": round(5 * x.shape[0] / dt, 1),
+            }
+        )
         print(f"{name:<16}{dt:>17.2f}{dc:>9.2f}{5 * x.shape[0] / dt:>17.0f}")
-    print(f"{'TOTAL':<16}{total:>17.2f}{total_cpu:>9.2f}   "
-          f"(target < 120 s: wall {'met' if total < 120 else 'NOT met'}, "
-          f"CPU {'met' if total_cpu < 120 else 'NOT met'})")
-    return {"images": int(x.shape[0]), "source": source, "rows": rows, "total_seconds": round(total, 2),
-            "total_cpu_seconds": round(total_cpu, 2), "target_met": total < 120, "target_met_cpu": total_cpu < 120}
+    print(
+        f"{'TOTAL':<16}{total:>17.2f}{total_cpu:>9.2f}   "
+        f"(target < 120 s: wall {'met' if total < 120 else 'NOT met'}, "
+        f"CPU {'met' if total_cpu < 120 else 'NOT met'})"
+    )
+    return {
+        "images": int(x.shape[0]),
+        "source": source,
+        "rows": rows,
+        "total_seconds": round(total, 2),
+        "total_cpu_seconds": round(total_cpu, 2),
+        "target_met": total < 120,
+        "target_met_cpu": total_cpu < 120,
+    }
 
 
 def import_imagecorruptions():
@@ -169,9 +186,11 @@ def part_b(x: torch.Tensor, severity: int, have_ic: bool, only=None) -> dict:
         "all_at_least_10x": bool(sp) and min(sp) >= 10,
         "cannot_run": [r["corruption"] for r in rows if "cannot run" in r.get("note", "")],
     }
-    print(f"speed-up over imagecorruptions (same constants): min {summary['min_speedup']}x, "
-          f"median {summary['median_speedup']}x; "
-          f"it cannot run: {', '.join(summary['cannot_run']) or 'none'}")
+    print(
+        f"speed-up over imagecorruptions (same constants): min {summary['min_speedup']}x, "
+        f"median {summary['median_speedup']}x; "
+        f"it cannot run: {', '.join(summary['cannot_run']) or 'none'}"
+    )
     return {"images": n, "severity": severity, "rows": rows, "summary": summary}
 
 
@@ -182,8 +201,9 @@ def part_c(x: torch.Tensor, have_ic: bool, severities=(1, 3, 5)) -> dict:
     x_nhwc = x.permute(0, 2, 3, 1).numpy()
     xf = x.double() / 255
     clean = x.double().numpy().transpose(0, 2, 3, 1)
-    print(f"\nC. fidelity vs imagecorruptions, same ImageNet-C constants, {x.shape[0]} images; "
-          f"mean |y - clean| (0..255)")
+    print(
+        f"\nC. fidelity vs imagecorruptions, same ImageNet-C constants, {x.shape[0]} images; mean |y - clean| (0..255)"
+    )
     print(f"{'corruption':<18}{'sev':>4}{'ours':>9}{'theirs':>9}{'rel.diff':>10}{'|ours-theirs|':>15}")
     rows = []
     for name, table in IMAGECORRUPTIONS_PARAMS.items():
@@ -191,8 +211,9 @@ def part_c(x: torch.Tensor, have_ic: bool, severities=(1, 3, 5)) -> dict:
             try:
                 theirs = _ic_run(x_nhwc, name, s).astype(np.float64)
             except Exception as exc:
-                rows.append({"corruption": name, "severity": s,
-                             "note": f"imagecorruptions cannot run it: {type(exc).__name__}"})
+                rows.append(
+                    {"corruption": name, "severity": s, "note": f"imagecorruptions cannot run it: {type(exc).__name__}"}
+                )
                 continue
             y = C.corrupt(xf, name, s, seed=3, suite=_suite_of(name), params=table[s - 1])
             # imagecorruptions truncates to uint8 (np.uint8); do the same for a like-for-like comparison
@@ -212,8 +233,10 @@ def part_c(x: torch.Tensor, have_ic: bool, severities=(1, 3, 5)) -> dict:
                 row["note"] = "procedural frost texture vs photographs"
             rows.append(row)
             pair = row.get("mean_abs_ours_minus_theirs")
-            print(f"{name:<18}{s:>4}{d_ours:>9.2f}{d_theirs:>9.2f}{row['relative_difference']:>+10.1%}"
-                  f"{(f'{pair:.2f}' if pair is not None else '-'):>15}")
+            print(
+                f"{name:<18}{s:>4}{d_ours:>9.2f}{d_theirs:>9.2f}{row['relative_difference']:>+10.1%}"
+                f"{(f'{pair:.2f}' if pair is not None else '-'):>15}"
+            )
     return {"images": int(x.shape[0]), "rows": rows}
 
 

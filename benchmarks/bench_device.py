@@ -54,8 +54,16 @@ def bench_qact(dev, rows):
             return lambda: block(x).pow(2).mean().backward()
 
         t_relu, t_qact = timed(step(relu), dev), timed(step(qact), dev)
-        rows.append({"bench": "qact fwd+bwd", "case": "x".join(map(str, shape)), "baseline": "BN-ReLU-BN",
-                     "baseline_ms": 1e3 * t_relu, "ms": 1e3 * t_qact, "ratio": t_qact / t_relu})
+        rows.append(
+            {
+                "bench": "qact fwd+bwd",
+                "case": "x".join(map(str, shape)),
+                "baseline": "BN-ReLU-BN",
+                "baseline_ms": 1e3 * t_relu,
+                "ms": 1e3 * t_qact,
+                "ratio": t_qact / t_relu,
+            }
+        )
 
 
 def bench_corruptions(dev, rows, n):
@@ -91,17 +99,34 @@ def bench_neighbours(dev, rows, n_retrieval):
     _sync(dev)
     t = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    rows.append({"bench": "retrieval_metrics", "case": f"{n_retrieval} x 128, 1000 classes", "ms": 1e3 * t,
-                 "peak_gib": peak, "map@r": float(r.get("map@r", float("nan"))), "recall@1": float(r["recall@1"])})
+    rows.append(
+        {
+            "bench": "retrieval_metrics",
+            "case": f"{n_retrieval} x 128, 1000 classes",
+            "ms": 1e3 * t,
+            "peak_gib": peak,
+            "map@r": float(r.get("map@r", float("nan"))),
+            "recall@1": float(r["recall@1"]),
+        }
+    )
 
 
 def bench_evaluate(dev, rows, n):
     import shiftguard
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1),
-                        nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 49, 128), nn.ReLU(),
-                        nn.Linear(128, 10))
+    net = nn.Sequential(
+        nn.Conv2d(1, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 49, 128),
+        nn.ReLU(),
+        nn.Linear(128, 10),
+    )
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (n, 1, 28, 28), dtype=torch.uint8, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)
@@ -110,9 +135,16 @@ def bench_evaluate(dev, rows, n):
         t0 = time.perf_counter()
         shiftguard.evaluate(net, (x, y), support=(x, y), heads=["softmax", "knn"], device=d, n_boot=200)
         times[d] = time.perf_counter() - t0
-    rows.append({"bench": "evaluate (15 x 5 MNIST-C grid)", "case": f"{n} test images, CNN, softmax + kNN",
-                 "baseline": "cpu", "baseline_ms": 1e3 * times["cpu"], "ms": 1e3 * times[str(dev)],
-                 "ratio": times[str(dev)] / times["cpu"]})
+    rows.append(
+        {
+            "bench": "evaluate (15 x 5 MNIST-C grid)",
+            "case": f"{n} test images, CNN, softmax + kNN",
+            "baseline": "cpu",
+            "baseline_ms": 1e3 * times["cpu"],
+            "ms": 1e3 * times[str(dev)],
+            "ratio": times[str(dev)] / times["cpu"],
+        }
+    )
 
 
 def main() -> int:
@@ -127,16 +159,24 @@ def main() -> int:
         return 0
     dev = torch.device("cuda")
     rows: list[dict] = []
-    for fn, extra in ((bench_qact, ()), (bench_corruptions, (args.n_images,)),
-                      (bench_neighbours, (args.n_retrieval,)), (bench_evaluate, (args.n_eval,))):
+    for fn, extra in (
+        (bench_qact, ()),
+        (bench_corruptions, (args.n_images,)),
+        (bench_neighbours, (args.n_retrieval,)),
+        (bench_evaluate, (args.n_eval,)),
+    ):
         t0 = time.perf_counter()
         try:
             fn(dev, rows, *extra)
         except Exception as exc:  # report and go on: one failing path must not hide the others
             rows.append({"bench": fn.__name__, "error": f"{type(exc).__name__}: {exc}"})
         print(f"{fn.__name__}: {time.perf_counter() - t0:.1f} s", flush=True)
-    info = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-            "cpu_threads": torch.get_num_threads(), "rows": rows}
+    info = {
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
+        "rows": rows,
+    }
     for r in rows:
         print(json.dumps(r))
     out = Path(args.out)

@@ -30,16 +30,32 @@ OUT = Path(__file__).resolve().parent / "results" / "bench_full_study.json"
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="mnist-c-lenet")
-    p.add_argument("--root", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"),
-                   help="folder holding mnist/ (SHIFTGUARD_DATA for the run)")
+    p.add_argument(
+        "--root",
+        default=str(Path(__file__).resolve().parents[2] / "shared" / "data"),
+        help="folder holding mnist/ (SHIFTGUARD_DATA for the run)",
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--keep", metavar="DIR", help="keep the run directory under DIR (default: a temporary one)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         parent = Path(args.keep) if args.keep else Path(tmp)
-        cmd = [sys.executable, "-m", "shiftguard", "run", "--config", args.config, "--out", str(parent),
-               "--name", f"full-s{args.seed}", "--seed", str(args.seed), "--no-progress"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shiftguard",
+            "run",
+            "--config",
+            args.config,
+            "--out",
+            str(parent),
+            "--name",
+            f"full-s{args.seed}",
+            "--seed",
+            str(args.seed),
+            "--no-progress",
+        ]
         if args.threads is not None:
             cmd += ["--threads", str(args.threads)]
         env = {**os.environ, "SHIFTGUARD_DATA": args.root}
@@ -53,8 +69,11 @@ def main() -> int:
     rows = [("wall (process, incl. start-up)", wall), ("compile", t.get("compile_s", 0.0))]
     rows += [(f"train {name}", s) for name, s in t["train_s"].items()]
     rows += [("evaluate", t["evaluate_s"])]
-    rows += [(f"  {k[:-2]}", detail[k]) for k in ("embed_s", "fit_heads_s", "score_s", "corrupt_s", "attack_s")
-             if k in detail]
+    rows += [
+        (f"  {k[:-2]}", detail[k])
+        for k in ("embed_s", "fit_heads_s", "score_s", "corrupt_s", "attack_s")
+        if k in detail
+    ]
     # training time follows the epoch at which early stopping ends each model
     epochs = {name: summary.get("epochs_run") for name, summary in results.get("training", {}).items()}
     print(f"{args.config}, seed {args.seed}, threads {args.threads or 'default'}, {os.cpu_count()} CPUs")
@@ -63,11 +82,24 @@ def main() -> int:
     print(f"{'peak resident memory':34s} {peak_gb:8.2f} GB")
     print(f"{'epochs run':34s} {', '.join(f'{k} {v}' for k, v in epochs.items())}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({
-        "config": args.config, "seed": args.seed, "threads": args.threads, "cpus": os.cpu_count(),
-        "platform": platform.platform(), "wall_s": wall, "peak_rss_gb": peak_gb,
-        "breakdown_s": dict(rows), "epochs_run": epochs, "data": results["data"],
-    }, indent=1) + "\n")
+    OUT.write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "seed": args.seed,
+                "threads": args.threads,
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "wall_s": wall,
+                "peak_rss_gb": peak_gb,
+                "breakdown_s": dict(rows),
+                "epochs_run": epochs,
+                "data": results["data"],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -99,7 +99,7 @@ def run_sklearn_ned(xs, ys, xq, k, max_fit_queries=5000, seed=0):
     temperature, _, _ = NED._fit_temperature(torch.from_numpy(d), same)
     t1 = time.perf_counter()
     dq, iq = clf.kneighbors(xq_np)
-    p = ned_probabilities(torch.from_numpy(dq ** 2), torch.from_numpy(ys_np[iq]), temperature, 10)
+    p = ned_probabilities(torch.from_numpy(dq**2), torch.from_numpy(ys_np[iq]), temperature, 10)
     t2 = time.perf_counter()
     return {"fit_s": t1 - t0, "predict_s": t2 - t1, "total_s": t2 - t0, "temperature": temperature}, p
 
@@ -126,7 +126,7 @@ def run_matmul_floor(xs, xq, n_fit_queries=5000, block=256):
         args = (queries, support_t) if not times else (q_np, s_np)
         t0 = time.perf_counter()
         for start in range(0, len(queries), block):
-            product(args[0][start:start + block], args[1])
+            product(args[0][start : start + block], args[1])
         times.append(time.perf_counter() - t0)
     return {"fit_s": 0.0, "predict_s": 0.0, "total_s": min(times), "torch_mm_s": times[0], "numpy_matmul_s": times[1]}
 
@@ -146,8 +146,16 @@ def main() -> None:
         NED(k=args.k, backend=backend).fit(xs[:2000], ys[:2000]).predict_proba(xq[:100])
     xs_u, ys_u, xq_u = make_unclustered_data(args.n_support, args.n_query, args.dim)
     rows, probs = {}, {}
-    for name in ("torch", "faiss", "pruned", "sklearn", "sklearn-vote", "matmul floor",
-                 "torch, unclustered", "pruned, unclustered"):
+    for name in (
+        "torch",
+        "faiss",
+        "pruned",
+        "sklearn",
+        "sklearn-vote",
+        "matmul floor",
+        "torch, unclustered",
+        "pruned, unclustered",
+    ):
         best = None
         for _ in range(args.repeats):
             if name == "matmul floor":
@@ -171,31 +179,51 @@ def main() -> None:
         torch_row = rows["torch, unclustered" if name.endswith(", unclustered") else "torch"]
         if name.startswith(("torch", "pruned")):
             r["speedup_vs_torch_same_data"] = torch_row["total_s"] / r["total_s"]
-    agree = {f"{a}_vs_{b}_max_abs_prob_diff": float((probs[a].double() - probs[b].double()).abs().max())
-             for a, b in (("torch", "faiss"), ("torch", "sklearn"), ("torch", "pruned"),
-                          ("torch, unclustered", "pruned, unclustered"))}
+    agree = {
+        f"{a}_vs_{b}_max_abs_prob_diff": float((probs[a].double() - probs[b].double()).abs().max())
+        for a, b in (
+            ("torch", "faiss"),
+            ("torch", "sklearn"),
+            ("torch", "pruned"),
+            ("torch, unclustered", "pruned, unclustered"),
+        )
+    }
 
-    print(f"NED fit+predict: support {args.n_support} x {args.dim}, {args.n_query} queries, k={args.k}, "
-          f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}")
-    print(f"{'backend':20s} {'fit s':>8s} {'predict s':>10s} {'total s':>8s} {'x vs sklearn NED':>17s} "
-          f"{'x vs torch':>11s}")
+    print(
+        f"NED fit+predict: support {args.n_support} x {args.dim}, {args.n_query} queries, k={args.k}, "
+        f"torch threads={torch.get_num_threads()}, cpus={os.cpu_count()}"
+    )
+    print(
+        f"{'backend':20s} {'fit s':>8s} {'predict s':>10s} {'total s':>8s} {'x vs sklearn NED':>17s} "
+        f"{'x vs torch':>11s}"
+    )
     for name, r in rows.items():
         vs_torch = f"{r['speedup_vs_torch_same_data']:11.2f}" if "speedup_vs_torch_same_data" in r else f"{'-':>11s}"
-        print(f"{name:20s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} "
-              f"{r['speedup_vs_sklearn_ned']:17.2f} {vs_torch}")
+        print(
+            f"{name:20s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} "
+            f"{r['speedup_vs_sklearn_ned']:17.2f} {vs_torch}"
+        )
     for key, val in agree.items():
         print(f"{key}: {val:.2e}")
     for name in ("pruned", "pruned, unclustered"):
         r = rows[name]
-        print(f"{name}: predict computed {r['predict_products_fraction']:.1%} of the brute-force products "
-              f"({r['predict_fallback_queries']} queries fell back to brute force)")
-    print(f"largest speed-up an exact brute-force back end can reach here (sklearn NED / matmul floor): "
-          f"{rows['matmul floor']['speedup_vs_sklearn_ned']:.1f}x; pruned NED: "
-          f"{rows['pruned']['speedup_vs_sklearn_ned']:.1f}x")
+        print(
+            f"{name}: predict computed {r['predict_products_fraction']:.1%} of the brute-force products "
+            f"({r['predict_fallback_queries']} queries fell back to brute force)"
+        )
+    print(
+        f"largest speed-up an exact brute-force back end can reach here (sklearn NED / matmul floor): "
+        f"{rows['matmul floor']['speedup_vs_sklearn_ned']:.1f}x; pruned NED: "
+        f"{rows['pruned']['speedup_vs_sklearn_ned']:.1f}x"
+    )
     result = {
         "workload": vars(args) | {"out": str(args.out)},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "load_average": os.getloadavg()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average": os.getloadavg(),
+        },
         "results": rows,
         "agreement": agree,
         "note": "shared machine: absolute timings are noisy; compare the same-run ratios",

@@ -43,15 +43,17 @@ def embeddings(data_dir: Path, epochs: int, seed: int = 0):
     for _ in range(epochs):
         order = torch.randperm(len(train.labels))
         for i in range(0, len(order), 256):
-            b = order[i:i + 256]
+            b = order[i : i + 256]
             loss = F.cross_entropy(net(train.images[b].float() / 255.0), train.labels[b])
             opt.zero_grad()
             loss.backward()
             opt.step()
     net.eval()
     with torch.no_grad():
-        xs = torch.cat([net.embed(train.images[i:i + 4096].float() / 255.0) for i in range(0, len(train.labels), 4096)])
-        xq = torch.cat([net.embed(test.images[i:i + 4096].float() / 255.0) for i in range(0, len(test.labels), 4096)])
+        xs = torch.cat(
+            [net.embed(train.images[i : i + 4096].float() / 255.0) for i in range(0, len(train.labels), 4096)]
+        )
+        xq = torch.cat([net.embed(test.images[i : i + 4096].float() / 255.0) for i in range(0, len(test.labels), 4096)])
     return xs, train.labels, xq, test.labels, time.perf_counter() - t0
 
 
@@ -79,23 +81,39 @@ def main() -> None:
     accuracy = float((probs["torch"].argmax(1) == yq).double().mean())
     agree = float((probs["torch"].double() - probs["pruned"].double()).abs().max())
 
-    print(f"NED on Fashion-MNIST LeNet-5 embeddings: support {tuple(xs.shape)}, {len(yq)} queries, k={args.k}, "
-          f"{args.epochs} epochs ({train_s:.0f} s), NED test accuracy {accuracy:.3f}, "
-          f"torch threads={torch.get_num_threads()}")
+    print(
+        f"NED on Fashion-MNIST LeNet-5 embeddings: support {tuple(xs.shape)}, {len(yq)} queries, k={args.k}, "
+        f"{args.epochs} epochs ({train_s:.0f} s), NED test accuracy {accuracy:.3f}, "
+        f"torch threads={torch.get_num_threads()}"
+    )
     print(f"{'backend':10s} {'fit s':>8s} {'predict s':>10s} {'total s':>8s} {'x vs sklearn NED':>17s}")
     for name, r in rows.items():
-        print(f"{name:10s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} "
-              f"{r['speedup_vs_sklearn_ned']:17.2f}")
-    print(f"pruned: predict computed {rows['pruned']['predict_products_fraction']:.1%} of the brute-force products; "
-          f"max |p_torch - p_pruned| = {agree:.1e}")
-    atomic_write_json(args.out, {
-        "workload": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "load_average": os.getloadavg()},
-        "ned_test_accuracy": accuracy, "train_seconds": train_s, "results": rows,
-        "torch_vs_pruned_max_abs_prob_diff": agree,
-        "note": "shared machine: absolute timings are noisy; compare the same-run ratios",
-    }, indent=2)
+        print(
+            f"{name:10s} {r['fit_s']:8.2f} {r['predict_s']:10.2f} {r['total_s']:8.2f} "
+            f"{r['speedup_vs_sklearn_ned']:17.2f}"
+        )
+    print(
+        f"pruned: predict computed {rows['pruned']['predict_products_fraction']:.1%} of the brute-force products; "
+        f"max |p_torch - p_pruned| = {agree:.1e}"
+    )
+    atomic_write_json(
+        args.out,
+        {
+            "workload": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "machine": {
+                "platform": platform.platform(),
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "load_average": os.getloadavg(),
+            },
+            "ned_test_accuracy": accuracy,
+            "train_seconds": train_s,
+            "results": rows,
+            "torch_vs_pruned_max_abs_prob_diff": agree,
+            "note": "shared machine: absolute timings are noisy; compare the same-run ratios",
+        },
+        indent=2,
+    )
     print(f"wrote {args.out}")
 
 

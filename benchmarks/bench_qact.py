@@ -95,11 +95,14 @@ def check_exact(x: torch.Tensor) -> dict:
     n_taps = 2 * math.ceil(TRUNCATE * POINTS_PER_BANDWIDTH) + 1
     bound = kde_grid_error_bound(h, spacing) + (n_taps + 4) * 2.0**-24 * exact.max(dim=1).values
     peak = 1.0 / (h * (2 * np.pi) ** 0.5)  # the kernel peak phi(0) / h
-    return {"forward_mismatches": mism, "forward_mismatches_beyond_float32_rounding": beyond,
-            "kde_max_abs_error": float(err.max()),
-            "kde_max_error_rel_to_peak": float((err / peak).max()),
-            "kde_error_within_bound": bool((err <= bound * 1.0001 + 1e-12).all()),
-            "kde_bound_rel_to_peak": float((kde_grid_error_bound(h, spacing) / peak).max())}
+    return {
+        "forward_mismatches": mism,
+        "forward_mismatches_beyond_float32_rounding": beyond,
+        "kde_max_abs_error": float(err.max()),
+        "kde_max_error_rel_to_peak": float((err / peak).max()),
+        "kde_error_within_bound": bool((err <= bound * 1.0001 + 1e-12).all()),
+        "kde_bound_rel_to_peak": float((kde_grid_error_bound(h, spacing) / peak).max()),
+    }
 
 
 def main() -> int:
@@ -124,15 +127,30 @@ def main() -> int:
         if not args.no_check:
             row["check"] = check_exact(x)
         rows.append(row)
-        chk = "" if args.no_check else (
-            f"fwd mismatches {row['check']['forward_mismatches']} "
-            f"({row['check']['forward_mismatches_beyond_float32_rounding']} beyond fp32 rounding), "
-            f"kde in bound {row['check']['kde_error_within_bound']} "
-            f"(max error {100 * row['check']['kde_max_error_rel_to_peak']:.3f}% of kernel peak)")
-        print(f"{'x'.join(map(str, shape)):<20}{row['relu_ms']:>15.1f}{row['qact_ms']:>15.1f}"
-              f"{row['ratio']:>8.1f}  {chk}")
-    atomic_write_json(OUT, {"benchmark": "bench_qact", "torch": torch.__version__, "threads": torch.get_num_threads(),
-                            "platform": platform.platform(), "repeats": args.repeats, "rows": rows})
+        chk = (
+            ""
+            if args.no_check
+            else (
+                f"fwd mismatches {row['check']['forward_mismatches']} "
+                f"({row['check']['forward_mismatches_beyond_float32_rounding']} beyond fp32 rounding), "
+                f"kde in bound {row['check']['kde_error_within_bound']} "
+                f"(max error {100 * row['check']['kde_max_error_rel_to_peak']:.3f}% of kernel peak)"
+            )
+        )
+        print(
+            f"{'x'.join(map(str, shape)):<20}{row['relu_ms']:>15.1f}{row['qact_ms']:>15.1f}{row['ratio']:>8.1f}  {chk}"
+        )
+    atomic_write_json(
+        OUT,
+        {
+            "benchmark": "bench_qact",
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "platform": platform.platform(),
+            "repeats": args.repeats,
+            "rows": rows,
+        },
+    )
     print(f"wrote {OUT}")
     return 0
 

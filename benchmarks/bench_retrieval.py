@@ -71,13 +71,20 @@ def worker(args) -> dict:
     import torch
 
     emb, labels = make_data(args.n, args.dim, args.classes)
-    record = {"who": args.worker, "n": args.n, "dim": args.dim, "classes": args.classes,
-              "max_class_size": int(torch.bincount(labels).max()), "threads": torch.get_num_threads()}
+    record = {
+        "who": args.worker,
+        "n": args.n,
+        "dim": args.dim,
+        "classes": args.classes,
+        "max_class_size": int(torch.bincount(labels).max()),
+        "threads": torch.get_num_threads(),
+    }
     if args.worker == "shiftguard":
         from shiftguard.metrics import retrieval_metrics
 
         def call():
             return retrieval_metrics(emb, labels, ks=(1, 2, 4, 8), backend=args.backend)
+
         record["backend"] = args.backend
     else:
         from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
@@ -87,6 +94,7 @@ def worker(args) -> dict:
         def call():
             out = calc.get_accuracy(emb, labels, emb, labels, ref_includes_query=True)
             return {ours: out[theirs] for ours, theirs in COMPARED.items()}
+
     record["load_avg_before"] = os.getloadavg()[0]
     record["baseline_rss_bytes"] = _rss_bytes()
     t0 = time.perf_counter()
@@ -103,8 +111,20 @@ def worker(args) -> dict:
 
 
 def run_worker(who: str, n: int, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", who, "--n", str(n), "--dim", str(args.dim),
-           "--classes", str(args.classes), "--backend", args.backend]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        who,
+        "--n",
+        str(n),
+        "--dim",
+        str(args.dim),
+        "--classes",
+        str(args.classes),
+        "--backend",
+        args.backend,
+    ]
     if who == "pml" and args.pml_cap_gb:
         cmd += ["--cap-gb", str(args.pml_cap_gb)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -129,14 +149,20 @@ def _print_row(rec: dict, same_n: list) -> None:
     note = rec.get("error", "")
     if "abs_diff_vs_shiftguard" in rec:
         note = f"max |diff| vs shiftguard {max(rec['abs_diff_vs_shiftguard'].values()):.1e}"
-    print(f"{rec['n']:>9} {rec['who']:<11} {rec.get('seconds', float('nan')):8.1f} "
-          f"{_gb(rec.get('peak_rss_bytes')):>8} {_gb(rec.get('baseline_rss_bytes')):>11}  {vals}  {note}", flush=True)
+    print(
+        f"{rec['n']:>9} {rec['who']:<11} {rec.get('seconds', float('nan')):8.1f} "
+        f"{_gb(rec.get('peak_rss_bytes')):>8} {_gb(rec.get('baseline_rss_bytes')):>11}  {vals}  {note}",
+        flush=True,
+    )
 
 
 def _write(out: str, rows: list, summary: list, args) -> None:
-    result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                          "load_avg_at_end": os.getloadavg()},
-              "pml_cap_gb": args.pml_cap_gb, "summary": summary, "rows": rows}
+    result = {
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_at_end": os.getloadavg()},
+        "pml_cap_gb": args.pml_cap_gb,
+        "summary": summary,
+        "rows": rows,
+    }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
 
@@ -149,10 +175,18 @@ def main() -> None:
     p.add_argument("--classes", type=int, default=1000)
     p.add_argument("--backend", default="faiss")
     p.add_argument("--skip-pml", action="store_true")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs of each side per size up to 100k (the fastest is summarised); larger N run once")
-    p.add_argument("--pml-cap-gb", type=float, default=12.0,
-                   help="address-space cap of the pytorch-metric-learning subprocess (0: none)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each side per size up to 100k (the fastest is summarised); larger N run once",
+    )
+    p.add_argument(
+        "--pml-cap-gb",
+        type=float,
+        default=12.0,
+        help="address-space cap of the pytorch-metric-learning subprocess (0: none)",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_retrieval.json"))
     p.add_argument("--worker", choices=["shiftguard", "pml"], help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -163,8 +197,10 @@ def main() -> None:
         return
     sizes = list(args.sizes) + ([1_000_000] if args.large else [])
     rows, summary = [], []
-    print(f"{'N':>9} {'who':<11} {'seconds':>8} {'peak GB':>8} {'baseline GB':>11}  "
-          f"{'MAP@R':>10} {'R-prec':>10} {'P@1':>10}  note")
+    print(
+        f"{'N':>9} {'who':<11} {'seconds':>8} {'peak GB':>8} {'baseline GB':>11}  "
+        f"{'MAP@R':>10} {'R-prec':>10} {'P@1':>10}  note"
+    )
     for n in sizes:
         recs = []
         for rep in range(args.repeats if n <= 100_000 else 1):  # larger N take minutes a run
@@ -180,11 +216,19 @@ def main() -> None:
         for who in ("shiftguard", "pml"):
             done = [r for r in recs if r["who"] == who and r.get("ok")]
             if done:
-                summary.append({"n": n, "who": who, "min_seconds": min(r["seconds"] for r in done),
-                                "max_peak_rss_bytes": max(r["peak_rss_bytes"] for r in done)})
+                summary.append(
+                    {
+                        "n": n,
+                        "who": who,
+                        "min_seconds": min(r["seconds"] for r in done),
+                        "max_peak_rss_bytes": max(r["peak_rss_bytes"] for r in done),
+                    }
+                )
     for row in summary:
-        print(f"summary: N={row['n']:>9} {row['who']:<11} fastest {row['min_seconds']:.1f} s, "
-              f"peak {_gb(row['max_peak_rss_bytes'])} GB")
+        print(
+            f"summary: N={row['n']:>9} {row['who']:<11} fastest {row['min_seconds']:.1f} s, "
+            f"peak {_gb(row['max_peak_rss_bytes'])} GB"
+        )
     _write(args.out, rows, summary, args)
     print(f"wrote {args.out}")
 

@@ -65,10 +65,19 @@ def main() -> int:
                 for threads in times:
                     times[threads].append(run_once(args.job, threads))
             for threads, runs in times.items():
-                rows.append({"load": load, "threads": "default" if threads is None else threads,
-                             "median_s": statistics.median(runs), "runs_s": runs})
-                print(f"{args.job:7s} {load:17s} threads={rows[-1]['threads']!s:8s} "
-                      f"median {rows[-1]['median_s']:.1f} s  runs {', '.join(f'{t:.1f}' for t in runs)}", flush=True)
+                rows.append(
+                    {
+                        "load": load,
+                        "threads": "default" if threads is None else threads,
+                        "median_s": statistics.median(runs),
+                        "runs_s": runs,
+                    }
+                )
+                print(
+                    f"{args.job:7s} {load:17s} threads={rows[-1]['threads']!s:8s} "
+                    f"median {rows[-1]['median_s']:.1f} s  runs {', '.join(f'{t:.1f}' for t in runs)}",
+                    flush=True,
+                )
         finally:
             if busy is not None:
                 stop.set()

@@ -27,14 +27,19 @@ class SmallCNN(nn.Module):
     def __init__(self, num_classes: int = 10):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+            nn.Conv2d(1, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
         )
         self.fc = nn.Linear(64 * 7 * 7, 128)
         self.out = nn.Linear(128, num_classes)
 
     def forward(self, x):
-        return self.out(F.relu(self.fc(self.features(x))))   # embedding = input of self.out
+        return self.out(F.relu(self.fc(self.features(x))))  # embedding = input of self.out
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -53,22 +58,32 @@ def train(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, epochs: 
             opt.step()
 
 
-def main(root: str, out: str, n_train: int = 50_000, n_val: int = 10_000, n_test: int = 10_000, epochs: int = 5,
-         corruptions=None, severities=(1, 2, 3, 4, 5)) -> shiftguard.EvaluationResult:
+def main(
+    root: str,
+    out: str,
+    n_train: int = 50_000,
+    n_val: int = 10_000,
+    n_test: int = 10_000,
+    epochs: int = 5,
+    corruptions=None,
+    severities=(1, 2, 3, 4, 5),
+) -> shiftguard.EvaluationResult:
     torch.manual_seed(0)
     train_set = data.load("fashion-mnist", "train", root)
     test_set = data.load("fashion-mnist", "test", root)
     perm = torch.randperm(len(train_set.labels), generator=torch.Generator().manual_seed(0))
-    tr, va = perm[:n_train], perm[n_train:n_train + n_val]
+    tr, va = perm[:n_train], perm[n_train : n_train + n_val]
     model = SmallCNN()
     train(model, train_set.images[tr], train_set.labels[tr], epochs)
 
     result = shiftguard.evaluate(
         model,
         (test_set.images[:n_test], test_set.labels[:n_test]),
-        support=(train_set.images[tr], train_set.labels[tr]),       # the heads' training data
-        validation=(train_set.images[va], train_set.labels[va]),    # temperature and NED's T
-        suite="mnist-c", corruptions=corruptions, severities=severities,
+        support=(train_set.images[tr], train_set.labels[tr]),  # the heads' training data
+        validation=(train_set.images[va], train_set.labels[va]),  # temperature and NED's T
+        suite="mnist-c",
+        corruptions=corruptions,
+        severities=severities,
         heads=["softmax", "temperature", "ned"],
         preprocess=normalize,
         name="small-cnn-fashion-mnist",

@@ -28,8 +28,7 @@ def cells(results: dict) -> dict[tuple, dict[str, float]]:
             attack, eps = r["corruption"], eps_of[r["corruption"]][r["severity"] - 1]
         else:
             continue
-        out[(r["model"], r["context"], r["head"], attack, eps)] = {"accuracy": r["accuracy"],
-                                                                     "ece": r["ece_top_label"]}
+        out[(r["model"], r["context"], r["head"], attack, eps)] = {"accuracy": r["accuracy"], "ece": r["ece_top_label"]}
     return out
 
 
@@ -40,9 +39,20 @@ def table(run_dirs: list[Path]) -> list[dict]:
     for k in keys:
         acc = np.array([c[k]["accuracy"] for c in per_run]) * 100
         ece = np.array([c[k]["ece"] for c in per_run]) * 100
-        out.append({"model": k[0], "context": k[1], "head": k[2], "attack": k[3], "eps": k[4], "seeds": len(per_run),
-                    "accuracy_mean": float(acc.mean()), "accuracy_std": float(acc.std()),
-                    "ece_mean": float(ece.mean()), "ece_std": float(ece.std())})
+        out.append(
+            {
+                "model": k[0],
+                "context": k[1],
+                "head": k[2],
+                "attack": k[3],
+                "eps": k[4],
+                "seeds": len(per_run),
+                "accuracy_mean": float(acc.mean()),
+                "accuracy_std": float(acc.std()),
+                "ece_mean": float(ece.mean()),
+                "ece_std": float(ece.std()),
+            }
+        )
     return out
 
 
@@ -54,8 +64,10 @@ def main(argv=None) -> int:
     rows = table(args.runs)
     print(f"accuracy / top-label ECE in %, mean +- std over {len(args.runs)} seeds")
     for r in rows:
-        print(f"{r['model']:22s} {r['context']:6s} {r['head']:11s} {r['attack']:9s} {r['eps']:<4g} "
-              f"{r['accuracy_mean']:5.1f} +- {r['accuracy_std']:4.1f}   {r['ece_mean']:5.1f} +- {r['ece_std']:4.1f}")
+        print(
+            f"{r['model']:22s} {r['context']:6s} {r['head']:11s} {r['attack']:9s} {r['eps']:<4g} "
+            f"{r['accuracy_mean']:5.1f} +- {r['accuracy_std']:4.1f}   {r['ece_mean']:5.1f} +- {r['ece_std']:4.1f}"
+        )
     if args.out:
         args.out.write_text(json.dumps({"runs": [str(d) for d in args.runs], "rows": rows}, indent=1) + "\n")
     return 0

@@ -41,10 +41,22 @@ SEVERITIES = (0, 3, 5)
 def run(a) -> None:
     _, data, models, _ = load_trained(a.runs, a.dataset, a.seed, a.test_subset, MODELS)
     t0 = time.perf_counter()
-    res = shiftguard.evaluate(models, data["test"], support=data["train"], validation=data["val"],
-                              heads=MODELS, severities=[s for s in SEVERITIES if s], preprocess=to_model_input,
-                              batch_size=1000, contexts=("batch",), conformal=METHODS, conformal_weighted=True,
-                              seed=a.seed, n_boot=200, name=f"conformal-{a.dataset}-seed{a.seed}")
+    res = shiftguard.evaluate(
+        models,
+        data["test"],
+        support=data["train"],
+        validation=data["val"],
+        heads=MODELS,
+        severities=[s for s in SEVERITIES if s],
+        preprocess=to_model_input,
+        batch_size=1000,
+        contexts=("batch",),
+        conformal=METHODS,
+        conformal_weighted=True,
+        seed=a.seed,
+        n_boot=200,
+        name=f"conformal-{a.dataset}-seed{a.seed}",
+    )
     res.results["data"]["dataset"] = data["name"]
     out = Path(a.out) / f"conformal-{a.dataset}-seed{a.seed}"
     res.write_report(out)
@@ -60,22 +72,34 @@ def _fmt(t: tuple[float, float, float], scale: float = 100.0, nd: int = 1) -> st
 
 
 def table(a) -> None:
-    runs = [json.loads((d / "results.json").read_text(encoding="utf-8"))
-            for d in sorted(Path(a.out).glob(f"conformal-{a.dataset}-seed*")) if (d / "results.json").is_file()]
+    runs = [
+        json.loads((d / "results.json").read_text(encoding="utf-8"))
+        for d in sorted(Path(a.out).glob(f"conformal-{a.dataset}-seed*"))
+        if (d / "results.json").is_file()
+    ]
     if not runs:
         raise SystemExit(f"no conformal-{a.dataset}-seed*/results.json under {a.out}")
     seeds = sorted(r["seed"] for r in runs)
-    out: dict = {"dataset": a.dataset, "seeds": seeds, "alpha": runs[0]["conformal"]["alpha"],
-                 "n_test": runs[0]["data"]["n_test"], "n_calibration": runs[0]["conformal"]["n_calibration"],
-                 "series": {}}
-    L = [f"# {a.dataset}: conformal prediction sets under MNIST-C (alpha = {out['alpha']})", "",
-         f"{out['n_test']} test images per cell, sets calibrated on {out['n_calibration']} clean validation images; "
-         f"seeds {seeds}. Coverage in %, set size in labels; each cell: mean over the seeds [95% t-interval; "
-         "with two seeds, the two seeds' values]; "
-         "s3 / s5: mean over the 15 corruptions at that severity. Target coverage: "
-         f"{100 * (1 - out['alpha']):.0f}%.", "",
-         "| model | head | method | coverage s0 | coverage s3 | coverage s5 | size s0 | size s3 | size s5 |",
-         "|---|---|---|---|---|---|---|---|---|"]
+    out: dict = {
+        "dataset": a.dataset,
+        "seeds": seeds,
+        "alpha": runs[0]["conformal"]["alpha"],
+        "n_test": runs[0]["data"]["n_test"],
+        "n_calibration": runs[0]["conformal"]["n_calibration"],
+        "series": {},
+    }
+    L = [
+        f"# {a.dataset}: conformal prediction sets under MNIST-C (alpha = {out['alpha']})",
+        "",
+        f"{out['n_test']} test images per cell, sets calibrated on {out['n_calibration']} clean validation images; "
+        f"seeds {seeds}. Coverage in %, set size in labels; each cell: mean over the seeds [95% t-interval; "
+        "with two seeds, the two seeds' values]; "
+        "s3 / s5: mean over the 15 corruptions at that severity. Target coverage: "
+        f"{100 * (1 - out['alpha']):.0f}%.",
+        "",
+        "| model | head | method | coverage s0 | coverage s3 | coverage s5 | size s0 | size s3 | size s5 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for model, heads in MODELS.items():
         for head in heads:
             for method in METHODS:
@@ -83,17 +107,24 @@ def table(a) -> None:
                     cov, size = f"coverage_{method}{variant}", f"set_size_{method}{variant}"
                     per = {f"{k}_s{s}": [] for k in ("coverage", "size") for s in SEVERITIES}
                     for r in runs:
-                        aggs = {g["severity"]: g for g in r["aggregates"]
-                                if (g["model"], g["head"], g.get("adaptation", "none")) == (model, head, "none")}
+                        aggs = {
+                            g["severity"]: g
+                            for g in r["aggregates"]
+                            if (g["model"], g["head"], g.get("adaptation", "none")) == (model, head, "none")
+                        }
                         for s in SEVERITIES:
                             per[f"coverage_s{s}"].append(aggs[s][f"{cov}_mean"])
                             per[f"size_s{s}"].append(aggs[s][f"{size}_mean"])
                     stats = {k: t_interval(v) for k, v in per.items()}
                     out["series"][f"{model}/{head}/{method}{variant}"] = stats
                     label = method + (" (weighted)" if variant else "")
-                    L.append(f"| {model} | {head} | {label} | "
-                             + " | ".join(_fmt(stats[f"coverage_s{s}"]) for s in SEVERITIES) + " | "
-                             + " | ".join(_fmt(stats[f"size_s{s}"], 1.0, 2) for s in SEVERITIES) + " |")
+                    L.append(
+                        f"| {model} | {head} | {label} | "
+                        + " | ".join(_fmt(stats[f"coverage_s{s}"]) for s in SEVERITIES)
+                        + " | "
+                        + " | ".join(_fmt(stats[f"size_s{s}"], 1.0, 2) for s in SEVERITIES)
+                        + " |"
+                    )
     res_dir = HERE / "results"
     atomic_write_json(res_dir / f"conformal_{a.dataset}.json", out)
     md = "\n".join(L) + "\n"

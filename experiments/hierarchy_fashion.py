@@ -94,7 +94,7 @@ def run_one(name: str, seed: int, data, hierarchy, args) -> dict:
     for _ in range(args.epochs):
         perm = torch.randperm(x_tr.shape[0], generator=gen)
         for i in range(0, x_tr.shape[0], args.batch):
-            idx = perm[i:i + args.batch]
+            idx = perm[i : i + args.batch]
             opt.zero_grad()
             loss(net(x_tr[idx]), y_tr[idx]).backward()
             opt.step()
@@ -108,8 +108,7 @@ def run_one(name: str, seed: int, data, hierarchy, args) -> dict:
         out.update(hierarchical_similarity_at_k(e_te, y_te, hierarchy, ks=(50, 250), ahs_k=250))
         out["mc_proxies"] = representative_correlation(proxies, hierarchy, skip_constant_reference=True, decimals=5)
         protos = class_prototypes(e_tr, y_tr, 10)
-        out["mc_prototypes"] = representative_correlation(protos, hierarchy, skip_constant_reference=True,
-                                                          decimals=5)
+        out["mc_prototypes"] = representative_correlation(protos, hierarchy, skip_constant_reference=True, decimals=5)
     out["train_seconds"] = train_s
     out["final_scale"] = float(loss.scale) if hasattr(loss, "scale") else math.nan
     return out
@@ -137,13 +136,34 @@ def main(argv=None) -> int:
         for seed in args.seeds:
             r = run_one(name, seed, (x_tr, y_tr, x_te, y_te), hierarchy, args)
             runs.setdefault(name, []).append(r)
-            print(f"{name:9s} seed {seed}: top1 {r['top1']:.4f} ahd@5 {r['ahd@5']:.4f} hp@5 {r['hp@5']:.4f} "
-                  f"mc_proxies {r['mc_proxies']:.3f} ({r['train_seconds']:.1f} s)", flush=True)
-    keys = ["top1", "top5", "ahd@1", "ahd@5", "hp@3", "hp@5", "hs@50", "hs@250", "ahs@250", "mc_proxies",
-            "mc_prototypes"]
-    summary = {name: {k: {"mean": statistics.fmean(r[k] for r in rs),
-                          "std": statistics.stdev(r[k] for r in rs) if len(rs) > 1 else math.nan}
-                      for k in keys} for name, rs in runs.items()}
+            print(
+                f"{name:9s} seed {seed}: top1 {r['top1']:.4f} ahd@5 {r['ahd@5']:.4f} hp@5 {r['hp@5']:.4f} "
+                f"mc_proxies {r['mc_proxies']:.3f} ({r['train_seconds']:.1f} s)",
+                flush=True,
+            )
+    keys = [
+        "top1",
+        "top5",
+        "ahd@1",
+        "ahd@5",
+        "hp@3",
+        "hp@5",
+        "hs@50",
+        "hs@250",
+        "ahs@250",
+        "mc_proxies",
+        "mc_prototypes",
+    ]
+    summary = {
+        name: {
+            k: {
+                "mean": statistics.fmean(r[k] for r in rs),
+                "std": statistics.stdev(r[k] for r in rs) if len(rs) > 1 else math.nan,
+            }
+            for k in keys
+        }
+        for name, rs in runs.items()
+    }
     print("\n| model | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     for name, row in summary.items():
@@ -151,11 +171,17 @@ def main(argv=None) -> int:
         print(f"| {name} | {cells} |")
     wall = time.perf_counter() - t_start
     print(f"\nwall time {wall:.0f} s (torch threads {torch.get_num_threads()})")
-    atomic_write_json(args.out, {
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "hierarchy": "shiftguard.data.fashion_mnist_hierarchy (root -> tops/bottoms/dresses/footwear/bags)",
-        "summary": summary, "runs": runs, "wall_seconds": wall, "torch_threads": torch.get_num_threads(),
-    })
+    atomic_write_json(
+        args.out,
+        {
+            "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "hierarchy": "shiftguard.data.fashion_mnist_hierarchy (root -> tops/bottoms/dresses/footwear/bags)",
+            "summary": summary,
+            "runs": runs,
+            "wall_seconds": wall,
+            "torch_threads": torch.get_num_threads(),
+        },
+    )
     return 0
 
 

@@ -54,9 +54,12 @@ class TinyCNN(nn.Module):
     def __init__(self, dim: int = 32):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(1, 16, 5, stride=2, padding=2), nn.ReLU(),
-            nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-            nn.Flatten(), nn.Linear(32 * 7 * 7, dim),
+            nn.Conv2d(1, 16, 5, stride=2, padding=2),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 7 * 7, dim),
         )
 
     def forward(self, x):
@@ -67,15 +70,21 @@ class TinyCNN(nn.Module):
 
 def subset(ds, per_class: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    idx = torch.cat([torch.nonzero(ds.labels == c).flatten()[
-        torch.randperm(int((ds.labels == c).sum()), generator=g)[:per_class]] for c in range(10)])
+    idx = torch.cat(
+        [
+            torch.nonzero(ds.labels == c).flatten()[
+                torch.randperm(int((ds.labels == c).sum()), generator=g)[:per_class]
+            ]
+            for c in range(10)
+        ]
+    )
     return ds.images[idx].float().div(255.0).sub(0.2860).div(0.3530), ds.labels[idx]
 
 
 @torch.no_grad()
 def embed_all(model, x, bs=1000):
     model.eval()
-    out = torch.cat([model(x[i:i + bs]) for i in range(0, len(x), bs)])
+    out = torch.cat([model(x[i : i + bs]) for i in range(0, len(x), bs)])
     model.train()
     return out
 
@@ -88,8 +97,9 @@ def retrieval(emb, labels, ks=(1, 2, 4, 8)):
     top = sim.topk(max(ks), dim=1).indices
     hit = labels[top] == labels.unsqueeze(1)
     res = {f"recall@{k}": float(hit[:, :k].any(1).float().mean()) for k in ks}
-    acc = AccuracyCalculator(include=("precision_at_1", "mean_average_precision_at_r"), k="max_bin_count",
-                             device=torch.device("cpu"))
+    acc = AccuracyCalculator(
+        include=("precision_at_1", "mean_average_precision_at_r"), k="max_bin_count", device=torch.device("cpu")
+    )
     pml = acc.get_accuracy(e, labels, e, labels, ref_includes_query=True)
     res["map@r"] = float(pml["mean_average_precision_at_r"])
     res["pml_precision@1"] = float(pml["precision_at_1"])
@@ -104,8 +114,13 @@ def train_one(loss_name, kw, xtr, ytr, args):
             model.body[-1].weight.mul_(args.prob_init_scale)
             model.body[-1].bias.mul_(args.prob_init_scale)
     loss_fn = build_loss(loss_name, embedding_dim=args.dim, num_classes=10, **kw)
-    opt = torch.optim.Adam([{"params": list(model.parameters())},
-                            {"params": list(loss_fn.parameters()), "lr": args.lr * args.loss_lr_mult}], lr=args.lr)
+    opt = torch.optim.Adam(
+        [
+            {"params": list(model.parameters())},
+            {"params": list(loss_fn.parameters()), "lr": args.lr * args.loss_lr_mult},
+        ],
+        lr=args.lr,
+    )
     sampler = ClassBalancedBatchSampler(ytr, m=args.m, batch_size=args.batch_size, seed=args.seed)
     t0 = time.perf_counter()
     for epoch in range(args.epochs):
@@ -130,8 +145,9 @@ def main(argv=None) -> int:
     p.add_argument("--m", type=int, default=6)
     p.add_argument("--dim", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--loss-lr-mult", type=float, default=10.0,
-                   help="learning-rate multiplier for loss parameters (proxies)")
+    p.add_argument(
+        "--loss-lr-mult", type=float, default=10.0, help="learning-rate multiplier for loss parameters (proxies)"
+    )
     p.add_argument("--prob-init-scale", type=float, default=30.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", nargs="*", default=None, help="subset of loss labels to run")
@@ -146,8 +162,11 @@ def main(argv=None) -> int:
     print(f"{'loss':<22}{'R@1':>7}{'R@2':>7}{'R@4':>7}{'R@8':>7}{'MAP@R':>8}{'train s':>9}")
 
     def show(name, r):
-        print(f"{name:<22}{r['recall@1']:7.3f}{r['recall@2']:7.3f}{r['recall@4']:7.3f}{r['recall@8']:7.3f}"
-              f"{r['map@r']:8.3f}{r['train_s']:9.1f}", flush=True)
+        print(
+            f"{name:<22}{r['recall@1']:7.3f}{r['recall@2']:7.3f}{r['recall@4']:7.3f}{r['recall@8']:7.3f}"
+            f"{r['map@r']:8.3f}{r['train_s']:9.1f}",
+            flush=True,
+        )
 
     show("untrained", rows["untrained"])
     for label, (name, kw) in LOSSES.items():
@@ -157,8 +176,10 @@ def main(argv=None) -> int:
         rows[label] = {**retrieval(embed_all(model, xte), yte), "train_s": secs}
         show(label, rows[label])
     if args.out:
-        atomic_write_json(args.out, {"config": vars(args), "results": rows,
-                                     "torch": torch.__version__, "python": sys.version.split()[0]})
+        atomic_write_json(
+            args.out,
+            {"config": vars(args), "results": rows, "torch": torch.__version__, "python": sys.version.split()[0]},
+        )
     return 0
 
 

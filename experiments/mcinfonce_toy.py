@@ -44,8 +44,14 @@ from torch import nn
 from shiftguard.functional.vmf import log_vmf_normalizer, sample_vmf
 from shiftguard.losses import MCInfoNCELoss
 
-THESIS = {"location_rank_corr": 0.99, "kappa_rank_corr": 0.82, "D": 10, "batches": 100000, "batch_size": 512,
-          "mc_samples": 512}
+THESIS = {
+    "location_rank_corr": 0.99,
+    "kappa_rank_corr": 0.82,
+    "D": 10,
+    "batches": 100000,
+    "batch_size": 512,
+    "mc_samples": 512,
+}
 
 
 def _mlp(sizes, final_act=False):
@@ -127,8 +133,21 @@ class Encoder(nn.Module):
         return 1 + torch.exp(self.kappa_net(x).squeeze(1))
 
 
-def train(gp, enc, *, steps_mu, steps_kappa, batch_size, batch_size_kappa, n_neg, n_samples, kappa_pos, lr, seed,
-          joint_steps=0):
+def train(
+    gp,
+    enc,
+    *,
+    steps_mu,
+    steps_kappa,
+    batch_size,
+    batch_size_kappa,
+    n_neg,
+    n_samples,
+    kappa_pos,
+    lr,
+    seed,
+    joint_steps=0,
+):
     """Phasewise training on *fresh* contrastive pairs every step ([Kirchhof] draws 100k fresh batches; reusing a
     fixed pair set lets mu^ memorise the pairs and then kappa^ -> inf)."""
     g = torch.Generator().manual_seed(seed + 1)
@@ -191,8 +210,16 @@ def evaluate(gp, enc, n_eval=2000, seed=123):
 
 
 @torch.no_grad()
-def loss_vs_kappa_scale(dim=10, n_samples=(16, 128), scales=(0.5, 1.0, 1.5, 2.0, 3.0, 4.0), n_pairs=2048,
-                        batch=64, n_neg=32, kappa_pos=20.0, seed=0):
+def loss_vs_kappa_scale(
+    dim=10,
+    n_samples=(16, 128),
+    scales=(0.5, 1.0, 1.5, 2.0, 3.0, 4.0),
+    n_pairs=2048,
+    batch=64,
+    n_neg=32,
+    kappa_pos=20.0,
+    seed=0,
+):
     """MCInfoNCE (eq. (7)) evaluated at the *true* posteriors with kappa scaled by c: where is it minimal?
 
     Eq. (7) is a biased MC estimate of eq. (5) [Kirchhof, Sec. 5.1]; this measures how the bias moves the minimiser
@@ -208,7 +235,7 @@ def loss_vs_kappa_scale(dim=10, n_samples=(16, 128), scales=(0.5, 1.0, 1.5, 2.0,
         for c in scales:
             tot = 0.0
             for j, i in enumerate(range(0, n_pairs, batch)):
-                inp = torch.cat([x[i:i + batch], xp[i:i + batch], negs[j]])
+                inp = torch.cat([x[i : i + batch], xp[i : i + batch], negs[j]])
                 lab = torch.cat([torch.arange(batch), torch.arange(batch), batch + torch.arange(n_neg)])
                 loss_fn.generator = torch.Generator().manual_seed(i)
                 tot += float(loss_fn(gp.mu(inp) * (c * gp.kappa(inp)).unsqueeze(1), lab))
@@ -216,8 +243,23 @@ def loss_vs_kappa_scale(dim=10, n_samples=(16, 128), scales=(0.5, 1.0, 1.5, 2.0,
     return out
 
 
-def run(dim=10, oracle_mu=False, steps_mu=1500, steps_kappa=800, batch_size=64, batch_size_kappa=32, n_neg=32,
-        n_samples=128, kappa_pos=20.0, lr=1e-3, width=64, n_eval=2000, seed=0, kappa_min=16.0, kappa_max=32.0):
+def run(
+    dim=10,
+    oracle_mu=False,
+    steps_mu=1500,
+    steps_kappa=800,
+    batch_size=64,
+    batch_size_kappa=32,
+    n_neg=32,
+    n_samples=128,
+    kappa_pos=20.0,
+    lr=1e-3,
+    width=64,
+    n_eval=2000,
+    seed=0,
+    kappa_min=16.0,
+    kappa_max=32.0,
+):
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     gp = GenerativeProcess(dim, kappa_min, kappa_max, seed=seed)
@@ -227,9 +269,19 @@ def run(dim=10, oracle_mu=False, steps_mu=1500, steps_kappa=800, batch_size=64, 
     if oracle_mu:  # isolate kappa recovery: the encoder's mean directions are the true mu(x)
         enc.mu = gp.mu
         steps_mu = 0
-    train(gp, enc, steps_mu=steps_mu, steps_kappa=steps_kappa, batch_size=batch_size,
-          batch_size_kappa=batch_size_kappa, n_neg=n_neg,
-          n_samples=n_samples, kappa_pos=kappa_pos, lr=lr, seed=seed)
+    train(
+        gp,
+        enc,
+        steps_mu=steps_mu,
+        steps_kappa=steps_kappa,
+        batch_size=batch_size,
+        batch_size_kappa=batch_size_kappa,
+        n_neg=n_neg,
+        n_samples=n_samples,
+        kappa_pos=kappa_pos,
+        lr=lr,
+        seed=seed,
+    )
     res = evaluate(gp, enc, n_eval)
     res.update(acceptance_rate=acc_rate, total_s=time.perf_counter() - t0, oracle_mu=oracle_mu)
     return res
@@ -238,8 +290,11 @@ def run(dim=10, oracle_mu=False, steps_mu=1500, steps_kappa=800, batch_size=64, 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dim", type=int, default=10)
-    p.add_argument("--oracle-mu", action="store_true",
-                   help="give the encoder the true mean directions and learn only kappa^ (isolates kappa recovery)")
+    p.add_argument(
+        "--oracle-mu",
+        action="store_true",
+        help="give the encoder the true mean directions and learn only kappa^ (isolates kappa recovery)",
+    )
     p.add_argument("--steps-mu", type=int, default=1500)
     p.add_argument("--steps-kappa", type=int, default=800)
     p.add_argument("--batch-size", type=int, default=64, help="pairs per batch, phase 1 (mu^)")
@@ -249,8 +304,11 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--landscape", action="store_true",
-                   help="only evaluate the loss at the true posteriors with kappa scaled by c (MC-bias check)")
+    p.add_argument(
+        "--landscape",
+        action="store_true",
+        help="only evaluate the loss at the true posteriors with kappa scaled by c (MC-bias check)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -260,23 +318,51 @@ def main(argv=None) -> int:
             print(f"{key:>14}: loss {val:.4f}")
         if args.out:
             from shiftguard.io import atomic_write_json
+
             atomic_write_json(args.out, {"config": vars(args), "loss_vs_kappa_scale": land})
         return 0
     runs = []
     for seed in args.seeds:
-        r = run(args.dim, args.oracle_mu, args.steps_mu, args.steps_kappa, args.batch_size, args.batch_size_kappa,
-                args.n_neg, args.n_samples, 20.0, args.lr, args.width, 2000, seed)
+        r = run(
+            args.dim,
+            args.oracle_mu,
+            args.steps_mu,
+            args.steps_kappa,
+            args.batch_size,
+            args.batch_size_kappa,
+            args.n_neg,
+            args.n_samples,
+            20.0,
+            args.lr,
+            args.width,
+            2000,
+            seed,
+        )
         runs.append({"seed": seed, **r})
-        print(f"seed {seed}: location rank corr {r['location_rank_corr']:.3f}  kappa rank corr "
-              f"{r['kappa_rank_corr']:.3f}  kappa RMSE {r['kappa_rmse']:.2f}  acceptance {r['acceptance_rate']:.3f}  "
-              f"({r['total_s']:.0f} s)", flush=True)
+        print(
+            f"seed {seed}: location rank corr {r['location_rank_corr']:.3f}  kappa rank corr "
+            f"{r['kappa_rank_corr']:.3f}  kappa RMSE {r['kappa_rmse']:.2f}  acceptance {r['acceptance_rate']:.3f}  "
+            f"({r['total_s']:.0f} s)",
+            flush=True,
+        )
     mean = lambda k: sum(r[k] for r in runs) / len(runs)
-    print(f"mean over {len(runs)} seed(s): location {mean('location_rank_corr'):.3f} (thesis 0.99), "
-          f"kappa {mean('kappa_rank_corr'):.3f} (thesis 0.82)")
+    print(
+        f"mean over {len(runs)} seed(s): location {mean('location_rank_corr'):.3f} (thesis 0.99), "
+        f"kappa {mean('kappa_rank_corr'):.3f} (thesis 0.82)"
+    )
     if args.out:
         from shiftguard.io import atomic_write_json
-        atomic_write_json(args.out, {"config": vars(args), "runs": runs, "thesis_003_table1": THESIS,
-                                     "torch": torch.__version__, "python": sys.version.split()[0]})
+
+        atomic_write_json(
+            args.out,
+            {
+                "config": vars(args),
+                "runs": runs,
+                "thesis_003_table1": THESIS,
+                "torch": torch.__version__,
+                "python": sys.version.split()[0],
+            },
+        )
     return 0
 
 

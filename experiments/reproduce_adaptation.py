@@ -53,27 +53,60 @@ HERE = Path(__file__).resolve().parent
 #: others in the evaluation batches of 1,000 (QACT's context).
 ARMS = ["none", "bn-batch", "bn", "tent:batch_size=128", "refresh:batch_size=128"]
 MODELS = [
-    {"name": "lenet-relu-ce", "arch": "lenet", "activation": "relu", "loss": "cross_entropy",
-     "heads": ["softmax", "logistic"]},
-    {"name": "lenet-bnrelubn-ce", "arch": "lenet", "activation": "bn-relu-bn", "loss": "cross_entropy",
-     "heads": ["softmax", "logistic"]},
-    {"name": "lenet-qact-watershed", "arch": "lenet", "activation": "qact", "loss": "watershed",
-     "heads": ["quantile", "logistic"]},
-    {"name": "lenet-qact-ce", "arch": "lenet", "activation": "qact", "loss": "cross_entropy",
-     "heads": ["softmax", "logistic"]},
+    {
+        "name": "lenet-relu-ce",
+        "arch": "lenet",
+        "activation": "relu",
+        "loss": "cross_entropy",
+        "heads": ["softmax", "logistic"],
+    },
+    {
+        "name": "lenet-bnrelubn-ce",
+        "arch": "lenet",
+        "activation": "bn-relu-bn",
+        "loss": "cross_entropy",
+        "heads": ["softmax", "logistic"],
+    },
+    {
+        "name": "lenet-qact-watershed",
+        "arch": "lenet",
+        "activation": "qact",
+        "loss": "watershed",
+        "heads": ["quantile", "logistic"],
+    },
+    {
+        "name": "lenet-qact-ce",
+        "arch": "lenet",
+        "activation": "qact",
+        "loss": "cross_entropy",
+        "heads": ["softmax", "logistic"],
+    },
 ]
 #: Each model's own head (the protocol head of its loss).
-OWN_HEAD = {"lenet-relu-ce": "softmax", "lenet-bnrelubn-ce": "softmax", "lenet-qact-watershed": "quantile",
-            "lenet-qact-ce": "softmax"}
+OWN_HEAD = {
+    "lenet-relu-ce": "softmax",
+    "lenet-bnrelubn-ce": "softmax",
+    "lenet-qact-watershed": "quantile",
+    "lenet-qact-ce": "softmax",
+}
 TWIN = "lenet-bnrelubn-ce"
 
 
-def config(dataset: str, seed: int, root: str, test_subset: int, arms: list[str], epochs: int = 30,
-           train_subset: int = 0) -> C.RunConfig:
+def config(
+    dataset: str, seed: int, root: str, test_subset: int, arms: list[str], epochs: int = 30, train_subset: int = 0
+) -> C.RunConfig:
     raw = {
-        "name": f"adapt-{dataset}-seed{seed}", "seed": seed,
-        "data": {"dataset": dataset, "root": root, "suite": "mnist-c", "severities": [1, 2, 3, 4, 5],
-                 "corrupted_source": "engine", "test_subset": test_subset, "train_subset": train_subset},
+        "name": f"adapt-{dataset}-seed{seed}",
+        "seed": seed,
+        "data": {
+            "dataset": dataset,
+            "root": root,
+            "suite": "mnist-c",
+            "severities": [1, 2, 3, 4, 5],
+            "corrupted_source": "engine",
+            "test_subset": test_subset,
+            "train_subset": train_subset,
+        },
         "train": {"epochs": epochs, "batch_size": 256, "early_stopping_patience": 5},
         "eval": {"batch_size": 1000, "frozen_context": False, "adapt": arms},
         "models": MODELS,
@@ -101,19 +134,33 @@ def _series(res: dict) -> list[tuple]:
 
 def _numbers(res: dict, key: tuple) -> dict:
     """acc s0 / s5, drop 0->5, ECE s0 / s5 (in %) and the run's bootstrap intervals for ``key``."""
-    agg = {a["severity"]: a for a in res["aggregates"]
-           if (a["model"], a["context"], a.get("adaptation", "none"), a["head"]) == key}
-    ivs = {i["metric"]: i for i in res.get("intervals") or []
-           if (i["model"], i["context"], i.get("adaptation", "none"), i["head"]) == key}
+    agg = {
+        a["severity"]: a
+        for a in res["aggregates"]
+        if (a["model"], a["context"], a.get("adaptation", "none"), a["head"]) == key
+    }
+    ivs = {
+        i["metric"]: i
+        for i in res.get("intervals") or []
+        if (i["model"], i["context"], i.get("adaptation", "none"), i["head"]) == key
+    }
     top = max(res["data"]["severities"])
-    return {"acc_s0": 100 * agg[0]["accuracy_mean"], "acc_s5": 100 * agg[top]["accuracy_mean"],
-            "drop": 100 * (agg[0]["accuracy_mean"] - agg[top]["accuracy_mean"]),
-            "ece_s0": 100 * agg[0]["ece_top_label_mean"], "ece_s5": 100 * agg[top]["ece_top_label_mean"],
-            "acc_corrupted": 100 * statistics.mean(
-                r["accuracy"] for r in res["rows"]
-                if (r["model"], r["context"], r.get("adaptation", "none"), r["head"]) == key
-                and r["severity"] > 0 and r.get("group") == "benchmark"),
-            "intervals": {m: [100 * i["lo"], 100 * i["hi"]] for m, i in ivs.items()}}
+    return {
+        "acc_s0": 100 * agg[0]["accuracy_mean"],
+        "acc_s5": 100 * agg[top]["accuracy_mean"],
+        "drop": 100 * (agg[0]["accuracy_mean"] - agg[top]["accuracy_mean"]),
+        "ece_s0": 100 * agg[0]["ece_top_label_mean"],
+        "ece_s5": 100 * agg[top]["ece_top_label_mean"],
+        "acc_corrupted": 100
+        * statistics.mean(
+            r["accuracy"]
+            for r in res["rows"]
+            if (r["model"], r["context"], r.get("adaptation", "none"), r["head"]) == key
+            and r["severity"] > 0
+            and r.get("group") == "benchmark"
+        ),
+        "intervals": {m: [100 * i["lo"], 100 * i["hi"]] for m, i in ivs.items()},
+    }
 
 
 def t_interval(values: list[float]) -> tuple[float, float, float]:
@@ -150,8 +197,7 @@ def _fmt(m, lo, hi) -> str:
     return f"{m:.1f}" if math.isnan(lo) else f"{m:.1f} [{lo:.1f}, {hi:.1f}]"
 
 
-FIELDS = (("acc_s0", "acc s0"), ("acc_s5", "acc s5"), ("drop", "drop 0→5"), ("ece_s0", "ECE s0"),
-          ("ece_s5", "ECE s5"))
+FIELDS = (("acc_s0", "acc s0"), ("acc_s5", "acc s5"), ("drop", "drop 0→5"), ("ece_s0", "ECE s0"), ("ece_s5", "ECE s5"))
 
 
 def table(a) -> None:
@@ -173,20 +219,33 @@ def table(a) -> None:
     arms = list(dict.fromkeys(k[2] for k in keys))
     for model in ("lenet-qact-watershed", "lenet-qact-ce", "lenet-relu-ce"):
         for arm in arms:
-            for ctx in (("batch", "frozen") if "qact" in model else ("none",)):
+            for ctx in ("batch", "frozen") if "qact" in model else ("none",):
                 mk, tk = (model, ctx, arm, OWN_HEAD[model]), (TWIN, "none", arm, OWN_HEAD[TWIN])
                 if mk in per_key and tk in per_key:
                     paired["/".join(mk)] = {
                         f: t_interval([x[f] - y[f] for x, y in zip(per_key[mk], per_key[tk])])
-                        for f in ("acc_s0", "acc_s5", "drop", "ece_s5")}
+                        for f in ("acc_s0", "acc_s5", "drop", "ece_s5")
+                    }
     first = runs[0]
-    out = {"dataset": a.dataset, "seeds": seeds, "n_test": first["data"]["n_test"],
-           "n_train": first["data"]["n_train"], "arms": first.get("adaptation"),
-           "series": summary, "paired_vs_twin": paired,
-           "per_run": {str(r["seed"]): {"/".join(k): _numbers(r, k) for k in keys} for r in runs},
-           "training": {str(r["seed"]): {m: {"epochs": t.get("epochs_run"), "best_val_acc": t.get("best_val_acc")}
-                                         for m, t in r["training"].items()} for r in runs},
-           "timings_s": {str(r["seed"]): r["timings"] for r in runs}, "versions": first.get("versions")}
+    out = {
+        "dataset": a.dataset,
+        "seeds": seeds,
+        "n_test": first["data"]["n_test"],
+        "n_train": first["data"]["n_train"],
+        "arms": first.get("adaptation"),
+        "series": summary,
+        "paired_vs_twin": paired,
+        "per_run": {str(r["seed"]): {"/".join(k): _numbers(r, k) for k in keys} for r in runs},
+        "training": {
+            str(r["seed"]): {
+                m: {"epochs": t.get("epochs_run"), "best_val_acc": t.get("best_val_acc")}
+                for m, t in r["training"].items()
+            }
+            for r in runs
+        },
+        "timings_s": {str(r["seed"]): r["timings"] for r in runs},
+        "versions": first.get("versions"),
+    }
     res_dir = HERE / "results"
     atomic_write_json(res_dir / f"adaptation_{a.dataset}.json", out)
     md = markdown(out, keys)
@@ -196,31 +255,42 @@ def table(a) -> None:
 
 def markdown(out: dict, keys: list[tuple]) -> str:
     n = len(out["seeds"])
-    L = [f"# {out['dataset']}: QACT vs its BatchNorm twin under test-time adaptation", "",
-         f"LeNet, {out['n_train']} training images, {out['n_test']} test images, 15 MNIST-C corruptions x 5 "
-         f"severities (engine), seeds {out['seeds']}. Accuracy and top-label ECE in %, drop in points. "
-         f"Each cell: mean over the {n} seeds [95% t-interval over the seeds; with two seeds, the two seeds' "
-         "values]. s5 = mean over the 15 "
-         "corruptions at severity 5.", "",
-         "| model | context | arm | head | " + " | ".join(lab for _, lab in FIELDS) + " |",
-         "|---|---|---|---|" + "---|" * len(FIELDS)]
+    L = [
+        f"# {out['dataset']}: QACT vs its BatchNorm twin under test-time adaptation",
+        "",
+        f"LeNet, {out['n_train']} training images, {out['n_test']} test images, 15 MNIST-C corruptions x 5 "
+        f"severities (engine), seeds {out['seeds']}. Accuracy and top-label ECE in %, drop in points. "
+        f"Each cell: mean over the {n} seeds [95% t-interval over the seeds; with two seeds, the two seeds' "
+        "values]. s5 = mean over the 15 "
+        "corruptions at severity 5.",
+        "",
+        "| model | context | arm | head | " + " | ".join(lab for _, lab in FIELDS) + " |",
+        "|---|---|---|---|" + "---|" * len(FIELDS),
+    ]
     for k in keys:
         s = out["series"]["/".join(k)]
         L.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | " + " | ".join(_fmt(*s[f]) for f, _ in FIELDS) + " |")
-    L += ["", f"## Paired differences against the twin ({TWIN}, softmax) under the same arm", "",
-          "Own heads; per seed the difference, then mean [95% t-interval over the seeds; with two seeds, the two "
-          "values]. Positive accuracy "
-          "= better than the twin; positive drop or ECE = worse.", "",
-          "| model | context | arm | head | Δ acc s0 | Δ acc s5 | Δ drop 0→5 | Δ ECE s5 |",
-          "|---|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        f"## Paired differences against the twin ({TWIN}, softmax) under the same arm",
+        "",
+        "Own heads; per seed the difference, then mean [95% t-interval over the seeds; with two seeds, the two "
+        "values]. Positive accuracy "
+        "= better than the twin; positive drop or ECE = worse.",
+        "",
+        "| model | context | arm | head | Δ acc s0 | Δ acc s5 | Δ drop 0→5 | Δ ECE s5 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for key, d in out["paired_vs_twin"].items():
         m, c, arm, h = key.split("/")
         cells = " | ".join(_fmt(*d[f]) for f in ("acc_s0", "acc_s5", "drop", "ece_s5"))
         L.append(f"| {m} | {c} | {arm} | {h} | {cells} |")
     L += ["", "## Training", ""]
     for seed, models in out["training"].items():
-        L.append(f"seed {seed}: " + "; ".join(f"{m} {t['epochs']} epochs, val acc {100 * t['best_val_acc']:.2f}"
-                                              for m, t in models.items()))
+        L.append(
+            f"seed {seed}: "
+            + "; ".join(f"{m} {t['epochs']} epochs, val acc {100 * t['best_val_acc']:.2f}" for m, t in models.items())
+        )
     return "\n".join(L) + "\n"
 
 
@@ -232,8 +302,12 @@ def main() -> None:
     r.add_argument("--seed", type=int, required=True)
     r.add_argument("--root", required=True, help="folder of the dataset's IDX files")
     r.add_argument("--test-subset", type=int, default=2000, help="test images per cell (0 = all 10,000)")
-    r.add_argument("--epochs", type=int, default=30, help="most epochs (early stopping ends training at the "
-                   "validation plateau); fewer only to try the script")
+    r.add_argument(
+        "--epochs",
+        type=int,
+        default=30,
+        help="most epochs (early stopping ends training at the validation plateau); fewer only to try the script",
+    )
     r.add_argument("--train-subset", type=int, default=0, help="training images (0 = all); only to try the script")
     r.add_argument("--arms", nargs="+", default=ARMS)
     r.add_argument("--out", default="runs")

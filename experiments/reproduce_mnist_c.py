@@ -45,8 +45,10 @@ DOC_TABLE1_0_TO_5 = {  # [QACT, App. C, Table 1], ResNet-18, accuracy points
     "TinyImagenet": {"relu": 21.49, "qact": 13.18},
 }
 DOC_NED_TABLE2_ECE = {  # [NED, Table 2]: average ECE under corruptions, kNN vs NED
-    "CUB-200": {"knn": 12.3, "ned": 3.0}, "CARS196": {"knn": 14.1, "ned": 2.3},
-    "SOP": {"knn": 27.3, "ned": 2.9}, "InShop": {"knn": 34.4, "ned": 0.9},
+    "CUB-200": {"knn": 12.3, "ned": 3.0},
+    "CARS196": {"knn": 14.1, "ned": 2.3},
+    "SOP": {"knn": 27.3, "ned": 2.9},
+    "InShop": {"knn": 34.4, "ned": 0.9},
 }
 
 
@@ -72,13 +74,21 @@ def run_seed(seed: int, out: Path, progress: bool) -> dict:
 
 
 def pick(res: dict, model: str, ctx: str, head: str, sev: int) -> dict:
-    return next(a for a in res["aggregates"] if a.get("adaptation", "none") == "none"
-                and (a["model"], a["context"], a["head"], a["severity"]) == (model, ctx, head, sev))
+    return next(
+        a
+        for a in res["aggregates"]
+        if a.get("adaptation", "none") == "none"
+        and (a["model"], a["context"], a["head"], a["severity"]) == (model, ctx, head, sev)
+    )
 
 
 def drop(res: dict, model: str, ctx: str, head: str) -> dict:
-    return next(d for d in res["drops"] if d.get("adaptation", "none") == "none"
-                and (d["model"], d["context"], d["head"], d["from"], d["to"]) == (model, ctx, head, 0, 5))
+    return next(
+        d
+        for d in res["drops"]
+        if d.get("adaptation", "none") == "none"
+        and (d["model"], d["context"], d["head"], d["from"], d["to"]) == (model, ctx, head, 0, 5)
+    )
 
 
 def claims(res: dict) -> dict:
@@ -87,27 +97,47 @@ def claims(res: dict) -> dict:
     qact_log = ("lenet-qact-watershed", "batch", "logistic")
     out = {"drop_0_5": {}, "ece_by_severity": {}, "ned_vs_knn": {}}
     relu_softmax = ("lenet-relu-ce", "none", "softmax")
-    for label, key in (("relu+ce/logistic", relu), ("relu+ce/softmax", relu_softmax),
-                       ("qact+ws/quantile[batch]", qact), ("qact+ws/quantile[frozen]", frozen),
-                       ("qact+ws/logistic[batch]", qact_log)):
+    for label, key in (
+        ("relu+ce/logistic", relu),
+        ("relu+ce/softmax", relu_softmax),
+        ("qact+ws/quantile[batch]", qact),
+        ("qact+ws/quantile[frozen]", frozen),
+        ("qact+ws/logistic[batch]", qact_log),
+    ):
         d = drop(res, *key)
-        out["drop_0_5"][label] = {"acc_clean": 100 * pick(res, *key, 0)["accuracy_mean"],
-                                  "acc_s5": 100 * pick(res, *key, 5)["accuracy_mean"],
-                                  "drop_mean": d["drop_mean"], "drop_std_over_corruptions": d["drop_std"]}
+        out["drop_0_5"][label] = {
+            "acc_clean": 100 * pick(res, *key, 0)["accuracy_mean"],
+            "acc_s5": 100 * pick(res, *key, 5)["accuracy_mean"],
+            "drop_mean": d["drop_mean"],
+            "drop_std_over_corruptions": d["drop_std"],
+        }
         eces = [100 * pick(res, *key, s)["ece_top_label_mean"] for s in range(6)]
-        out["ece_by_severity"][label] = {"ece_top_label": eces, "range": max(eces) - min(eces),
-                                         "ece_marginal": [100 * pick(res, *key, s)["ece_marginal_mean"]
-                                                          for s in range(6)]}
+        out["ece_by_severity"][label] = {
+            "ece_top_label": eces,
+            "range": max(eces) - min(eces),
+            "ece_marginal": [100 * pick(res, *key, s)["ece_marginal_mean"] for s in range(6)],
+        }
     for model, ctx in (("lenet-relu-ce", "none"), ("lenet-qact-watershed", "batch")):
         row = {}
         for head in ("ned", "knn"):
-            cells = [r for r in res["rows"] if r.get("adaptation", "none") == "none"
-                     and (r["model"], r["context"], r["head"]) == (model, ctx, head) and r["severity"] > 0]
-            row[head] = {"ece_top_label": 100 * statistics.mean(r["ece_top_label"] for r in cells),
-                         "accuracy": 100 * statistics.mean(r["accuracy"] for r in cells),
-                         "ece_clean": 100 * next(
-                             r["ece_top_label"] for r in res["rows"] if r.get("adaptation", "none") == "none"
-                             and (r["model"], r["context"], r["head"], r["severity"]) == (model, ctx, head, 0))}
+            cells = [
+                r
+                for r in res["rows"]
+                if r.get("adaptation", "none") == "none"
+                and (r["model"], r["context"], r["head"]) == (model, ctx, head)
+                and r["severity"] > 0
+            ]
+            row[head] = {
+                "ece_top_label": 100 * statistics.mean(r["ece_top_label"] for r in cells),
+                "accuracy": 100 * statistics.mean(r["accuracy"] for r in cells),
+                "ece_clean": 100
+                * next(
+                    r["ece_top_label"]
+                    for r in res["rows"]
+                    if r.get("adaptation", "none") == "none"
+                    and (r["model"], r["context"], r["head"], r["severity"]) == (model, ctx, head, 0)
+                ),
+            }
         out["ned_vs_knn"][f"{model}[{ctx}]"] = row
     return out
 
@@ -122,41 +152,73 @@ def mean_sd(vals):
 def markdown(per_seed: dict[int, dict], runs: dict[int, dict]) -> str:
     seeds = sorted(per_seed)
     data = sorted({f"{r['data']['dataset']}, {r['data']['n_train']} training images" for r in runs.values()})
-    L = [f"# MNIST-C reproduction (LeNet, {'; '.join(data)}; seeds {seeds})", "",
-         "Values: mean over seeds (± std over seeds when >1 seed). Accuracy / ECE in %.", "",
-         "## Accuracy drop severity 0 -> 5 ([QACT, Tables 1-2] measure)", "",
-         "| pipeline | acc clean | acc s5 | drop 0→5 | std of drop over corruptions |", "|---|---|---|---|---|"]
+    L = [
+        f"# MNIST-C reproduction (LeNet, {'; '.join(data)}; seeds {seeds})",
+        "",
+        "Values: mean over seeds (± std over seeds when >1 seed). Accuracy / ECE in %.",
+        "",
+        "## Accuracy drop severity 0 -> 5 ([QACT, Tables 1-2] measure)",
+        "",
+        "| pipeline | acc clean | acc s5 | drop 0→5 | std of drop over corruptions |",
+        "|---|---|---|---|---|",
+    ]
     for label in per_seed[seeds[0]]["drop_0_5"]:
         v = [per_seed[s]["drop_0_5"][label] for s in seeds]
-        L.append(f"| {label} | {mean_sd([x['acc_clean'] for x in v])} | {mean_sd([x['acc_s5'] for x in v])} | "
-                 f"{mean_sd([x['drop_mean'] for x in v])} | {mean_sd([x['drop_std_over_corruptions'] for x in v])} |")
-    L += ["", "Document ([QACT, Table 1], ResNet-18, 0→5): " + "; ".join(
-        f"{k} ReLU {v['relu']} vs QACT {v['qact']}" for k, v in DOC_TABLE1_0_TO_5.items()), "",
-        "## Top-label ECE by severity ([QACT]: QACT's stays flat)", "",
-        "| pipeline | s0 | s1 | s2 | s3 | s4 | s5 | range |", "|---|---|---|---|---|---|---|---|"]
+        L.append(
+            f"| {label} | {mean_sd([x['acc_clean'] for x in v])} | {mean_sd([x['acc_s5'] for x in v])} | "
+            f"{mean_sd([x['drop_mean'] for x in v])} | {mean_sd([x['drop_std_over_corruptions'] for x in v])} |"
+        )
+    L += [
+        "",
+        "Document ([QACT, Table 1], ResNet-18, 0→5): "
+        + "; ".join(f"{k} ReLU {v['relu']} vs QACT {v['qact']}" for k, v in DOC_TABLE1_0_TO_5.items()),
+        "",
+        "## Top-label ECE by severity ([QACT]: QACT's stays flat)",
+        "",
+        "| pipeline | s0 | s1 | s2 | s3 | s4 | s5 | range |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for label in per_seed[seeds[0]]["ece_by_severity"]:
         v = [per_seed[s]["ece_by_severity"][label] for s in seeds]
         cells = [mean_sd([x["ece_top_label"][i] for x in v]) for i in range(6)]
         L.append(f"| {label} | " + " | ".join(cells) + f" | {mean_sd([x['range'] for x in v])} |")
-    L += ["", "## NED vs kNN on the same embeddings, mean over all corrupted cells [NED, Table 2]", "",
-          "| embeddings | NED acc | kNN acc | NED ECE | kNN ECE | NED ECE clean | kNN ECE clean |",
-          "|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "## NED vs kNN on the same embeddings, mean over all corrupted cells [NED, Table 2]",
+        "",
+        "| embeddings | NED acc | kNN acc | NED ECE | kNN ECE | NED ECE clean | kNN ECE clean |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for model in per_seed[seeds[0]]["ned_vs_knn"]:
         v = [per_seed[s]["ned_vs_knn"][model] for s in seeds]
-        L.append(f"| {model} | {mean_sd([x['ned']['accuracy'] for x in v])} | "
-                 f"{mean_sd([x['knn']['accuracy'] for x in v])} | "
-                 f"{mean_sd([x['ned']['ece_top_label'] for x in v])} | "
-                 f"{mean_sd([x['knn']['ece_top_label'] for x in v])} | "
-                 f"{mean_sd([x['ned']['ece_clean'] for x in v])} | {mean_sd([x['knn']['ece_clean'] for x in v])} |")
-    L += ["", "Document ([NED, Table 2], ECE kNN vs NED): " + "; ".join(
-        f"{k} {v['knn']} vs {v['ned']}" for k, v in DOC_NED_TABLE2_ECE.items()), "",
-        "## Run summaries", ""]
+        L.append(
+            f"| {model} | {mean_sd([x['ned']['accuracy'] for x in v])} | "
+            f"{mean_sd([x['knn']['accuracy'] for x in v])} | "
+            f"{mean_sd([x['ned']['ece_top_label'] for x in v])} | "
+            f"{mean_sd([x['knn']['ece_top_label'] for x in v])} | "
+            f"{mean_sd([x['ned']['ece_clean'] for x in v])} | {mean_sd([x['knn']['ece_clean'] for x in v])} |"
+        )
+    L += [
+        "",
+        "Document ([NED, Table 2], ECE kNN vs NED): "
+        + "; ".join(f"{k} {v['knn']} vs {v['ned']}" for k, v in DOC_NED_TABLE2_ECE.items()),
+        "",
+        "## Run summaries",
+        "",
+    ]
     for s in seeds:
         r = runs[s]
         train_s = ", ".join(f"{m} {t['seconds']:.0f} s" for m, t in r["training"].items())
         reused = any(t.get("loaded_from_run_dir") for t in r["training"].values())
-        L += [f"seed {s}: training {train_s}{' (earlier invocation, weights reused)' if reused else ''}; "
-              f"evaluation {r['timings']['evaluate_s']:.0f} s", "", "```", format_summary(r), "```", ""]
+        L += [
+            f"seed {s}: training {train_s}{' (earlier invocation, weights reused)' if reused else ''}; "
+            f"evaluation {r['timings']['evaluate_s']:.0f} s",
+            "",
+            "```",
+            format_summary(r),
+            "```",
+            "",
+        ]
     return "\n".join(L) + "\n"
 
 
@@ -166,8 +228,9 @@ def main() -> None:
     p.add_argument("--out", default="runs", help="parent folder of the run directories")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--runs", nargs="+", metavar="DIR",
-                   help="tabulate these finished run directories instead of running")
+    p.add_argument(
+        "--runs", nargs="+", metavar="DIR", help="tabulate these finished run directories instead of running"
+    )
     p.add_argument("--tag", default="reproduce_mnist_c", help="output name under experiments/results/")
     a = p.parse_args()
     if a.threads:
@@ -183,11 +246,18 @@ def main() -> None:
     seeds = sorted(runs)
     per_seed = {s: claims(r) for s, r in runs.items()}
     res_dir = HERE / "results"
-    atomic_write_json(res_dir / f"{a.tag}.json", {
-        "seeds": seeds, "runs": [r["name"] if "name" in r else None for r in runs.values()],
-        "claims": per_seed, "document": {"000_table1_0_to_5": DOC_TABLE1_0_TO_5, "004_table2_ece": DOC_NED_TABLE2_ECE},
-        "timings_s": {s: r["timings"] for s, r in runs.items()}, "versions": runs[seeds[0]]["versions"],
-        "wall_s": time.perf_counter() - t0})
+    atomic_write_json(
+        res_dir / f"{a.tag}.json",
+        {
+            "seeds": seeds,
+            "runs": [r["name"] if "name" in r else None for r in runs.values()],
+            "claims": per_seed,
+            "document": {"000_table1_0_to_5": DOC_TABLE1_0_TO_5, "004_table2_ece": DOC_NED_TABLE2_ECE},
+            "timings_s": {s: r["timings"] for s, r in runs.items()},
+            "versions": runs[seeds[0]]["versions"],
+            "wall_s": time.perf_counter() - t0,
+        },
+    )
     md = markdown(per_seed, runs)
     atomic_write_text(res_dir / f"{a.tag}.md", md)
     print(md)

@@ -28,8 +28,12 @@ from shiftguard.io import atomic_write_json, atomic_write_text
 from shiftguard.train import to_model_input
 
 HERE = Path(__file__).resolve().parent
-MODELS = {"lenet-relu-ce": ["softmax"], "lenet-bnrelubn-ce": ["softmax"], "lenet-qact-ce": ["softmax"],
-          "lenet-qact-watershed": ["quantile"]}
+MODELS = {
+    "lenet-relu-ce": ["softmax"],
+    "lenet-bnrelubn-ce": ["softmax"],
+    "lenet-qact-ce": ["softmax"],
+    "lenet-qact-watershed": ["quantile"],
+}
 SOURCES = ["lenet-relu-ce", "lenet-bnrelubn-ce"]
 EPS = [0.1, 0.2, 0.3]
 
@@ -37,11 +41,25 @@ EPS = [0.1, 0.2, 0.3]
 def run(a) -> None:
     _, data, models, losses = load_trained(a.runs, a.dataset, a.seed, a.test_subset, MODELS)
     t0 = time.perf_counter()
-    res = shiftguard.evaluate(models, data["test"], support=data["train"], heads=MODELS, corruptions=["fog"],
-                              severities=[1], preprocess=to_model_input, batch_size=500, contexts=("batch",),
-                              attacks=["fgsm", "pgd"], attack_eps=EPS, attack_steps=10, attack_loss=losses,
-                              transfer_from=SOURCES, seed=a.seed, n_boot=10,
-                              name=f"transfer-{a.dataset}-seed{a.seed}")
+    res = shiftguard.evaluate(
+        models,
+        data["test"],
+        support=data["train"],
+        heads=MODELS,
+        corruptions=["fog"],
+        severities=[1],
+        preprocess=to_model_input,
+        batch_size=500,
+        contexts=("batch",),
+        attacks=["fgsm", "pgd"],
+        attack_eps=EPS,
+        attack_steps=10,
+        attack_loss=losses,
+        transfer_from=SOURCES,
+        seed=a.seed,
+        n_boot=10,
+        name=f"transfer-{a.dataset}-seed{a.seed}",
+    )
     res.results["data"]["dataset"] = data["name"]
     out = Path(a.out) / f"transfer-{a.dataset}-seed{a.seed}"
     res.write_report(out)
@@ -59,25 +77,34 @@ def table(a) -> None:
         cells = {}
         for r in res["rows"]:
             if r["group"] == "adversarial":
-                cells[f"{r['model']}/{r['head']}/{r['corruption']}/{eps[r['corruption']][r['severity'] - 1]:g}"] = \
-                    r["accuracy"]
+                cells[f"{r['model']}/{r['head']}/{r['corruption']}/{eps[r['corruption']][r['severity'] - 1]:g}"] = r[
+                    "accuracy"
+                ]
             elif r["corruption"] == "clean":
                 cells[f"{r['model']}/{r['head']}/clean/0"] = r["accuracy"]
         per_seed[p.parent.name] = cells
     out_json = HERE / "results" / f"transfer_attack_{a.dataset}.json"
     atomic_write_json(out_json, {"dataset": a.dataset, "eps": EPS, "accuracy": per_seed})
     attacks = ["fgsm-linf", "pgd-linf", *(f"pgd-linf@{s}" for s in SOURCES)]
-    lines = [f"# Accuracy (%) under white-box and transfer attacks, {a.dataset}", "",
-             "Rows: model / head (seed); columns: attack at eps; `pgd-linf@M` = PGD images made on model M.", "",
-             "| model / head (seed) | clean | " + " | ".join(f"{t} {e:g}" for t in attacks for e in EPS) + " |",
-             "|---|---|" + "---|" * (len(attacks) * len(EPS))]
+    lines = [
+        f"# Accuracy (%) under white-box and transfer attacks, {a.dataset}",
+        "",
+        "Rows: model / head (seed); columns: attack at eps; `pgd-linf@M` = PGD images made on model M.",
+        "",
+        "| model / head (seed) | clean | " + " | ".join(f"{t} {e:g}" for t in attacks for e in EPS) + " |",
+        "|---|---|" + "---|" * (len(attacks) * len(EPS)),
+    ]
     for seed, cells in per_seed.items():
         for name, heads in MODELS.items():
             for h in heads:
-                vals = [cells.get(f"{name}/{h}/clean/0")] + [cells.get(f"{name}/{h}/{t}/{e:g}") for t in attacks
-                                                             for e in EPS]
-                lines.append(f"| {name} / {h} ({seed.rsplit('-', 1)[1]}) | "
-                             + " | ".join("—" if v is None else f"{100 * v:.1f}" for v in vals) + " |")
+                vals = [cells.get(f"{name}/{h}/clean/0")] + [
+                    cells.get(f"{name}/{h}/{t}/{e:g}") for t in attacks for e in EPS
+                ]
+                lines.append(
+                    f"| {name} / {h} ({seed.rsplit('-', 1)[1]}) | "
+                    + " | ".join("—" if v is None else f"{100 * v:.1f}" for v in vals)
+                    + " |"
+                )
     atomic_write_text(HERE / "results" / f"transfer_attack_{a.dataset}.md", "\n".join(lines) + "\n")
     print("\n".join(lines))
 

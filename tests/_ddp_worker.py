@@ -25,8 +25,9 @@ def spawn(scenarios: list[str], out_dir: Path, inputs: dict, world: int = 2) -> 
     # fork (where available) reuses the test process's imported torch: start-up drops from ~10 s
     # per process (import torch on a busy machine) to well under a second.
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_entry, args=(world, port, scenarios, str(out_dir)), nprocs=world, join=True,
-                       start_method=method)
+    mp.start_processes(
+        _entry, args=(world, port, scenarios, str(out_dir)), nprocs=world, join=True, start_method=method
+    )
 
 
 def _entry(rank: int, world: int, port: int, scenarios: list[str], out_dir: str) -> None:
@@ -47,7 +48,7 @@ def _entry(rank: int, world: int, port: int, scenarios: list[str], out_dir: str)
 
 def _halves(x: torch.Tensor, rank: int, sizes) -> torch.Tensor:
     start = sum(sizes[:rank])
-    return x[start:start + sizes[rank]]
+    return x[start : start + sizes[rank]]
 
 
 def _sync_layer_forward_backward(rank, x, gout, sizes, seed, **layer_kw):
@@ -58,8 +59,13 @@ def _sync_layer_forward_backward(rank, x, gout, sizes, seed, **layer_kw):
     torch.manual_seed(seed)
     out = layer(xr)
     out.backward(_halves(gout, rank, sizes))
-    return {"out": out.detach(), "grad": xr.grad, "mode": layer.last_mode, "sent": layer.last_sent_numel,
-            "buffers": {k: v.clone() for k, v in layer.state_dict().items()}}
+    return {
+        "out": out.detach(),
+        "grad": xr.grad,
+        "mode": layer.last_mode,
+        "sent": layer.last_sent_numel,
+        "buffers": {k: v.clone() for k, v in layer.state_dict().items()},
+    }
 
 
 # --------------------------------------------------------------------------- layer scenarios
@@ -198,8 +204,10 @@ def trainer_equivalence(rank, world, out, inp):
     res = {}
     for loss_name in ("cross_entropy", "pairwise"):
         model, summary = fit_tiny(loss_name, inp["tiny"], DistributedTrainer)
-        res[loss_name] = {"state": {k: v.clone() for k, v in model.state_dict().items()},
-                          "val_acc": summary["best_val_acc"]}
+        res[loss_name] = {
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "val_acc": summary["best_val_acc"],
+        }
     return res
 
 
@@ -214,16 +222,26 @@ def train_mlp(rank, world, out, inp):
     torch.manual_seed(0)
     model = build_model("mlp", activation=d["activation"], num_classes=10, hidden=(64, 32))
     folder = out / f"files_rank{rank}"
-    trainer = DistributedTrainer(model, "cross_entropy", epochs=1, batch_size=d["batch_size"], progress=False,
-                                 checkpoint_dir=folder / "checkpoints", metrics_log=folder / "metrics.jsonl",
-                                 early_stopping_patience=0)
+    trainer = DistributedTrainer(
+        model,
+        "cross_entropy",
+        epochs=1,
+        batch_size=d["batch_size"],
+        progress=False,
+        checkpoint_dir=folder / "checkpoints",
+        metrics_log=folder / "metrics.jsonl",
+        early_stopping_patience=0,
+    )
     summary = trainer.fit(d["x"], d["y"], d["vx"], d["vy"], num_classes=10)
     model.eval()
     with torch.no_grad():
         pred = model(to_model_input(d["tx"])).argmax(1)
-    return {"summary": summary, "test_acc": float((pred == d["ty"]).float().mean()),
-            "sync_layers": sum(type(m).__name__ == "SyncQuantileActivation" for m in model.modules()),
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+    return {
+        "summary": summary,
+        "test_acc": float((pred == d["ty"]).float().mean()),
+        "sync_layers": sum(type(m).__name__ == "SyncQuantileActivation" for m in model.modules()),
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+    }
 
 
 def trainer_multistage(rank, world, out, inp):

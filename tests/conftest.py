@@ -40,8 +40,10 @@ def shared_data_dir() -> Path:
 def _require(sub: str) -> Path:
     d = shared_data_dir() / sub
     if not (d / "t10k-images-idx3-ubyte.gz").is_file():
-        pytest.skip(f"real {sub} data not found at {d} "
-                    f"(set SHIFTGUARD_SHARED_DATA to the folder holding mnist/ and fashion-mnist/)")
+        pytest.skip(
+            f"real {sub} data not found at {d} "
+            f"(set SHIFTGUARD_SHARED_DATA to the folder holding mnist/ and fashion-mnist/)"
+        )
     return d
 
 

@@ -157,8 +157,9 @@ def test_tent_scores_each_batch_before_its_step_and_its_steps_equal_manual_entro
     torch.testing.assert_close(out["logits"], expected, rtol=1e-5, atol=1e-6)
     for name in ("bn1", "bn2"):
         for field in ("weight", "bias"):
-            torch.testing.assert_close(getattr(getattr(arm.model, name), field), getattr(getattr(ref, name), field),
-                                       rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(
+                getattr(getattr(arm.model, name), field), getattr(getattr(ref, name), field), rtol=1e-5, atol=1e-7
+            )
     # only the BatchNorm affine parameters moved
     for name in ("conv", "fc", "out"):
         for field in ("weight", "bias"):
@@ -212,8 +213,9 @@ def test_refresh_runs_training_mode_passes_in_the_documented_order_then_scores_w
 
 def test_refresh_moves_the_qact_context_and_scores_in_the_frozen_context():
     torch.manual_seed(0)
-    net = convert_activations(nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)),
-                              example_input=torch.zeros(4, 1, 8, 8))
+    net = convert_activations(
+        nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)), example_input=torch.zeros(4, 1, 8, 8)
+    )
     q = [m for m in net.modules() if isinstance(m, QuantileActivation)]
     assert len(q) == 1
     arm = _adapted("refresh:passes=2", net)
@@ -248,9 +250,19 @@ def test_the_callers_model_is_unchanged_bit_for_bit_by_an_evaluation_with_every_
     x = _images(90)
     y = torch.arange(90) % 3
     x28 = torch.nn.functional.interpolate(x.float(), size=8).to(torch.uint8)
-    res = shiftguard.evaluate(net, (x28, y), support=(x28, y), validation=(x28, y), suite="mnist-c",
-                              corruptions=["fog"], severities=[3], heads=["softmax", "knn"], n_boot=20,
-                              batch_size=30, adapt=["none", "bn-batch", "bn", "tent", "refresh:passes=2"])
+    res = shiftguard.evaluate(
+        net,
+        (x28, y),
+        support=(x28, y),
+        validation=(x28, y),
+        suite="mnist-c",
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax", "knn"],
+        n_boot=20,
+        batch_size=30,
+        adapt=["none", "bn-batch", "bn", "tent", "refresh:passes=2"],
+    )
     assert {r["adaptation"] for r in res.rows} == {"none", "bn-batch", "bn", "tent", "refresh:passes=2"}
     after = net.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
@@ -273,9 +285,19 @@ def test_an_evaluation_with_every_arm_reseeds_no_other_devices_generator_and_res
     expected = torch.rand(3)
     torch.manual_seed(123)
     calls.clear()
-    shiftguard.evaluate(net, (x, y), support=(x, y), validation=(x, y), suite="mnist-c", corruptions=["fog"],
-                        severities=[3], heads=["softmax", "knn"], n_boot=10, batch_size=30,
-                        adapt=["none", "bn-batch", "bn", "tent", "refresh:passes=1"])
+    shiftguard.evaluate(
+        net,
+        (x, y),
+        support=(x, y),
+        validation=(x, y),
+        suite="mnist-c",
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax", "knn"],
+        n_boot=10,
+        batch_size=30,
+        adapt=["none", "bn-batch", "bn", "tent", "refresh:passes=1"],
+    )
     assert calls == []
     assert torch.equal(torch.rand(3), expected)
 
@@ -305,11 +327,22 @@ def test_arms_a_model_cannot_use_are_skipped_with_the_reason():
     bound = ModelOutputs(_trained_net(), embed=lambda x: x.flatten(1))
     assert "callable" in skip_reason(AdaptSpec("bn"), bound)
     x, y = _images(60), torch.arange(60) % 3
-    res = shiftguard.evaluate(plain, (x, y), suite="mnist-c", corruptions=["fog"], severities=[3],
-                              heads=["softmax"], n_boot=20, batch_size=30, adapt=["none", "bn", "refresh"])
+    res = shiftguard.evaluate(
+        plain,
+        (x, y),
+        suite="mnist-c",
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax"],
+        n_boot=20,
+        batch_size=30,
+        adapt=["none", "bn", "refresh"],
+    )
     assert {r["adaptation"] for r in res.rows} == {"none"}
-    assert [(s["adaptation"], "BatchNorm" in s["reason"] or "QACT" in s["reason"])
-            for s in res.results["skipped_adaptations"]] == [("bn", True), ("refresh", True)]
+    assert [
+        (s["adaptation"], "BatchNorm" in s["reason"] or "QACT" in s["reason"])
+        for s in res.results["skipped_adaptations"]
+    ] == [("bn", True), ("refresh", True)]
     assert res.results["models"][0]["adaptations"] == ["none"]
 
 
@@ -343,14 +376,29 @@ def test_batchnorm_layers_finds_subclasses_and_filters_by_statistics():
 
 def test_qact_models_are_scored_in_each_context_with_each_arm_and_refresh_frozen_only():
     torch.manual_seed(0)
-    net = convert_activations(nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)),
-                              example_input=torch.zeros(4, 1, 8, 8))
+    net = convert_activations(
+        nn.Sequential(nn.Flatten(), nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)), example_input=torch.zeros(4, 1, 8, 8)
+    )
     x, y = _images(60), torch.arange(60) % 3
-    res = shiftguard.evaluate(net, (x, y), suite="mnist-c", corruptions=["fog"], severities=[3], heads=["softmax"],
-                              n_boot=20, batch_size=30, adapt=["none", "bn", "refresh:passes=1"])
+    res = shiftguard.evaluate(
+        net,
+        (x, y),
+        suite="mnist-c",
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax"],
+        n_boot=20,
+        batch_size=30,
+        adapt=["none", "bn", "refresh:passes=1"],
+    )
     pairs = list(dict.fromkeys((r["context"], r["adaptation"]) for r in res.rows))
-    assert pairs == [("batch", "none"), ("frozen", "none"), ("batch", "bn"), ("frozen", "bn"),
-                     ("frozen", "refresh:passes=1")]
+    assert pairs == [
+        ("batch", "none"),
+        ("frozen", "none"),
+        ("batch", "bn"),
+        ("frozen", "bn"),
+        ("frozen", "refresh:passes=1"),
+    ]
     marks = {a["name"]: a["transductive"] for a in res.results["adaptation"]}
     assert marks == {"none": False, "bn": True, "refresh:passes=1": True}
     assert "bn *" in res.summary() and "transductive" in res.summary()
@@ -359,8 +407,16 @@ def test_qact_models_are_scored_in_each_context_with_each_arm_and_refresh_frozen
 def test_cached_arm_outputs_are_reused_and_kept_apart_from_the_static_ones(tmp_path):
     net, x = _trained_net(), _images(60)
     y = torch.arange(60) % 3
-    kw = dict(suite="mnist-c", corruptions=["fog"], severities=[3], heads=["softmax"], n_boot=20, batch_size=30,
-              adapt=["none", "tent"], cache_dir=tmp_path)
+    kw = dict(
+        suite="mnist-c",
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax"],
+        n_boot=20,
+        batch_size=30,
+        adapt=["none", "tent"],
+        cache_dir=tmp_path,
+    )
     first = shiftguard.evaluate(net, (x, y), **kw)
     assert (tmp_path / "BNNet" / "none" / "adapt-tent" / "fog-s3.pt").is_file()
     assert (tmp_path / "BNNet" / "none" / "fog-s3.pt").is_file()
@@ -371,8 +427,19 @@ def test_cached_arm_outputs_are_reused_and_kept_apart_from_the_static_ones(tmp_p
 def test_adversarial_cells_are_scored_for_the_static_arm_only():
     net, x = _trained_net(), _images(60)
     y = torch.arange(60) % 3
-    res = shiftguard.evaluate(net, (x, y), suite="mnist-c", corruptions=["fog"], severities=[3], heads=["softmax"],
-                              n_boot=20, batch_size=30, adapt=["none", "bn"], attacks=["fgsm"], attack_eps=[0.1])
+    res = shiftguard.evaluate(
+        net,
+        (x, y),
+        suite="mnist-c",
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax"],
+        n_boot=20,
+        batch_size=30,
+        adapt=["none", "bn"],
+        attacks=["fgsm"],
+        attack_eps=[0.1],
+    )
     adv = [r for r in res.rows if r["group"] == "adversarial"]
     assert adv and {r["adaptation"] for r in adv} == {"none"}
     assert {r["adaptation"] for r in res.rows if r["group"] == "benchmark"} == {"none", "bn"}
@@ -397,10 +464,12 @@ def test_run_configs_check_eval_adapt_when_read():
     raw = {"models": [{"arch": "lenet"}], "eval": {"adapt": ["none", "bn:prior=8", "tent"]}}
     assert C.config_from_dict(raw).eval.adapt == ["none", "bn:prior=8", "tent"]
     assert C.default_config().eval.adapt != []
-    for bad, match in ((["bn", "bn"], "eval.adapt must list each adaptation arm once"),
-                       ([], "eval.adapt must name at least one arm"),
-                       (["bn:lr=1"], "eval.adapt: bn: does not take lr"),
-                       (["warm"], "eval.adapt: unknown arm 'warm'")):
+    for bad, match in (
+        (["bn", "bn"], "eval.adapt must list each adaptation arm once"),
+        ([], "eval.adapt must name at least one arm"),
+        (["bn:lr=1"], "eval.adapt: bn: does not take lr"),
+        (["warm"], "eval.adapt: unknown arm 'warm'"),
+    ):
         with pytest.raises(ValueError, match=match):
             C.config_from_dict({**raw, "eval": {"adapt": bad}})
 

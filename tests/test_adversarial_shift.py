@@ -22,17 +22,31 @@ from shiftguard.experiments import config as C
 def attacked():
     x, y = band_data()
     net = trained_band_mlp(x, y)
-    res = shiftguard.evaluate(net, (x, y), support=(x, y), corruptions=["fog"], severities=[3],
-                              heads=["softmax", "knn"], k=3, n_boot=10, attacks=["fgsm", "pgd-l2"],
-                              attack_eps=[0.05, 0.3], attack_steps=5)
+    res = shiftguard.evaluate(
+        net,
+        (x, y),
+        support=(x, y),
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax", "knn"],
+        k=3,
+        n_boot=10,
+        attacks=["fgsm", "pgd-l2"],
+        attack_eps=[0.05, 0.3],
+        attack_steps=5,
+    )
     return net, x, y, res
 
 
 def test_attack_cells_are_rows_of_their_own_group(attacked):
     _, _, _, res = attacked
     adv = [r for r in res.rows if r["group"] == "adversarial"]
-    assert {(r["corruption"], r["severity"]) for r in adv} == {("fgsm-linf", 1), ("fgsm-linf", 2),
-                                                              ("pgd-l2", 1), ("pgd-l2", 2)}
+    assert {(r["corruption"], r["severity"]) for r in adv} == {
+        ("fgsm-linf", 1),
+        ("fgsm-linf", 2),
+        ("pgd-l2", 1),
+        ("pgd-l2", 2),
+    }
     assert {r["head"] for r in adv} == {"softmax", "knn"}
     attacks = res.results["data"]["attacks"]
     assert attacks["fgsm-linf"]["eps"] == [0.05, 0.3] and attacks["pgd-l2"]["steps"] == 5
@@ -43,8 +57,7 @@ def test_softmax_row_is_the_accuracy_on_the_attacked_images(attacked):
     net, x, y, res = attacked
     adv_x = AttackSpec.parse("fgsm", eps=0.3).run(net, x, y, preprocess=lambda t: t, batch_size=500)
     acc = float((net(adv_x.float() / 255).argmax(1) == y).float().mean())
-    row = next(r for r in res.rows if r["corruption"] == "fgsm-linf" and r["severity"] == 2
-               and r["head"] == "softmax")
+    row = next(r for r in res.rows if r["corruption"] == "fgsm-linf" and r["severity"] == 2 and r["head"] == "softmax")
     assert row["accuracy"] == pytest.approx(acc)
     clean = next(r for r in res.rows if r["corruption"] == "clean" and r["head"] == "softmax")
     assert row["accuracy"] < clean["accuracy"]  # the attack works on a trained net
@@ -65,23 +78,42 @@ def test_transfer_cells_score_every_model_on_the_images_made_on_the_source(attac
     other = copy.deepcopy(net)
     with torch.no_grad():
         other[-1].bias.add_(torch.tensor([0.5, 0.0, -0.5]))  # another model, same architecture
-    res = shiftguard.evaluate({"a": net, "b": other}, (x, y), corruptions=["fog"], severities=[3],
-                              heads=["softmax"], n_boot=10, attacks=["fgsm"], attack_eps=[0.3], transfer_from=["a"])
+    res = shiftguard.evaluate(
+        {"a": net, "b": other},
+        (x, y),
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax"],
+        n_boot=10,
+        attacks=["fgsm"],
+        attack_eps=[0.3],
+        transfer_from=["a"],
+    )
     acc = {(r["model"], r["corruption"]): r["accuracy"] for r in res.rows if r["group"] == "adversarial"}
     assert set(acc) == {("a", "fgsm-linf"), ("b", "fgsm-linf"), ("a", "fgsm-linf@a"), ("b", "fgsm-linf@a")}
     # the source scored on its own transfer images is its white-box result
     assert acc["a", "fgsm-linf@a"] == acc["a", "fgsm-linf"]
     made_on_a = AttackSpec.parse("fgsm", eps=0.3).run(net, x, y, preprocess=lambda t: t, batch_size=500)
-    assert acc["b", "fgsm-linf@a"] == pytest.approx(float((other(made_on_a.float() / 255).argmax(1) == y)
-                                                          .float().mean()))
+    assert acc["b", "fgsm-linf@a"] == pytest.approx(
+        float((other(made_on_a.float() / 255).argmax(1) == y).float().mean())
+    )
     described = res.results["data"]["attacks"]["fgsm-linf@a"]
     assert described["source"] == "a" and described["transfer"] is True
     with pytest.raises(ValueError, match="transfer_from: no model named 'c'"):
-        shiftguard.evaluate({"a": net}, (x, y), corruptions=["fog"], severities=[3], heads=["softmax"],
-                            attacks=["fgsm"], attack_eps=[0.3], transfer_from=["c"])
+        shiftguard.evaluate(
+            {"a": net},
+            (x, y),
+            corruptions=["fog"],
+            severities=[3],
+            heads=["softmax"],
+            attacks=["fgsm"],
+            attack_eps=[0.3],
+            transfer_from=["c"],
+        )
     with pytest.raises(ValueError, match="transfer_from: given without attacks"):
-        shiftguard.evaluate({"a": net}, (x, y), corruptions=["fog"], severities=[3], heads=["softmax"],
-                            transfer_from=["a"])
+        shiftguard.evaluate(
+            {"a": net}, (x, y), corruptions=["fog"], severities=[3], heads=["softmax"], transfer_from=["a"]
+        )
 
 
 def test_run_config_transfer_sources_are_models_of_the_run():
@@ -104,24 +136,48 @@ def test_embedding_models_need_a_loss_to_be_attacked():
     x, y = band_data(30)
     emb = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8))
     with pytest.raises(ValueError, match="attack_loss: model 'Sequential' returns embeddings"):
-        shiftguard.evaluate(emb, (x, y), support=(x, y), output="embedding", heads=["knn"], k=3,
-                            corruptions=["fog"], severities=[1], n_boot=10, attacks=["fgsm"])
+        shiftguard.evaluate(
+            emb,
+            (x, y),
+            support=(x, y),
+            output="embedding",
+            heads=["knn"],
+            k=3,
+            corruptions=["fog"],
+            severities=[1],
+            n_boot=10,
+            attacks=["fgsm"],
+        )
     from shiftguard.losses import build_loss
 
-    res = shiftguard.evaluate(emb, (x, y), support=(x, y), output="embedding", heads=["knn"], k=3,
-                              corruptions=["fog"], severities=[1], n_boot=10, attacks=["fgsm"],
-                              attack_eps=[0.1], attack_loss=build_loss("triplet"))
+    res = shiftguard.evaluate(
+        emb,
+        (x, y),
+        support=(x, y),
+        output="embedding",
+        heads=["knn"],
+        k=3,
+        corruptions=["fog"],
+        severities=[1],
+        n_boot=10,
+        attacks=["fgsm"],
+        attack_eps=[0.1],
+        attack_loss=build_loss("triplet"),
+    )
     assert any(r["group"] == "adversarial" for r in res.rows)
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"attacks": "fgsm"}, "attacks: expected a list"),
-    ({"attacks": ["fgsm", "FGSM"]}, "fgsm-linf given twice"),
-    ({"attacks": ["fgsm-targeted"]}, "targeted"),
-    ({"attacks": ["cw"]}, "attacks: name: expected"),
-    ({"attacks": ["fgsm"], "attack_eps": [0.0]}, "attack_eps: expected finite budgets > 0"),
-    ({"attack_loss": nn.MSELoss()}, "attack_loss: given without attacks"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"attacks": "fgsm"}, "attacks: expected a list"),
+        ({"attacks": ["fgsm", "FGSM"]}, "fgsm-linf given twice"),
+        ({"attacks": ["fgsm-targeted"]}, "targeted"),
+        ({"attacks": ["cw"]}, "attacks: name: expected"),
+        ({"attacks": ["fgsm"], "attack_eps": [0.0]}, "attack_eps: expected finite budgets > 0"),
+        ({"attack_loss": nn.MSELoss()}, "attack_loss: given without attacks"),
+    ],
+)
 def test_bad_attack_arguments_are_named(kw, message):
     x, y = band_data(20)
     net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 3))

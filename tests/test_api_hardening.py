@@ -30,8 +30,13 @@ from hypothesis import strategies as st
 
 # Derandomized (same examples every run), no example database on disk, no shrinking (a failure
 # is reported as found: shrinking re-runs the expensive calls many times).
-_COMMON = dict(deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate),
-               suppress_health_check=[HealthCheck.too_slow])
+_COMMON = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow],
+)
 FAST = settings(max_examples=25, **_COMMON)
 FEW = settings(max_examples=10, **_COMMON)
 MEDIUM = settings(max_examples=20, **_COMMON)
@@ -47,8 +52,19 @@ def _summary():
     if path:
         with open(path, "a", encoding="utf-8") as fh:
             for (api, kind), n in sorted(TRIED.items()):
-                fh.write(json.dumps({"file": "test_api_hardening.py", "group": "api", "case": api,
-                                     "kind": kind, "n": n, "outcome": "documented result or named error"}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "file": "test_api_hardening.py",
+                            "group": "api",
+                            "case": api,
+                            "kind": kind,
+                            "n": n,
+                            "outcome": "documented result or named error",
+                        }
+                    )
+                    + "\n"
+                )
 
 
 #: The prefix of ``_validation.check_same_length``'s message, which then lists ``name=length`` pairs.
@@ -61,7 +77,7 @@ def named_arguments(exc: BaseException) -> list[str]:
     ``"mismatched lengths: "``. A name elsewhere in the text does not count."""
     msg = str(exc)
     if msg.startswith(MISMATCH):
-        return re.findall(r"(\w+)=\d+", msg[len(MISMATCH):])
+        return re.findall(r"(\w+)=\d+", msg[len(MISMATCH) :])
     m = re.match(r"(\w+):", msg)
     return [m.group(1)] if m else []
 
@@ -193,8 +209,13 @@ def _metric_fns():
 
 
 #: The interval each scalar probability metric lies in.
-METRIC_RANGES = {"metrics.accuracy": (0, 1), "metrics.nll": (0, math.inf), "metrics.brier": (0, 2),
-                 "metrics.ece(top-label)": (0, 1), "metrics.ece(marginal, mass)": (0, 1)}
+METRIC_RANGES = {
+    "metrics.accuracy": (0, 1),
+    "metrics.nll": (0, math.inf),
+    "metrics.brier": (0, 2),
+    "metrics.ece(top-label)": (0, 1),
+    "metrics.ece(marginal, mass)": (0, 1),
+}
 
 
 @FAST
@@ -300,21 +321,23 @@ def test_retrieval_metrics_and_knn_reject_bad_input_naming_it(size, kind):
     y = bad_labels(kind, n, c, g) if kind in LABEL_KINDS else torch.arange(n) % c
     if kind == "too_large":  # no num_classes here: any class id is fine; not an error
         return
-    expect_named_error(lambda: M.retrieval_metrics(emb, y, ks=(1,)), ("embeddings", "labels"),
-                       "metrics.retrieval_metrics")
+    expect_named_error(
+        lambda: M.retrieval_metrics(emb, y, ks=(1,)), ("embeddings", "labels"), "metrics.retrieval_metrics"
+    )
     u = torch.rand(n, generator=g)
-    expect_named_error(lambda: M.r_auroc(emb, y, u), ("embeddings", "labels", "uncertainty"),
-                       "metrics.r_auroc")
+    expect_named_error(lambda: M.r_auroc(emb, y, u), ("embeddings", "labels", "uncertainty"), "metrics.r_auroc")
     if kind in EMB_KINDS and kind != "empty":
-        expect_named_error(lambda: knn_search(emb, torch.randn(n, d, generator=g), 1), ("query",),
-                           "heads.knn_search")
-        expect_named_error(lambda: knn_search(torch.randn(n, d, generator=g), emb, 1), ("support",),
-                           "heads.knn_search")
+        expect_named_error(lambda: knn_search(emb, torch.randn(n, d, generator=g), 1), ("query",), "heads.knn_search")
+        expect_named_error(lambda: knn_search(torch.randn(n, d, generator=g), emb, 1), ("support",), "heads.knn_search")
 
 
 @FAST
-@given(sizes, st.sampled_from(["random", "single_sample", "singleton_classes", "single_class", "duplicates",
-                               "k_too_large", "k_zero"]))
+@given(
+    sizes,
+    st.sampled_from(
+        ["random", "single_sample", "singleton_classes", "single_class", "duplicates", "k_too_large", "k_zero"]
+    ),
+)
 def test_retrieval_metrics_edge_cases_are_documented(size, case):
     from shiftguard import metrics as M
 
@@ -367,12 +390,21 @@ def _heads():
         "heads.LogisticRegressionHead": lambda: H.LogisticRegressionHead(max_iter=20),
         "heads.DistanceRatioHead": lambda: H.DistanceRatioHead(max_iter=10),
         "heads.QuantileClassifierHead": lambda: H.QuantileClassifierHead(
-            classifier_kwargs={"n_samples": 50}, fit_kwargs={"epochs": 1}),
+            classifier_kwargs={"n_samples": 50}, fit_kwargs={"epochs": 1}
+        ),
     }
 
 
-HEAD_ARGS = ("train_embeddings", "train_labels", "val_embeddings", "val_labels", "embeddings", "labels",
-             "num_classes", "k")
+HEAD_ARGS = (
+    "train_embeddings",
+    "train_labels",
+    "val_embeddings",
+    "val_labels",
+    "embeddings",
+    "labels",
+    "num_classes",
+    "k",
+)
 C_HEAD, D_HEAD = 3, 4
 
 
@@ -537,8 +569,9 @@ def losses():
 
 def has_class_params(loss) -> bool:
     """Whether ``loss`` owns per-class ``(C, D)`` parameters (proxies, a classifier)."""
-    return any(p.dim() == 2 and p.shape[1] == D_LOSS or p.dim() == 2 and p.shape[0] == D_LOSS
-               for p in loss.parameters())
+    return any(
+        p.dim() == 2 and p.shape[1] == D_LOSS or p.dim() == 2 and p.shape[0] == D_LOSS for p in loss.parameters()
+    )
 
 
 @MEDIUM
@@ -563,9 +596,13 @@ def test_losses_reject_bad_input_naming_it(n, seed, kind):
 
 
 @MEDIUM
-@given(st.integers(1, 8), st.integers(0, 2**31 - 1),
-       st.sampled_from(["random", "single_sample", "single_class", "all_singletons", "zero_vectors", "duplicates",
-                        "large_values"]))
+@given(
+    st.integers(1, 8),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(
+        ["random", "single_sample", "single_class", "all_singletons", "zero_vectors", "duplicates", "large_values"]
+    ),
+)
 def test_losses_are_finite_with_finite_gradients(n, seed, case):
     for api, loss in losses().items():
         g = gen(seed)
@@ -626,9 +663,14 @@ def test_qact_rejects_bad_input_naming_it(n, ch, seed, kind):
 
 
 @FAST
-@given(st.integers(1, 12), st.integers(1, 4), st.integers(0, 2**31 - 1),
-       st.sampled_from(["random", "single_sample", "constant", "huge", "tiny_spread", "image"]),
-       st.sampled_from(["batch", "frozen"]), st.booleans())
+@given(
+    st.integers(1, 12),
+    st.integers(1, 4),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(["random", "single_sample", "constant", "huge", "tiny_spread", "image"]),
+    st.sampled_from(["batch", "frozen"]),
+    st.booleans(),
+)
 def test_qact_outputs_finite_quantiles_with_finite_gradients(n, ch, seed, case, context, training):
     from shiftguard.nn import QuantileActivation
 
@@ -655,8 +697,10 @@ def test_qact_outputs_finite_quantiles_with_finite_gradients(n, ch, seed, case, 
 
 
 @FAST
-@given(st.sampled_from(["relu", "prelu", "selu", "qact", "QACT", "gelu", "", 3, None]),
-       st.sampled_from([1, 4, 0, -2, 2.5, True]))
+@given(
+    st.sampled_from(["relu", "prelu", "selu", "qact", "QACT", "gelu", "", 3, None]),
+    st.sampled_from([1, 4, 0, -2, 2.5, True]),
+)
 def test_make_activation_accepts_its_names_and_rejects_the_rest(name, num_features):
     from shiftguard.nn import ACTIVATION_NAMES, make_activation
 
@@ -669,15 +713,22 @@ def test_make_activation_accepts_its_names_and_rejects_the_rest(name, num_featur
         assert not (isinstance(name, str) and name.lower() in ("relu", "selu")), exc  # these ignore num_features
         return
     assert isinstance(name, str) and name.lower() in ACTIVATION_NAMES
-    assert isinstance(num_features, int) and not isinstance(num_features, bool) and num_features >= 1 \
+    assert (
+        isinstance(num_features, int)
+        and not isinstance(num_features, bool)
+        and num_features >= 1
         or name.lower() in ("relu", "selu")
+    )
     x = torch.randn(4, num_features if isinstance(num_features, int) and num_features >= 1 else 1)
     assert torch.isfinite(act(x)).all()
 
 
 @MEDIUM
-@given(st.integers(2, 10), st.integers(0, 2**31 - 1),
-       st.sampled_from(EMB_KINDS + LABEL_KINDS + ["random", "single_class_present", "batch_size_1"]))
+@given(
+    st.integers(2, 10),
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(EMB_KINDS + LABEL_KINDS + ["random", "single_class_present", "batch_size_1"]),
+)
 def test_quantile_classifier_fit_validates_and_predicts_on_the_simplex(n, seed, kind):
     from shiftguard.heads import fit_quantile_classifier
     from shiftguard.nn import QuantileClassifier
@@ -693,8 +744,11 @@ def test_quantile_classifier_fit_validates_and_predicts_on_the_simplex(n, seed, 
     elif kind == "batch_size_1":
         fit_kw["batch_size"] = 1
     if kind in EMB_KINDS + LABEL_KINDS + ["batch_size_1"]:
-        expect_named_error(lambda: fit_quantile_classifier(clf, x, y, **fit_kw),
-                           ("train_embeddings", "train_labels", "batch_size"), "nn.QuantileClassifier")
+        expect_named_error(
+            lambda: fit_quantile_classifier(clf, x, y, **fit_kw),
+            ("train_embeddings", "train_labels", "batch_size"),
+            "nn.QuantileClassifier",
+        )
         return
     if kind == "single_class_present":
         y = torch.zeros_like(y)
@@ -705,9 +759,13 @@ def test_quantile_classifier_fit_validates_and_predicts_on_the_simplex(n, seed, 
 
 
 @FAST
-@given(st.integers(0, 2**31 - 1), st.sampled_from(
-    ["random", "zero", "huge", "tiny", "negative", "nan", "inf", "int_dtype", "dim1", "dim_float", "empty"]),
-    st.integers(2, 64))
+@given(
+    st.integers(0, 2**31 - 1),
+    st.sampled_from(
+        ["random", "zero", "huge", "tiny", "negative", "nan", "inf", "int_dtype", "dim1", "dim_float", "empty"]
+    ),
+    st.integers(2, 64),
+)
 def test_vmf_normalizer_and_sampler_are_finite_or_refuse_by_name(seed, case, dim):
     from shiftguard.functional.vmf import log_vmf_normalizer, sample_vmf
 
@@ -755,8 +813,10 @@ def test_vmf_normalizer_and_sampler_are_finite_or_refuse_by_name(seed, case, dim
 HALF = (torch.float16, torch.bfloat16)
 #: The APIs whose output dtype is not their input's, and why; every other API answers in its input's dtype.
 OUTPUT_DTYPE_EXCEPTIONS = {
-    "heads.QuantileClassifierHead": (torch.float32, "its QuantileClassifier keeps float32 parameters and casts "
-                                                    "the query to them, so the probabilities are float32"),
+    "heads.QuantileClassifierHead": (
+        torch.float32,
+        "its QuantileClassifier keeps float32 parameters and casts the query to them, so the probabilities are float32",
+    ),
 }
 
 
@@ -805,8 +865,10 @@ def test_every_api_accepts_other_float_dtypes(dtype):
         # half precision is computed, and answered, in float32: rows summed to 0.994-1.006 in bfloat16
         want = OUTPUT_DTYPE_EXCEPTIONS.get(api, (torch.float32 if dtype in HALF else dtype,))[0]
         checks[api] = lambda make=make, x=x, y=y, want=want: _check_probabilities(
-            make().fit(x.to(dtype), y).predict_proba(x.to(dtype)), x.shape[0], C_HEAD, want)
+            make().fit(x.to(dtype), y).predict_proba(x.to(dtype)), x.shape[0], C_HEAD, want
+        )
     for api, loss in losses().items():
+
         def run(loss=loss):
             x = torch.randn(6, D_LOSS, generator=g).to(dtype).requires_grad_(True)
             out = loss(x, torch.arange(6) % C_LOSS)
@@ -815,18 +877,26 @@ def test_every_api_accepts_other_float_dtypes(dtype):
             found = []
             if out.shape != () or out.dtype != want or not torch.isfinite(out):
                 found.append(f"expected a finite {want} scalar, got {out.dtype} {tuple(out.shape)}: {out}")
-            if x.grad is None or x.grad.dtype != dtype or x.grad.shape != x.shape \
-                    or not torch.isfinite(x.grad.float()).all():
+            if (
+                x.grad is None
+                or x.grad.dtype != dtype
+                or x.grad.shape != x.shape
+                or not torch.isfinite(x.grad.float()).all()
+            ):
                 found.append(f"expected a finite {dtype} gradient of shape {tuple(x.shape)}, got {x.grad}")
             return found
+
         checks[api] = run
     p, y = probs_of(10, 3, g).to(dtype), torch.arange(10) % 3
     for api, fn in _metric_fns().items():
         checks[api] = lambda fn=fn, api=api: _check_metric(api, fn(p, y))
     e, ye, u = torch.randn(20, 4, generator=g).to(dtype), torch.arange(20) % 4, torch.rand(20, generator=g).to(dtype)
     checks["metrics.retrieval_metrics"] = lambda: [
-        f"{k}: {msg}" for k, v in M.retrieval_metrics(e, ye, ks=(1,)).items() if not k.startswith("n_")
-        for msg in _check_in_range(v, 0, 1)]
+        f"{k}: {msg}"
+        for k, v in M.retrieval_metrics(e, ye, ks=(1,)).items()
+        if not k.startswith("n_")
+        for msg in _check_in_range(v, 0, 1)
+    ]
     checks["metrics.r_auroc"] = lambda: _check_in_range(M.r_auroc(e, ye, u), 0, 1)
     checks["metrics.auroc_error"] = lambda: _check_in_range(M.auroc_error(u, ye % 2 == 0), 0, 1)
     checks["metrics.aurc"] = lambda: _check_in_range(M.aurc(u, ye % 2 == 0), 0, 1)
@@ -837,6 +907,7 @@ def test_every_api_accepts_other_float_dtypes(dtype):
         if out.shape != x.shape or out.dtype != dtype or not ((out >= 0) & (out <= 1)).all():
             return [f"expected {dtype} {tuple(x.shape)} values in [0, 1], got {out.dtype} {tuple(out.shape)}"]
         return []
+
     checks["nn.QuantileActivation"] = qact
 
     problems = []

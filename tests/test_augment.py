@@ -33,8 +33,16 @@ def test_same_seed_gives_the_same_output_and_another_seed_another():
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
-@given(st.integers(1, 5), st.sampled_from([1, 3]), st.integers(4, 16), st.integers(4, 16),
-       st.floats(0.05, 1.0), st.floats(0.0, 2.0), st.floats(0.0, 2.0), st.integers(0, 2**31 - 1))
+@given(
+    st.integers(1, 5),
+    st.sampled_from([1, 3]),
+    st.integers(4, 16),
+    st.integers(4, 16),
+    st.floats(0.05, 1.0),
+    st.floats(0.0, 2.0),
+    st.floats(0.0, 2.0),
+    st.integers(0, 2**31 - 1),
+)
 def test_outputs_stay_in_the_unit_interval_and_keep_the_shape(n, c, h, w, lo, brightness, contrast, seed):
     x = torch.rand(n, c, h, w, generator=_gen(seed))
     x[0, 0, 0, 0], x[-1, -1, -1, -1] = 0.0, 1.0
@@ -104,24 +112,27 @@ def test_half_precision_images_keep_their_dtype():
     assert Augment()(x, _gen(14)).dtype == torch.float16
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda: Augment()(torch.rand(2, 12, 12)), "images"),
-    (lambda: Augment()(torch.rand(2, 1, 4, 4) + 1.0), "images"),
-    (lambda: Augment()(torch.full((1, 1, 2, 2), float("nan"))), "images"),
-    (lambda: Augment()(torch.randint(0, 255, (1, 1, 4, 4))), "images"),
-    (lambda: Augment()(torch.rand(1, 1, 4, 4), generator=3), "generator"),
-    (lambda: Augment(crop_scale=(0.5, 1.5)), "crop_scale"),
-    (lambda: Augment(crop_scale=(0.8, 0.2)), "crop_scale"),
-    (lambda: Augment(crop_ratio=(0.0, 1.0)), "crop_ratio"),
-    (lambda: Augment(crop_ratio=1.0), "crop_ratio"),
-    (lambda: Augment(hflip=1), "hflip"),
-    (lambda: Augment(flip_p=1.5), "flip_p"),
-    (lambda: Augment(brightness=-0.1), "brightness"),
-    (lambda: Augment(contrast=float("inf")), "contrast"),
-    (lambda: random_resized_crop(torch.rand(1, 1, 4, 4), scale=(0.0, 1.0)), "scale"),
-    (lambda: random_horizontal_flip(torch.rand(1, 1, 4, 4), p=-1), "p"),
-    (lambda: two_views(torch.rand(1, 1, 4, 4), augment="crop"), "augment"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda: Augment()(torch.rand(2, 12, 12)), "images"),
+        (lambda: Augment()(torch.rand(2, 1, 4, 4) + 1.0), "images"),
+        (lambda: Augment()(torch.full((1, 1, 2, 2), float("nan"))), "images"),
+        (lambda: Augment()(torch.randint(0, 255, (1, 1, 4, 4))), "images"),
+        (lambda: Augment()(torch.rand(1, 1, 4, 4), generator=3), "generator"),
+        (lambda: Augment(crop_scale=(0.5, 1.5)), "crop_scale"),
+        (lambda: Augment(crop_scale=(0.8, 0.2)), "crop_scale"),
+        (lambda: Augment(crop_ratio=(0.0, 1.0)), "crop_ratio"),
+        (lambda: Augment(crop_ratio=1.0), "crop_ratio"),
+        (lambda: Augment(hflip=1), "hflip"),
+        (lambda: Augment(flip_p=1.5), "flip_p"),
+        (lambda: Augment(brightness=-0.1), "brightness"),
+        (lambda: Augment(contrast=float("inf")), "contrast"),
+        (lambda: random_resized_crop(torch.rand(1, 1, 4, 4), scale=(0.0, 1.0)), "scale"),
+        (lambda: random_horizontal_flip(torch.rand(1, 1, 4, 4), p=-1), "p"),
+        (lambda: two_views(torch.rand(1, 1, 4, 4), augment="crop"), "augment"),
+    ],
+)
 def test_bad_arguments_are_named(call, arg):
     with pytest.raises((TypeError, ValueError), match=arg):
         call()

@@ -44,8 +44,15 @@ def zeros(x, level, sign):
 # ----------------------------------------------------------------------------------------------- contract
 
 
-@pytest.mark.parametrize("dtype, out", [(torch.uint8, torch.float32), (torch.float32, torch.float32),
-                                        (torch.float64, torch.float64), (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "dtype, out",
+    [
+        (torch.uint8, torch.float32),
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.float16, torch.float16),
+    ],
+)
 @pytest.mark.parametrize("suite, c", [("mnist-c", 1), ("cifar-c", 3)])
 def test_output_shape_dtype_and_range(dtype, out, suite, c):
     x = digits(6, c=c, size=28 if c == 1 else 32)
@@ -148,13 +155,29 @@ def test_mnist_c_leaves_out_its_own_corruptions():
 
 
 def test_cifar_c_uses_the_official_list():
-    official = ["autocontrast", "equalize", "posterize", "rotate", "solarize", "shear_x", "shear_y",
-                "translate_x", "translate_y"]
+    official = [
+        "autocontrast",
+        "equalize",
+        "posterize",
+        "rotate",
+        "solarize",
+        "shear_x",
+        "shear_y",
+        "translate_x",
+        "translate_y",
+    ]
     assert augmix_ops("cifar-c") == official == augmix_ops("cifar-c-extra")
     assert list(AugMix("cifar-c").ops) == official and AugMix("cifar-c").excluded == ()
     cfg = AugMix("cifar-c", severity=5, width=2, depth=1, alpha=0.5).config
-    assert cfg == {"suite": "cifar-c", "severity": 5, "width": 2, "depth": 1, "alpha": 0.5, "ops": official,
-                   "excluded": []}
+    assert cfg == {
+        "suite": "cifar-c",
+        "severity": 5,
+        "width": 2,
+        "depth": 1,
+        "alpha": 0.5,
+        "ops": official,
+        "excluded": [],
+    }
 
 
 def test_only_the_chosen_operations_run(monkeypatch):
@@ -164,6 +187,7 @@ def test_only_the_chosen_operations_run(monkeypatch):
         def op(x, level, sign):
             seen.add(name)
             return x
+
         return op
 
     for name in am.OPS:
@@ -175,14 +199,24 @@ def test_only_the_chosen_operations_run(monkeypatch):
     assert seen == set(am.AUGMENTATIONS)
 
 
-@pytest.mark.parametrize("kwargs, arg", [
-    (dict(suite="mnist-c", severity=0), "severity"), (dict(suite="mnist-c", severity=11), "severity"),
-    (dict(suite="mnist-c", severity=2.5), "severity"), (dict(suite="mnist-c", width=0), "width"),
-    (dict(suite="mnist-c", depth=0), "depth"), (dict(suite="mnist-c", depth=-2), "depth"),
-    (dict(suite="mnist-c", alpha=0.0), "alpha"), (dict(suite="mnist-c", alpha=math.inf), "alpha"),
-    (dict(suite="imagenet-c"), "suite"), (dict(), "suite"), (dict(ops=[]), "ops"), (dict(ops=["blur"]), "ops"),
-    (dict(ops="equalize"), "ops"),
-])
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        (dict(suite="mnist-c", severity=0), "severity"),
+        (dict(suite="mnist-c", severity=11), "severity"),
+        (dict(suite="mnist-c", severity=2.5), "severity"),
+        (dict(suite="mnist-c", width=0), "width"),
+        (dict(suite="mnist-c", depth=0), "depth"),
+        (dict(suite="mnist-c", depth=-2), "depth"),
+        (dict(suite="mnist-c", alpha=0.0), "alpha"),
+        (dict(suite="mnist-c", alpha=math.inf), "alpha"),
+        (dict(suite="imagenet-c"), "suite"),
+        (dict(), "suite"),
+        (dict(ops=[]), "ops"),
+        (dict(ops=["blur"]), "ops"),
+        (dict(ops="equalize"), "ops"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, arg):
     with pytest.raises(ValueError, match=f"^{arg}:"):
         AugMix(**kwargs)
@@ -332,8 +366,9 @@ def test_geometric_operations_match_pil_geometry(op):
             src = pil_affine(1, 0, int(lv * (W / 3) / 10) * sg, 0, 1, 0)
         else:
             src = pil_affine(1, 0, 0, 0, 1, int(lv * (H / 3) / 10) * sg)
-        np.testing.assert_allclose(y[i, 0].numpy(), ref_bilinear(x[i, 0].numpy(), src), rtol=0, atol=1e-9,
-                                   err_msg=f"{op} image {i}")
+        np.testing.assert_allclose(
+            y[i, 0].numpy(), ref_bilinear(x[i, 0].numpy(), src), rtol=0, atol=1e-9, err_msg=f"{op} image {i}"
+        )
 
 
 def test_translation_moves_whole_pixels_with_black_fill():
@@ -382,11 +417,9 @@ def test_js_is_symmetric_in_its_three_arguments():
 @pytest.mark.parametrize("scale", [0.5, 3.0, 40.0])  # 40: probabilities below 1e-7, the clamp at work
 def test_js_matches_the_direct_formula(scale):
     t = three_logits(n=6, k=10, scale=scale, seed=2)
-    assert float(jensen_shannon_consistency(*t)) == pytest.approx(ref_js(*(x.numpy() for x in t)), rel=1e-9,
-                                                                    abs=1e-12)
+    assert float(jensen_shannon_consistency(*t)) == pytest.approx(ref_js(*(x.numpy() for x in t)), rel=1e-9, abs=1e-12)
     t32 = [x.float() for x in t]
-    assert float(jensen_shannon_consistency(*t32)) == pytest.approx(ref_js(*(x.numpy() for x in t)), rel=1e-4,
-                                                                      abs=1e-6)
+    assert float(jensen_shannon_consistency(*t32)) == pytest.approx(ref_js(*(x.numpy() for x in t)), rel=1e-4, abs=1e-6)
 
 
 def test_js_gradients_pass_gradcheck():

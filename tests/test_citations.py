@@ -23,8 +23,10 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".rst", ".json", ".cfg", ".ini",
 SKIPPED_DIRS = {"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".hypothesis"}
 
 
-_LOCATION = (r"(?:Sec|Secs|Section|Alg|Algorithm|App|app|appendix|Appendix|eq|eqs|Eq|Fig|Figure|Table|Tables"
-             r"|Remark|Ch|ch|chapter|Chapter|Art|Article|Paper|URL|Supp|ref|Theorem|Observation)\b")
+_LOCATION = (
+    r"(?:Sec|Secs|Section|Alg|Algorithm|App|app|appendix|Appendix|eq|eqs|Eq|Fig|Figure|Table|Tables"
+    r"|Remark|Ch|ch|chapter|Chapter|Art|Article|Paper|URL|Supp|ref|Theorem|Observation)\b"
+)
 #: A source-file number: 000..004 not inside a larger number ("0.001", "10,000", "1004").
 _NUMBER = r"(?<![\w.,])00[0-4](?![\w.])"
 SEED_PATTERNS = {
@@ -66,8 +68,12 @@ def scanned_files() -> list[Path]:
         for f in candidates:
             if f == Path(__file__).resolve():
                 continue  # its examples of refused citations are refused on purpose
-            if (f.is_file() and f.suffix in TEXT_SUFFIXES and not SKIPPED_DIRS.intersection(f.parts)
-                    and not any(p.endswith(".egg-info") for p in f.parts)):
+            if (
+                f.is_file()
+                and f.suffix in TEXT_SUFFIXES
+                and not SKIPPED_DIRS.intersection(f.parts)
+                and not any(p.endswith(".egg-info") for p in f.parts)
+            ):
                 files.append(f)
     return files
 
@@ -76,31 +82,37 @@ def test_references_define_the_five_keys():
     assert defined_keys() == {"QACT", "Kim", "Patel", "Kirchhof", "NED"}
 
 
-@pytest.mark.parametrize("text", [
-    "QACT (000, Alg. 1-2) needs",
-    "see 004 Sec. 2 eq. (3)",
-    "the baseline (002's)",
-    "004's claim",
-    "(003)",
-    "the toy (paper 000, Figure 1)",
-    "seed documents 000 and 004 evaluate",
-    "001, Article II",
-    "in shared/seeds/000_x.txt",
-    "[Smith, Sec. 3]",
-    "[Qact, Alg. 1]",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "QACT (000, Alg. 1-2) needs",
+        "see 004 Sec. 2 eq. (3)",
+        "the baseline (002's)",
+        "004's claim",
+        "(003)",
+        "the toy (paper 000, Figure 1)",
+        "seed documents 000 and 004 evaluate",
+        "001, Article II",
+        "in shared/seeds/000_x.txt",
+        "[Smith, Sec. 3]",
+        "[Qact, Alg. 1]",
+    ],
+)
 def test_unresolvable_citations_are_found(text):
     assert citation_problems(text, defined_keys()), text
 
 
-@pytest.mark.parametrize("text", [
-    "[QACT, Alg. 1-2] and [NED, Sec. 2, eq. (3)]",
-    "[Kim, Art. II, eq. 3]; [Patel, Sec. 6.3]; [Kirchhof, URL App. B.8]; [NED]",
-    "early stopping at +0.001 on 10,000 images of 1,000 classes, seed 1004",
-    "def f(x: dict[Tensor, Tensor]) -> tuple[Tensor, ...]:",
-    '{"000_table1_0_to_5": 1, "lr": 0.002}',
-    "Hendrycks & Dietterich 2019, Sec. 3",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[QACT, Alg. 1-2] and [NED, Sec. 2, eq. (3)]",
+        "[Kim, Art. II, eq. 3]; [Patel, Sec. 6.3]; [Kirchhof, URL App. B.8]; [NED]",
+        "early stopping at +0.001 on 10,000 images of 1,000 classes, seed 1004",
+        "def f(x: dict[Tensor, Tensor]) -> tuple[Tensor, ...]:",
+        '{"000_table1_0_to_5": 1, "lr": 0.002}',
+        "Hendrycks & Dietterich 2019, Sec. 3",
+    ],
+)
 def test_resolvable_text_is_not_flagged(text):
     assert citation_problems(text, defined_keys()) == []
 

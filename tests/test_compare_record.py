@@ -123,8 +123,9 @@ def test_no_interval_is_invented_when_the_images_differ(evaluated, nets):
     out = evaluated["relu"].compare(other_images)
     assert all(d["intervals"] == {} for d in out["deltas"])
     assert "test images differ" in out["intervals"]["clean"]
-    other_cells = shiftguard.evaluate({"relu": nets["weak"]}, _data(), support=_data(60, seed=3),
-                                      **{**FAST, "severities": [3]})
+    other_cells = shiftguard.evaluate(
+        {"relu": nets["weak"]}, _data(), support=_data(60, seed=3), **{**FAST, "severities": [3]}
+    )
     out = evaluated["relu"].compare(other_cells)
     assert out["intervals"]["clean"] is None and "different corruption" in out["intervals"]["corrupted"]
     assert all(set(d["intervals"]) == {"accuracy_clean"} for d in out["deltas"])
@@ -138,13 +139,14 @@ def test_the_api_records_sizes_for_what_they_are_and_the_preprocessing(nets):
     res = shiftguard.evaluate({"relu": nets["relu"]}, _data(), support=_data(60, seed=3), preprocess=scale, **FAST)
     d = res.results["data"]
     assert d["n_support"] == 60 and d["n_train"] is None and d["n_test"] == 90
-    assert res.results["config"]["preprocess"].endswith("test_the_api_records_sizes_for_what_they_are_and_the_"
-                                                        "preprocessing.<locals>.scale")
+    assert res.results["config"]["preprocess"].endswith(
+        "test_the_api_records_sizes_for_what_they_are_and_the_preprocessing.<locals>.scale"
+    )
     assert "training" not in res.results and "train_s" not in res.results["timings"]
 
 
 # --------------------------------------------------------------------------- the command line
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 
@@ -158,7 +160,7 @@ def make_qact(num_classes):
     from shiftguard.nn import convert_activations
 
     return convert_activations(make_net(num_classes), "qact", example_input=torch.rand(2, 1, 28, 28))
-'''
+"""
 
 
 @pytest.fixture
@@ -172,8 +174,23 @@ def cli_env(tmp_path, monkeypatch):
         torch.manual_seed(1)
         net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, 10))
     torch.save(net.state_dict(), weights)
-    common = ["--test-subset", "60", "--support-size", "120", "--val-size", "0", "--corruptions", "fog",
-              "--severities", "2", "--n-boot", "20", "--no-progress", "--heads", "softmax"]
+    common = [
+        "--test-subset",
+        "60",
+        "--support-size",
+        "120",
+        "--val-size",
+        "0",
+        "--corruptions",
+        "fog",
+        "--severities",
+        "2",
+        "--n-boot",
+        "20",
+        "--no-progress",
+        "--heads",
+        "softmax",
+    ]
     return tmp_path, weights, common
 
 
@@ -186,15 +203,40 @@ def _error(capsys) -> str:
 def test_the_evaluate_record_repeats_the_command(cli_env):
     tmp_path, weights, common = cli_env
     out = tmp_path / "ev"
-    assert cli(["evaluate", "--model", "cmpnets:make_net", "--weights", str(weights), "--dataset", "mnist-default",
-                "--normalize", "0.1307", "0.3081", *common, "--out", str(out)]) == 0
+    assert (
+        cli(
+            [
+                "evaluate",
+                "--model",
+                "cmpnets:make_net",
+                "--weights",
+                str(weights),
+                "--dataset",
+                "mnist-default",
+                "--normalize",
+                "0.1307",
+                "0.3081",
+                *common,
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads((out / "results.json").read_text())
     words = shlex.split(res["command"])
-    for flag, value in (("--weights", str(weights)), ("--dataset", "mnist-default"), ("--test-subset", "60"),
-                        ("--support-size", "120"), ("--heads", "softmax"), ("--corruptions", "fog"),
-                        ("--batch-size", "500"), ("--seed", "0")):
+    for flag, value in (
+        ("--weights", str(weights)),
+        ("--dataset", "mnist-default"),
+        ("--test-subset", "60"),
+        ("--support-size", "120"),
+        ("--heads", "softmax"),
+        ("--corruptions", "fog"),
+        ("--batch-size", "500"),
+        ("--seed", "0"),
+    ):
         assert words[words.index(flag) + 1] == value, flag
-    assert words[words.index("--normalize") + 1: words.index("--normalize") + 3] == ["0.1307", "0.3081"]
+    assert words[words.index("--normalize") + 1 : words.index("--normalize") + 3] == ["0.1307", "0.3081"]
     rec = res["record"]
     assert rec["weights"]["sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
     assert rec["normalize"] == {"mean": [0.1307], "std": [0.3081]}
@@ -210,8 +252,9 @@ def test_report_compares_two_evaluate_outputs_and_a_run(cli_env, nets, capsys):
     tmp_path, _, common = cli_env
     a, b = tmp_path / "relu", tmp_path / "qact"
     for folder, factory in ((a, "make_net"), (b, "make_qact")):
-        assert cli(["evaluate", "--model", f"cmpnets:{factory}", "--random-weights", *common, "--out",
-                    str(folder)]) == 0
+        assert (
+            cli(["evaluate", "--model", f"cmpnets:{factory}", "--random-weights", *common, "--out", str(folder)]) == 0
+        )
     assert cli(["report", str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0
     csv_lines = (tmp_path / "cmp" / "comparison.csv").read_text().splitlines()
     assert len(csv_lines) == 3  # Sequential [none] against Sequential [batch] and [frozen]
@@ -219,8 +262,9 @@ def test_report_compares_two_evaluate_outputs_and_a_run(cli_env, nets, capsys):
     assert "only model of each side" in page and "paired 95% percentile bootstrap" in page
     # a run folder of two models beside an evaluation: which of them is compared is said by name
     run = tmp_path / "run"
-    shiftguard.evaluate({"relu": nets["relu"], "weak": nets["weak"]}, _data(), support=_data(60, seed=3),
-                        **FAST).write_report(run)
+    shiftguard.evaluate(
+        {"relu": nets["relu"], "weak": nets["weak"]}, _data(), support=_data(60, seed=3), **FAST
+    ).write_report(run)
     res = json.loads((run / "results.json").read_text())
     res["kind"] = "run"
     (run / "results.json").write_text(json.dumps(res))
@@ -249,8 +293,10 @@ def test_an_incomplete_evaluate_output_is_refused_without_pointing_at_run_resume
     assert "evaluation output is incomplete" in err and "--resume" not in err and "--overwrite" in err
 
 
-@pytest.mark.parametrize("match, expected", [(["relu"], "--match: expected FIRST=OTHER"),
-                                             (["a=b", "a=c"], "--match: model 'a' is paired twice")])
+@pytest.mark.parametrize(
+    "match, expected",
+    [(["relu"], "--match: expected FIRST=OTHER"), (["a=b", "a=c"], "--match: model 'a' is paired twice")],
+)
 def test_a_malformed_match_is_one_line_naming_it(cli_env, capsys, match, expected):
     tmp_path, _, common = cli_env
     out = tmp_path / "ev"

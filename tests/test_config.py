@@ -124,8 +124,9 @@ def test_to_dict_roundtrips():
 
 
 def test_two_views_go_with_instance_discrimination_only():
-    ok = config_from_dict({"models": [{"arch": "lenet", "loss": "infonce", "heads": ["knn"],
-                                         "train": {"two_views": True}}]})
+    ok = config_from_dict(
+        {"models": [{"arch": "lenet", "loss": "infonce", "heads": ["knn"], "train": {"two_views": True}}]}
+    )
     assert ok.model_train_config(ok.models[0]).two_views is True
     with pytest.raises(ValueError, match=r"key train\.two_views must be true .*'infonce'"):
         config_from_dict({"models": [{"arch": "lenet", "loss": "infonce", "heads": ["knn"]}]})
@@ -137,31 +138,43 @@ def test_augmix_keys_are_checked_with_the_model_they_train():
     base = {"models": [{"arch": "lenet"}]}
     cfg = config_from_dict({**base, "train": {"augmix": True, "jsd_weight": 12.0}})
     assert cfg.train.augmix and cfg.train.jsd_weight == 12.0 and cfg.train.augmix_suite == ""
-    for train, match in (({"jsd_weight": 1.0}, "train.jsd_weight must be 0 without augmix"),
-                         ({"augmix": True, "augmix_suite": "imagenet-c"}, "train.augmix_suite must be one of"),
-                         ({"augmix": True, "jsd_weight": -1.0}, "train.jsd_weight must be a finite number >= 0")):
+    for train, match in (
+        ({"jsd_weight": 1.0}, "train.jsd_weight must be 0 without augmix"),
+        ({"augmix": True, "augmix_suite": "imagenet-c"}, "train.augmix_suite must be one of"),
+        ({"augmix": True, "jsd_weight": -1.0}, "train.jsd_weight must be a finite number >= 0"),
+    ):
         with pytest.raises(ValueError, match=match):
             config_from_dict({**base, "train": train})
     embedding_model = [{"arch": "lenet", "loss": "watershed", "heads": ["quantile"]}]
     with pytest.raises(ValueError, match="train.augmix must not be combined with two_views"):
         config_from_dict({"train": {"augmix": True, "two_views": True}, "models": embedding_model})
     with pytest.raises(ValueError, match="the Jensen-Shannon term needs class logits"):
-        config_from_dict({"train": {"augmix": True, "jsd_weight": 1.0},
-                            "models": [{"arch": "lenet", "loss": "watershed", "heads": ["quantile"]}]})
+        config_from_dict(
+            {
+                "train": {"augmix": True, "jsd_weight": 1.0},
+                "models": [{"arch": "lenet", "loss": "watershed", "heads": ["quantile"]}],
+            }
+        )
 
 
 def test_the_mce_baseline_is_the_relu_softmax_unless_eval_baseline_names_another():
     from shiftguard.experiments.config import baseline_key
 
     assert baseline_key(default_config()) == "lenet-relu-ce/none/softmax"
-    two = {"models": [{"arch": "lenet", "name": "a", "activation": "qact", "loss": "watershed", "heads": ["quantile"]},
-                      {"arch": "lenet", "name": "b", "heads": ["softmax", "knn"]}]}
+    two = {
+        "models": [
+            {"arch": "lenet", "name": "a", "activation": "qact", "loss": "watershed", "heads": ["quantile"]},
+            {"arch": "lenet", "name": "b", "heads": ["softmax", "knn"]},
+        ]
+    }
     assert baseline_key(config_from_dict(two)) == "b/none/softmax"
     assert baseline_key(config_from_dict({**two, "eval": {"baseline": "b/none/knn"}})) == "b/none/knn"
     assert baseline_key(config_from_dict({**two, "eval": {"baseline": "none"}})) is None
     assert baseline_key(config_from_dict({"models": two["models"][:1]})) is None
-    for bad, match in (("b/softmax", "eval.baseline must be 'model/context/head'"),
-                       ("c/none/softmax", "eval.baseline must name a model of this run"),
-                       ("b/none/quantile", "eval.baseline must name a head of model 'b'")):
+    for bad, match in (
+        ("b/softmax", "eval.baseline must be 'model/context/head'"),
+        ("c/none/softmax", "eval.baseline must name a model of this run"),
+        ("b/none/quantile", "eval.baseline must name a head of model 'b'"),
+    ):
         with pytest.raises(ValueError, match=match):
             config_from_dict({**two, "eval": {"baseline": bad}})

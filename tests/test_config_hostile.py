@@ -23,8 +23,14 @@ from shiftguard.train import train_val_split
 
 SRC = "hostile.toml"
 # Derandomized, no example database, no shrinking (as in test_api_hardening.py).
-FEW = settings(max_examples=30, deadline=None, derandomize=True, database=None,
-               phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+FEW = settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 #: A valid config with known subset sizes: 500 training images -> 400 train / 100 validation.
 BASE = {
@@ -145,8 +151,9 @@ HOSTILE = [
 ]
 
 
-@pytest.mark.parametrize("patch, key", HOSTILE, ids=[",".join(f"{k}={v!r}"[:40] for k, v in p.items())
-                                                     for p, _ in HOSTILE])
+@pytest.mark.parametrize(
+    "patch, key", HOSTILE, ids=[",".join(f"{k}={v!r}"[:40] for k, v in p.items()) for p, _ in HOSTILE]
+)
 def test_hostile_value_is_refused_at_load_naming_file_table_and_key(patch, key):
     refused(patched(patch), key)
 
@@ -171,9 +178,12 @@ def test_messages_say_why_and_what_the_bound_is():
 
 def test_a_file_is_named_in_the_refusal_also_for_toml_inf_and_nan(tmp_path):
     models = '[[models]]\narch = "lenet"\nactivation = "qact"\nloss = "watershed"\nheads = ["quantile"]\n'
-    for table, line, key in [("train", "lr = inf", "train.lr"), ("train", "lr = nan", "train.lr"),
-                             ("train", "weight_decay = -inf", "train.weight_decay"),
-                             ("data", "val_fraction = nan", "data.val_fraction")]:
+    for table, line, key in [
+        ("train", "lr = inf", "train.lr"),
+        ("train", "lr = nan", "train.lr"),
+        ("train", "weight_decay = -inf", "train.weight_decay"),
+        ("data", "val_fraction = nan", "data.val_fraction"),
+    ]:
         p = tmp_path / "run.toml"
         p.write_text(f"[{table}]\n{line}\n{models}")
         with pytest.raises(ValueError, match=rf"^{re.escape(str(p))}: key {re.escape(key)} must .*, got "):
@@ -181,12 +191,28 @@ def test_a_file_is_named_in_the_refusal_also_for_toml_inf_and_nan(tmp_path):
 
 
 def test_boundary_values_are_accepted():
-    cfg = config_from_dict(patched({
-        "eval.k": 400, "data.test_subset": 6, "train.lr_factor": 0.999, "train.weight_decay": 0,
-        "train.chunk_size": 0, "eval.max_support": 0, "train.max_val": 0, "eval.ece_bins": 10_000,
-        "seed": 2**32 - 1, "data.split_seed": 0, "eval.n_boot": 10, "train.batch_size": 2,
-        "train.min_lr": 1e-3, "models[0].model_kwargs.embedding_dim": 1, "train.early_stopping_patience": 0,
-    }), source=SRC)
+    cfg = config_from_dict(
+        patched(
+            {
+                "eval.k": 400,
+                "data.test_subset": 6,
+                "train.lr_factor": 0.999,
+                "train.weight_decay": 0,
+                "train.chunk_size": 0,
+                "eval.max_support": 0,
+                "train.max_val": 0,
+                "eval.ece_bins": 10_000,
+                "seed": 2**32 - 1,
+                "data.split_seed": 0,
+                "eval.n_boot": 10,
+                "train.batch_size": 2,
+                "train.min_lr": 1e-3,
+                "models[0].model_kwargs.embedding_dim": 1,
+                "train.early_stopping_patience": 0,
+            }
+        ),
+        source=SRC,
+    )
     assert cfg.eval.k == 400 and cfg.seed == 2**32 - 1
     # a per-model float override given as an integer is stored as a float, like [train]'s keys
     cfg = config_from_dict(patched({"models[0].train.lr": 1}), source=SRC)
@@ -207,12 +233,35 @@ def test_the_default_quick_and_shipped_configs_load(name):
 
 
 # --------------------------------------------------------------------------- properties
-FLOAT_KEYS = ["train.lr", "train.weight_decay", "train.lr_factor", "train.lr_threshold", "train.min_lr",
-              "train.early_stopping_min_delta", "data.val_fraction"]
-INT_KEYS = ["data.train_subset", "data.test_subset", "data.split_seed", "data.corruption_seed", "seed",
-            "train.epochs", "train.batch_size", "train.lr_patience", "train.lr_cooldown",
-            "train.early_stopping_patience", "train.samples_per_class", "train.chunk_size", "train.max_val",
-            "eval.batch_size", "eval.k", "eval.ece_bins", "eval.max_support", "eval.n_boot"]
+FLOAT_KEYS = [
+    "train.lr",
+    "train.weight_decay",
+    "train.lr_factor",
+    "train.lr_threshold",
+    "train.min_lr",
+    "train.early_stopping_min_delta",
+    "data.val_fraction",
+]
+INT_KEYS = [
+    "data.train_subset",
+    "data.test_subset",
+    "data.split_seed",
+    "data.corruption_seed",
+    "seed",
+    "train.epochs",
+    "train.batch_size",
+    "train.lr_patience",
+    "train.lr_cooldown",
+    "train.early_stopping_patience",
+    "train.samples_per_class",
+    "train.chunk_size",
+    "train.max_val",
+    "eval.batch_size",
+    "eval.k",
+    "eval.ece_bins",
+    "eval.max_support",
+    "eval.n_boot",
+]
 
 
 @FEW
@@ -224,9 +273,15 @@ def test_non_finite_numbers_are_refused_for_every_float_key(key, value, per_mode
 
 
 @FEW
-@given(key=st.sampled_from(INT_KEYS),
-       value=st.one_of(st.integers(max_value=-1), st.integers(min_value=2**63, max_value=2**80),
-                       st.floats(allow_nan=False, allow_infinity=False), st.booleans()))
+@given(
+    key=st.sampled_from(INT_KEYS),
+    value=st.one_of(
+        st.integers(max_value=-1),
+        st.integers(min_value=2**63, max_value=2**80),
+        st.floats(allow_nan=False, allow_infinity=False),
+        st.booleans(),
+    ),
+)
 def test_negative_huge_fractional_or_boolean_values_are_refused_for_every_integer_key(key, value):
     refused(patched({key: value}), key)
 

@@ -52,8 +52,13 @@ def _identity_classifier(classes: int):
 def _mapie_sets(p_cal, y_cal, p_test, score: str, seed: int, include_last=None):
     from mapie.classification import SplitConformalClassifier
 
-    m = SplitConformalClassifier(_identity_classifier(p_cal.shape[1]), confidence_level=0.9, conformity_score=score,
-                                 prefit=True, random_state=seed)
+    m = SplitConformalClassifier(
+        _identity_classifier(p_cal.shape[1]),
+        confidence_level=0.9,
+        conformity_score=score,
+        prefit=True,
+        random_state=seed,
+    )
     m.conformalize(p_cal.numpy(), y_cal.numpy())
     params = {"include_last_label": include_last} if include_last is not None else None
     _, sets = m.predict_set(p_test.numpy(), conformity_score_params=params)
@@ -90,8 +95,9 @@ def test_raps_scores_and_threshold_are_mapies_and_lam_0_is_aps():
     u = np.random.RandomState(seed).uniform(size=300)
     raps = RAPSConformityScore()
     cum, cutoff = raps.get_true_label_cumsum_proba(yc, pc, np.arange(6))
-    reg = raps._regularize_conformity_score(np.array([k_reg]), lam, cum - u[:, None] * np.take_along_axis(
-        pc, yc[:, None], 1), cutoff)
+    reg = raps._regularize_conformity_score(
+        np.array([k_reg]), lam, cum - u[:, None] * np.take_along_axis(pc, yc[:, None], 1), cutoff
+    )
     q = float(_compute_classification_quantile(reg, np.array([0.1]))[0])
     conf = SplitConformal("raps", 0.1, k_reg=k_reg, lam=lam).fit(p[:300], y[:300], uniform=torch.as_tensor(1 - u))
     torch.testing.assert_close(conf.scores_, torch.as_tensor(reg[:, 0, 0]))
@@ -114,8 +120,9 @@ def test_the_score_matrix_is_the_definition_written_out_per_label():
 
 
 # --------------------------------------------------------------------------- the guarantee
-@pytest.mark.parametrize("method, randomized", [("lac", True), ("aps", True), ("aps", False), ("raps", True),
-                                                ("raps", False)])
+@pytest.mark.parametrize(
+    "method, randomized", [("lac", True), ("aps", True), ("aps", False), ("raps", True), ("raps", False)]
+)
 def test_coverage_over_random_splits_lies_within_the_theorys_bounds(method, randomized):
     n_cal, n_test, alpha, trials = 200, 200, 0.1, 150
     covs = []

@@ -133,8 +133,9 @@ def test_tightness_gradcheck_wrt_prototypes_and_embeddings():
         return -(z * p[y]).sum(1).mean()
 
     e, p = emb.clone().requires_grad_(True), loss.prototypes.detach().clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda e_, p_: torch.func.functional_call(loss, {"prototypes": p_}, (e_, y)),
-                                    (e, p))
+    assert torch.autograd.gradcheck(
+        lambda e_, p_: torch.func.functional_call(loss, {"prototypes": p_}, (e_, y)), (e, p)
+    )
     assert torch.allclose(torch.func.functional_call(loss, {"prototypes": p}, (e, y)), g(e, p), atol=1e-14)
 
 
@@ -219,7 +220,8 @@ def _esupcon_loop(z, y, theta, tau):
 
     def pt(i, c):  # eq. (6.12)
         denom = sum(math.exp(s(zs[i], ts[q])) for q in range(k)) + sum(
-            math.exp(s(zs[i], zs[j])) for j in range(m) if j != i)
+            math.exp(s(zs[i], zs[j])) for j in range(m) if j != i
+        )
         return -s(zs[i], ts[c]) + math.log(denom)
 
     def supcon(i):  # eq. (6.5)
@@ -241,10 +243,13 @@ def _esupcon_loop(z, y, theta, tau):
     return (proto_sum + sup_sum) / terms  # eq. (6.15)
 
 
-@pytest.mark.parametrize("labels,num_classes", [
-    ([0, 0, 1, 1, 1, 2, 2], 3),  # every class present twice or more: divisor 2N + K exactly
-    ([0, 0, 1, 1, 1, 2, 3], 5),  # a singleton (class 3) and an absent class (4)
-])
+@pytest.mark.parametrize(
+    "labels,num_classes",
+    [
+        ([0, 0, 1, 1, 1, 2, 2], 3),  # every class present twice or more: divisor 2N + K exactly
+        ([0, 0, 1, 1, 1, 2, 3], 5),  # a singleton (class 3) and an absent class (4)
+    ],
+)
 def test_esupcon_equals_the_literal_loop_of_eqs_6_12_to_6_15(labels, num_classes):
     emb, _ = _batch()
     y = torch.tensor(labels)
@@ -293,8 +298,9 @@ def test_esupcon_gradcheck_wrt_embeddings_and_prototypes():
     emb, y = _batch()
     loss = ESupConLoss(3, 3, temperature=0.5).double()
     p = loss.prototypes.detach().clone().requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda e, p_: torch.func.functional_call(loss, {"prototypes": p_}, (e, y)),
-                                    (emb.requires_grad_(True), p))
+    assert torch.autograd.gradcheck(
+        lambda e, p_: torch.func.functional_call(loss, {"prototypes": p_}, (e, y)), (emb.requires_grad_(True), p)
+    )
 
 
 def test_esupcon_single_sample_is_the_cross_entropy_on_prototypes():
@@ -351,8 +357,9 @@ def test_infonce_gradcheck_and_zero_without_pairs():
 # ------------------------------------------------------------------------------------ registry and validation
 
 
-@pytest.mark.parametrize("name,cls", [("spce", SPCELoss), ("tightness", TightnessLoss), ("esupcon", ESupConLoss),
-                                      ("InfoNCE", InfoNCELoss)])
+@pytest.mark.parametrize(
+    "name,cls", [("spce", SPCELoss), ("tightness", TightnessLoss), ("esupcon", ESupConLoss), ("InfoNCE", InfoNCELoss)]
+)
 def test_registry_builds_the_contrastive_losses(name, cls):
     assert isinstance(build_loss(name, embedding_dim=8, num_classes=3), cls)
 
@@ -368,15 +375,18 @@ def test_class_losses_need_dims_and_reject_labels_and_widths_they_cannot_hold(na
         loss(torch.randn(4, 5), torch.tensor([0, 1, 2, 0]))
 
 
-@pytest.mark.parametrize("make,arg", [
-    (lambda: SPCELoss(3, 2, temperature=0.0), "temperature"),
-    (lambda: SPCELoss(0, 2), "num_classes"),
-    (lambda: ESupConLoss(3, 2, temperature=-1.0), "temperature"),
-    (lambda: TightnessLoss(3, 2.5), "embedding_dim"),
-    (lambda: TightnessLoss(3, 2, base="spce"), "base"),
-    (lambda: MomentumMeanClassifier(3, 2, eta=0.0), "eta"),
-    (lambda: InfoNCELoss(temperature=float("nan")), "temperature"),
-])
+@pytest.mark.parametrize(
+    "make,arg",
+    [
+        (lambda: SPCELoss(3, 2, temperature=0.0), "temperature"),
+        (lambda: SPCELoss(0, 2), "num_classes"),
+        (lambda: ESupConLoss(3, 2, temperature=-1.0), "temperature"),
+        (lambda: TightnessLoss(3, 2.5), "embedding_dim"),
+        (lambda: TightnessLoss(3, 2, base="spce"), "base"),
+        (lambda: MomentumMeanClassifier(3, 2, eta=0.0), "eta"),
+        (lambda: InfoNCELoss(temperature=float("nan")), "temperature"),
+    ],
+)
 def test_constructor_arguments_are_validated_by_name(make, arg):
     with pytest.raises((TypeError, ValueError), match=arg):
         make()

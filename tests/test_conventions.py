@@ -28,14 +28,16 @@ def test_ece_bins_are_left_closed_and_the_last_is_closed_at_one():
     # two scores on the edge 0.5 with n_bins = 2: left-closed puts them in the upper bin
     # (|1 - 0.5| * 2/3 + |0 - 0.25| * 1/3 = 5/12); right-closed would pool all three (0.25)
     assert calibration_error_1d(torch.tensor([0.5, 0.5, 0.25]), torch.tensor([1, 1, 0]), n_bins=2) == pytest.approx(
-        5 / 12, abs=1e-15)
+        5 / 12, abs=1e-15
+    )
     # the same edge through ece(), top-label and marginal (one-vs-rest scores; class 1 always scored 0
     # and right once: 1/3)
     probs = torch.tensor([[0.5, 0.0], [0.5, 0.0], [0.25, 0.0]], dtype=torch.float64)
     labels = torch.tensor([0, 0, 1])
     assert ece(probs, labels, n_bins=2, one_vs_rest=True) == pytest.approx(5 / 12, abs=1e-15)
     assert ece(probs, labels, n_bins=2, kind="marginal", one_vs_rest=True) == pytest.approx(
-        (5 / 12 + 1 / 3) / 2, abs=1e-15)
+        (5 / 12 + 1 / 3) / 2, abs=1e-15
+    )
 
 
 def test_the_registered_ned_fits_its_temperature_on_a_holdout_of_the_support():

@@ -37,8 +37,12 @@ class PlainCNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.fc = nn.Linear(16 * 2 * 2, 5)
 
@@ -198,8 +202,11 @@ def test_to_a_stateless_activation_replaces_each_module(to, cls):
 
 
 def test_to_prelu_gets_one_slope_per_channel_and_call_site():
-    model = convert_quietly(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ResidualBlock(4)), to="prelu",
-                            example_input=torch.randn(2, 3, 6, 6))
+    model = convert_quietly(
+        nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ResidualBlock(4)),
+        to="prelu",
+        example_input=torch.randn(2, 3, 6, 6),
+    )
     sites = model[1].relu.sites
     assert [type(s) for s in sites] == [nn.PReLU, nn.PReLU] and all(s.weight.shape == (4,) for s in sites)
 
@@ -229,8 +236,9 @@ def test_a_converted_model_trains_one_step_after_materialisation():
 
 def test_state_dict_round_trip_into_a_freshly_converted_model_gives_identical_frozen_outputs():
     torch.manual_seed(1)
-    model = convert_quietly(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ResidualBlock(4), nn.Flatten(),
-                                          nn.Linear(4 * 6 * 6, 3)), **QACT_KW)
+    model = convert_quietly(
+        nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ResidualBlock(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)), **QACT_KW
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # built before the blocks exist: lr irrelevant
     for _ in range(3):  # moves every running statistic away from its start
         model(torch.randn(8, 3, 6, 6)).sum().backward()
@@ -239,8 +247,9 @@ def test_state_dict_round_trip_into_a_freshly_converted_model_gives_identical_fr
     torch.save(model.state_dict(), buffer)
     buffer.seek(0)
 
-    fresh = convert_quietly(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ResidualBlock(4), nn.Flatten(),
-                                          nn.Linear(4 * 6 * 6, 3)), **QACT_KW)
+    fresh = convert_quietly(
+        nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), ResidualBlock(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 3)), **QACT_KW
+    )
     fresh.load_state_dict(torch.load(buffer))  # strict: every key has a place
     x = torch.randn(5, 3, 6, 6)
     model.eval(), fresh.eval()
@@ -312,25 +321,31 @@ def test_convert_sync_qact_on_a_model_without_qact_warns_and_points_to_convert_a
 
 
 # ----------------------------------------------------------------------------- argument errors
-@pytest.mark.parametrize("kwargs, exc, name", [
-    (dict(to="tanh"), ValueError, "to"),
-    (dict(to="relu", block=False), ValueError, "block"),
-    (dict(types=int), TypeError, "types"),
-    (dict(types=()), ValueError, "types"),
-    (dict(to="selu", n_tau=10), TypeError, "kwargs"),
-    (dict(n_tau=0), ValueError, "n_tau"),
-    (dict(to="bn-relu-bn", block=False), ValueError, "block"),
-    (dict(to="bn-relu-bn", bandwidth=0.5), TypeError, "kwargs"),
-    (dict(bandwidth=0), ValueError, "bandwidth"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, name",
+    [
+        (dict(to="tanh"), ValueError, "to"),
+        (dict(to="relu", block=False), ValueError, "block"),
+        (dict(types=int), TypeError, "types"),
+        (dict(types=()), ValueError, "types"),
+        (dict(to="selu", n_tau=10), TypeError, "kwargs"),
+        (dict(n_tau=0), ValueError, "n_tau"),
+        (dict(to="bn-relu-bn", block=False), ValueError, "block"),
+        (dict(to="bn-relu-bn", bandwidth=0.5), TypeError, "kwargs"),
+        (dict(bandwidth=0), ValueError, "bandwidth"),
+    ],
+)
 def test_bad_arguments_raise_errors_naming_them(kwargs, exc, name):
     with pytest.raises(exc, match=f"^{name}:"):
         convert_activations(mlp(), **kwargs)
 
 
 def test_types_restricts_what_is_converted():
-    model = convert_quietly(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.GELU()),
-                            types=nn.GELU, example_input=torch.randn(2, 3))  # the ReLU left is no warning
+    model = convert_quietly(
+        nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 4), nn.GELU()),
+        types=nn.GELU,
+        example_input=torch.randn(2, 3),
+    )  # the ReLU left is no warning
     assert isinstance(model[1], nn.ReLU) and isinstance(model[3], ConvertedActivation)
 
 
@@ -371,22 +386,36 @@ def test_fit_context_stores_the_average_of_the_batch_quantiles_and_freezes():
     model = convert_quietly(mlp(), example_input=torch.randn(2, 3), **QACT_KW)
     model.train()
     block = model[1].sites[0]
-    bn_before = [t.clone() for t in (block.bn_in.running_mean, block.bn_in.running_var,
-                                     block.bn_out.running_mean, block.bn_out.running_var)]
+    bn_before = [
+        t.clone()
+        for t in (
+            block.bn_in.running_mean,
+            block.bn_in.running_var,
+            block.bn_out.running_mean,
+            block.bn_out.running_var,
+        )
+    ]
     data = torch.randn(40, 3) * 2 + 1
 
     fit_context(model, data, batch_size=10)
 
     assert model.training and block.training and block.act.momentum == 0.1  # restored
     assert str(block.act.context) == "frozen" and int(block.act.num_batches_tracked) == 4
-    assert all(torch.equal(a, b) for a, b in zip(bn_before, (block.bn_in.running_mean, block.bn_in.running_var,
-                                                               block.bn_out.running_mean, block.bn_out.running_var)))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            bn_before,
+            (block.bn_in.running_mean, block.bn_in.running_var, block.bn_out.running_mean, block.bn_out.running_var),
+        )
+    )
     # What the docs promise: the mean over batches of each batch's quantiles [QACT, Alg. 1] at the
     # QACT input, which BatchNorm in eval mode (its unchanged running statistics) produces.
     with torch.no_grad():
         block.bn_in.eval()
-        per_batch = [qact_statistics(channel_values(block.bn_in(model[0](xb))), n_tau=20, c=100.0,
-                                     n_samples=1).quantiles for xb in data.split(10)]
+        per_batch = [
+            qact_statistics(channel_values(block.bn_in(model[0](xb))), n_tau=20, c=100.0, n_samples=1).quantiles
+            for xb in data.split(10)
+        ]
         expected_q = torch.stack(per_batch).mean(0)
         torch.testing.assert_close(block.act.running_quantiles, expected_q, rtol=1e-5, atol=1e-5)
 
@@ -436,8 +465,9 @@ def test_an_optimizer_built_before_the_blocks_exist_is_refused_at_its_first_step
 
 
 def test_with_example_input_the_blocks_exist_before_any_optimizer():
-    net = convert_activations(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
-                              example_input=torch.randn(2, 4))
+    net = convert_activations(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)), example_input=torch.randn(2, 4)
+    )
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     net(torch.randn(16, 4)).sum().backward()
     opt.step()

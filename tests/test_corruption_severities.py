@@ -24,8 +24,14 @@ from hypothesis import strategies as st
 
 from shiftguard import corruptions as C
 
-SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None,
-                    phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=20,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 #: (suite, channels, side) at which each suite is used.
 SHAPES = {
@@ -107,8 +113,9 @@ def test_motion_blur_kernel_has_two_ceil_radius_plus_one_taps(suite, radius):
     for seed in (0, 1):
         y = C.corrupt(x, "motion_blur", 1, seed=seed, suite=suite, params=(radius, 10.0))
         want = _magick_kernel(radius, 10.0)[0]
-        assert torch.allclose(y[:, 0, side // 2, side // 2], torch.full((4,), want, dtype=torch.float64),
-                              rtol=0, atol=1e-12)
+        assert torch.allclose(
+            y[:, 0, side // 2, side // 2], torch.full((4,), want, dtype=torch.float64), rtol=0, atol=1e-12
+        )
         # and the whole kernel lands in the image: the blur keeps the point's mass
         assert torch.allclose(y.sum(dim=(1, 2, 3)), torch.ones(4, dtype=torch.float64), rtol=0, atol=1e-9)
 
@@ -139,22 +146,30 @@ def test_non_finite_pixels_are_refused_with_their_count(suite, name):
 
 
 @SETTINGS
-@given(case=st.sampled_from(ALL_34), dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32,
-                                                            torch.float64]),
-       n_nan=st.integers(0, 5), n_inf=st.integers(0, 5), severity=st.integers(0, 5), data=st.data())
-def test_any_count_of_nan_and_inf_in_any_float_dtype_is_refused_and_counted(case, dtype, n_nan, n_inf, severity,
-                                                                            data):
+@given(
+    case=st.sampled_from(ALL_34),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    n_nan=st.integers(0, 5),
+    n_inf=st.integers(0, 5),
+    severity=st.integers(0, 5),
+    data=st.data(),
+)
+def test_any_count_of_nan_and_inf_in_any_float_dtype_is_refused_and_counted(case, dtype, n_nan, n_inf, severity, data):
     suite, name = case
     c = 1 if suite == "mnist-c" else 3
     x = torch.rand(2, c, 16, 16, generator=torch.Generator().manual_seed(severity)).to(dtype)
-    spots = data.draw(st.lists(st.integers(0, x.numel() - 1), min_size=n_nan + n_inf, max_size=n_nan + n_inf,
-                               unique=True))
+    spots = data.draw(
+        st.lists(st.integers(0, x.numel() - 1), min_size=n_nan + n_inf, max_size=n_nan + n_inf, unique=True)
+    )
     flat = x.view(-1)
     for i, p in enumerate(spots):
         flat[p] = float("nan") if i < n_nan else (float("inf") if i % 2 else float("-inf"))
     if n_nan + n_inf == 0:
         assert C.corrupt(x, name, severity, seed=0, suite=suite).dtype == dtype
         return
-    with pytest.raises(ValueError, match=rf"^images: {n_nan + n_inf} of {x.numel()} pixel values are not finite "
-                                         rf"\({n_nan} NaN, {n_inf} inf\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^images: {n_nan + n_inf} of {x.numel()} pixel values are not finite "
+        rf"\({n_nan} NaN, {n_inf} inf\)",
+    ):
         C.corrupt(x, name, severity, seed=0, suite=suite)

@@ -102,8 +102,9 @@ def test_shared_names_resolve_by_channel_count_unless_the_suite_is_given():
 # ----------------------------------------------------------------------------- contract
 
 
-ALL = ([("mnist-c", n) for n in MNIST_C] + [("cifar-c", n) for n in CIFAR_C]
-       + [("cifar-c-extra", n) for n in CIFAR_EXTRA])
+ALL = (
+    [("mnist-c", n) for n in MNIST_C] + [("cifar-c", n) for n in CIFAR_C] + [("cifar-c-extra", n) for n in CIFAR_EXTRA]
+)
 
 
 @pytest.mark.parametrize("suite,name", ALL)

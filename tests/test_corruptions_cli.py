@@ -30,8 +30,9 @@ def test_mnist_layout_reads_back_through_the_loader(tmp_path):
 
     x, y = _digits()
     xt, yt = _digits(12)
-    write_corrupted({"test": (x, y), "train": (xt, yt)}, tmp_path, "mnist-c", [1, 3], 5, ["fog", "stripe"],
-                    progress=False)
+    write_corrupted(
+        {"test": (x, y), "train": (xt, yt)}, tmp_path, "mnist-c", [1, 3], 5, ["fog", "stripe"], progress=False
+    )
     for sev in (1, 3):
         for name in ("fog", "stripe"):
             ds = load("mnist-c", "test", root=tmp_path / f"severity-{sev}", corruption=name)
@@ -131,7 +132,7 @@ def test_gallery_function_returns_one_row_per_corruption_and_six_columns():
         for j, sev in enumerate(range(6)):
             want = corrupt(scene[1:2], name, sev, seed=0, suite="cifar-c-extra")[0].float() / 255
             top, left = gap + i * (32 + gap), gap + j * (32 + gap)
-            got = torch.as_tensor(mosaic[top:top + 32, left:left + 32]).permute(2, 0, 1).float()
+            got = torch.as_tensor(mosaic[top : top + 32, left : left + 32]).permute(2, 0, 1).float()
             assert torch.allclose(got, want, atol=1e-6), (name, sev)
     plt.close(fig)
 

@@ -242,7 +242,9 @@ def test_uint8_paths_equal_the_float_pipeline(name, severity, kernels):
             assert torch.equal(ours, ref)
         else:  # the 0..255 scale instead of 0..1: only rounding ties can move, by one level
             assert int(diff.max()) <= 1 and float((diff > 0).float().mean()) < 0.002, (
-                params, float((diff > 0).float().mean()))
+                params,
+                float((diff > 0).float().mean()),
+            )
 
 
 def _pil_pixelate(x8: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -369,7 +371,7 @@ def test_compiled_edge_distance_is_bitwise_the_torch_code(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_compiled_spatter_water_is_bitwise_the_torch_code(dtype, monkeypatch):
-    x = (synthetic_scene(24, 32, seed=12).to(dtype) / 255)
+    x = synthetic_scene(24, 32, seed=12).to(dtype) / 255
     grey = x[:, :1].contiguous()
     for sev in (1, 2, 3):  # the water severities (mode 0); 4-5 are mud
         for imgs in (x, grey):
@@ -404,8 +406,9 @@ def test_compiled_uniform_has_torch_rands_law():
 def test_compiled_sampling_grid_equals_the_torch_coordinates(padding, dtype, monkeypatch):
     g = torch.Generator().manual_seed(0)
     x = torch.rand(6, 3, 17, 23, generator=g, dtype=dtype)
-    m = (torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=dtype)
-         + 0.2 * torch.randn(6, 2, 3, generator=g, dtype=dtype))
+    m = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=dtype) + 0.2 * torch.randn(
+        6, 2, 3, generator=g, dtype=dtype
+    )
     m[:, :, 2] = 6 * torch.randn(6, 2, generator=g, dtype=dtype)  # shifts past the border
     dx = 3 * torch.randn(6, 17, 23, generator=g, dtype=dtype)
     dy = 3 * torch.randn(6, 17, 23, generator=g, dtype=dtype)

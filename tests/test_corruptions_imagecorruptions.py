@@ -60,12 +60,16 @@ def _import_imagecorruptions():
 #: imagecorruptions 1.1.2 cannot run these with the pinned scikit-image (0.26) and NumPy (2.x): each
 #: comparison is kept, expected to fail with exactly that error, and reported (strict) once it runs.
 _NO_MULTICHANNEL = pytest.mark.xfail(
-    strict=True, raises=TypeError,
+    strict=True,
+    raises=TypeError,
     reason="imagecorruptions 1.1.2 calls skimage.filters.gaussian(multichannel=True), "
-           "an argument scikit-image no longer accepts (replaced by channel_axis)")
+    "an argument scikit-image no longer accepts (replaced by channel_axis)",
+)
 _NO_FLOAT_ = pytest.mark.xfail(
-    strict=True, raises=AttributeError,
-    reason="imagecorruptions 1.1.2 plasma_fractal uses np.float_, removed in NumPy 2.0")
+    strict=True,
+    raises=AttributeError,
+    reason="imagecorruptions 1.1.2 plasma_fractal uses np.float_, removed in NumPy 2.0",
+)
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +106,17 @@ def _ours(x: torch.Tensor, name: str, severity: int) -> np.ndarray:
     return np.floor(y.permute(0, 2, 3, 1).numpy() * 255 + 1e-6)
 
 
-@pytest.mark.parametrize("name", ["contrast", "brightness", "saturate", "defocus_blur", "zoom_blur",
-                                  pytest.param("gaussian_blur", marks=_NO_MULTICHANNEL)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "contrast",
+        "brightness",
+        "saturate",
+        "defocus_blur",
+        "zoom_blur",
+        pytest.param("gaussian_blur", marks=_NO_MULTICHANNEL),
+    ],
+)
 @pytest.mark.parametrize("severity", [1, 3, 5])
 def test_deterministic_corruptions_match_pixel_for_pixel(ic, images, name, severity):
     diff = np.abs(_ours(images, name, severity) - _theirs(ic, images, name, severity))
@@ -116,10 +129,19 @@ def test_jpeg_matches_pil_within_a_level_on_average(ic, images, severity):
     assert diff.mean() < 1.0
 
 
-@pytest.mark.parametrize("name", ["gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise", "motion_blur",
-                                  "snow",
-                                  pytest.param("glass_blur", marks=_NO_MULTICHANNEL),
-                                  pytest.param("fog", marks=_NO_FLOAT_)])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gaussian_noise",
+        "shot_noise",
+        "impulse_noise",
+        "speckle_noise",
+        "motion_blur",
+        "snow",
+        pytest.param("glass_blur", marks=_NO_MULTICHANNEL),
+        pytest.param("fog", marks=_NO_FLOAT_),
+    ],
+)
 @pytest.mark.parametrize("severity", [1, 3, 5])
 def test_random_corruptions_move_images_as_far_as_imagecorruptions(ic, images, name, severity):
     clean = images.permute(0, 2, 3, 1).numpy().astype(np.float64)

@@ -247,8 +247,9 @@ def test_canny_matches_skimage_on_digits(mnist_dir):
 
     x = load("mnist", "test", root=mnist_dir).images[:16].double() / 255
     ours = _ops.canny(x, 1.0, 0.1, 0.2)
-    ref = np.stack([feature.canny(x[n, 0].numpy(), sigma=1.0, low_threshold=0.1, high_threshold=0.2)
-                    for n in range(16)])
+    ref = np.stack(
+        [feature.canny(x[n, 0].numpy(), sigma=1.0, low_threshold=0.1, high_threshold=0.2) for n in range(16)]
+    )
     agree = (ours[:, 0].numpy() == ref).mean()
     assert agree > 0.99, agree
 

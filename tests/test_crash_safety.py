@@ -173,8 +173,9 @@ def reference(worker, tmp_path_factory):
 
 
 def launch(worker, mode: str, ckpt: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(worker[0]), mode, str(ckpt)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(worker[0]), mode, str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def run_to_death(worker, mode: str, ckpt: Path) -> None:
@@ -240,8 +241,12 @@ def test_kill_between_checkpoint_temp_file_and_rename_leaves_the_previous_one(wo
     assert checkpoint_epochs(ckpt) == [1]
     assert load_latest_checkpoint(ckpt)["epoch"] == 1
     assert_resumes_identically(worker, reference, ckpt)
-    record(group="checkpoint-write kill (SIGKILL)", case="temp file written, before rename", n=1,
-           outcome="previous checkpoint used, identical")
+    record(
+        group="checkpoint-write kill (SIGKILL)",
+        case="temp file written, before rename",
+        n=1,
+        outcome="previous checkpoint used, identical",
+    )
 
 
 def test_kill_between_checkpoint_and_its_checksum_skips_the_unverified_file(worker, reference, tmp_path, one_thread):
@@ -254,8 +259,12 @@ def test_kill_between_checkpoint_and_its_checksum_skips_the_unverified_file(work
     with pytest.warns(RuntimeWarning, match="epoch-0002.pt"):
         assert load_latest_checkpoint(ckpt)["epoch"] == 1
     assert_resumes_identically(worker, reference, ckpt)
-    record(group="checkpoint-write kill (SIGKILL)", case="checkpoint renamed, checksum not yet", n=1,
-           outcome="unverified file skipped with a warning, identical")
+    record(
+        group="checkpoint-write kill (SIGKILL)",
+        case="checkpoint renamed, checksum not yet",
+        n=1,
+        outcome="unverified file skipped with a warning, identical",
+    )
 
 
 def test_kill_at_random_moments_after_the_first_checkpoint(worker, reference, tmp_path, one_thread):
@@ -277,8 +286,12 @@ def test_kill_at_random_moments_after_the_first_checkpoint(worker, reference, tm
         assert state is not None
         killed_after.append(int(state["epoch"]))
         assert_resumes_identically(worker, reference, ckpt)
-    record(group="training kill (SIGKILL)", case="random moment after checkpoint 1", n=len(killed_after),
-           outcome=f"resumed, identical (last good epochs {killed_after})")
+    record(
+        group="training kill (SIGKILL)",
+        case="random moment after checkpoint 1",
+        n=len(killed_after),
+        outcome=f"resumed, identical (last good epochs {killed_after})",
+    )
 
 
 # ------------------------------------------------------------------------------------------ writer under random kills
@@ -331,8 +344,12 @@ def test_newest_checkpoint_is_always_loadable_under_random_kills(tmp_path):
         start = e + 1
     assert len(last_epochs) >= kills // 2, "the writer rarely got a checkpoint out: the test is not testing"
     assert last_epochs == sorted(last_epochs), "a later crash must never lose an earlier good checkpoint"
-    record(group="checkpoint-write kill (SIGKILL)", case="random moments in a save loop", n=kills,
-           outcome=f"newest verified checkpoint always loadable and exact ({fallbacks} fell back past a damaged one)")
+    record(
+        group="checkpoint-write kill (SIGKILL)",
+        case="random moments in a save loop",
+        n=kills,
+        outcome=f"newest verified checkpoint always loadable and exact ({fallbacks} fell back past a damaged one)",
+    )
 
 
 def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
@@ -354,8 +371,10 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, mo
         monkeypatch.setattr(sio.os, "fsync", full_disk)
         return real_write_text(path, text)
 
-    faults = {"data file": lambda: monkeypatch.setattr(sio.os, "fsync", full_disk),
-              "checksum file": lambda: monkeypatch.setattr(C, "atomic_write_text", checksum_hits_full_disk)}
+    faults = {
+        "data file": lambda: monkeypatch.setattr(sio.os, "fsync", full_disk),
+        "checksum file": lambda: monkeypatch.setattr(C, "atomic_write_text", checksum_hits_full_disk),
+    }
     for what, inject in faults.items():
         inject()
         with pytest.raises(OSError, match="No space left"):
@@ -367,8 +386,12 @@ def test_disk_full_during_a_checkpoint_write_keeps_the_previous_one(tmp_path, mo
             warnings.simplefilter("ignore", RuntimeWarning)  # the unverified epoch 2 is skipped
             state = load_latest_checkpoint(ckpt)
         assert state["epoch"] == 1 and torch.equal(state["w"], torch.ones(3)), what
-    record(group="disk full (ENOSPC)", case="while flushing a checkpoint / its checksum file", n=len(faults),
-           outcome="error raised, no temp file left, previous checkpoint still loaded")
+    record(
+        group="disk full (ENOSPC)",
+        case="while flushing a checkpoint / its checksum file",
+        n=len(faults),
+        outcome="error raised, no temp file left, previous checkpoint still loaded",
+    )
 
 
 # ------------------------------------------------------------------------------------------ evaluation grid
@@ -405,11 +428,20 @@ def _grid(tmp_path):
     from shiftguard.evaluation import ModelOutputs
 
     model = CountingModel()
-    kw = dict(models=[{"name": "m", "model": model, "outputs": ModelOutputs(model),
-                       "heads": ["softmax", "knn", "quantile"]}],
-              support=(x[:30], y[:30]), validation=(x[30:40], y[30:40]), test=(x[40:], y[40:]), shifted=shifted,
-              cells=[(c, s, "benchmark") for c in ("flip", "bright") for s in (1, 2)], num_classes=3,
-              cache_root=tmp_path / "cache", batch_size=10, k=3, retrieval_ks=(1,), progress=False)
+    kw = dict(
+        models=[{"name": "m", "model": model, "outputs": ModelOutputs(model), "heads": ["softmax", "knn", "quantile"]}],
+        support=(x[:30], y[:30]),
+        validation=(x[30:40], y[30:40]),
+        test=(x[40:], y[40:]),
+        shifted=shifted,
+        cells=[(c, s, "benchmark") for c in ("flip", "bright") for s in (1, 2)],
+        num_classes=3,
+        cache_root=tmp_path / "cache",
+        batch_size=10,
+        k=3,
+        retrieval_ks=(1,),
+        progress=False,
+    )
     return kw, calls, model
 
 
@@ -448,8 +480,12 @@ def test_finished_evaluation_cells_are_not_recomputed(tmp_path):
         if p.name in untouched:
             assert p.stat().st_mtime_ns == mtimes[p.name], f"{p.name} was rewritten"
     assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
-    record(group="evaluation resume", case="grid of 2 corruptions x 2 severities + clean: 2 cells missing, 1 damaged",
-           n=3, outcome="only the 3 affected cells recomputed; rows identical")
+    record(
+        group="evaluation resume",
+        case="grid of 2 corruptions x 2 severities + clean: 2 cells missing, 1 damaged",
+        n=3,
+        outcome="only the 3 affected cells recomputed; rows identical",
+    )
 
 
 # ------------------------------------------------------------------------------------------ run directories
@@ -493,8 +529,12 @@ def test_report_refuses_every_half_written_run_directory(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and str(d) in err, (name, err)
         assert sorted(p.relative_to(d) for p in d.rglob("*")) == before, f"{name}: report wrote files"
-    record(group="half-written run directory", case="kill stages of `shiftguard run` (6 states)", n=len(runs),
-           outcome="`shiftguard report` exits 2 naming the directory, writes nothing")
+    record(
+        group="half-written run directory",
+        case="kill stages of `shiftguard run` (6 states)",
+        n=len(runs),
+        outcome="`shiftguard report` exits 2 naming the directory, writes nothing",
+    )
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -522,7 +562,7 @@ heads = ["softmax", "knn", "quantile"]
 model_kwargs = { hidden = [32, 16] }
 """
 
-CLI_DRIVER = r'''
+CLI_DRIVER = r"""
 import os, signal, sys
 mode = sys.argv[1]
 def die():
@@ -553,7 +593,7 @@ elif mode == "evaluation":             # die when the first corrupted cell is ab
     E.OutputCache.get_or_compute = get_or_compute
 from shiftguard.cli import main
 sys.exit(main(sys.argv[2:]))
-'''
+"""
 
 
 def test_killed_cli_run_is_refused_by_report_and_resumes_to_identical_results(tmp_path, capsys, one_thread):
@@ -574,8 +614,13 @@ def test_killed_cli_run_is_refused_by_report_and_resumes_to_identical_results(tm
     run_dir = out / "tiny"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for mode, extra in (("training", []), ("model-write", ["--resume"]), ("evaluation", ["--resume"])):
-        proc = subprocess.run([sys.executable, str(driver), mode, *base, "--out", str(out), *extra],
-                              capture_output=True, text=True, timeout=600, env=env)
+        proc = subprocess.run(
+            [sys.executable, str(driver), mode, *base, "--out", str(out), *extra],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env=env,
+        )
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
         assert not (run_dir / "COMPLETE").exists()
         assert cli(["report", str(run_dir)]) == 2
@@ -592,9 +637,12 @@ def test_killed_cli_run_is_refused_by_report_and_resumes_to_identical_results(tm
     for name, mtime in done_before.items():
         assert (cache / name).stat().st_mtime_ns == mtime, f"finished cell {name} was recomputed"
     assert cli(["report", str(run_dir)]) == 0
-    record(group="`shiftguard run` kill (SIGKILL)",
-           case="mid-training, then writing model.pt, then mid-evaluation", n=3,
-           outcome="report refused each half-written state; resumed results identical; finished cells not recomputed")
+    record(
+        group="`shiftguard run` kill (SIGKILL)",
+        case="mid-training, then writing model.pt, then mid-evaluation",
+        n=3,
+        outcome="report refused each half-written state; resumed results identical; finished cells not recomputed",
+    )
 
 
 # ------------------------------------------------------------------------------------------ every write is atomic
@@ -619,8 +667,12 @@ def test_library_writes_files_only_through_the_atomic_writers():
             where = f"{path.relative_to(src)}:{node.lineno}"
             if name in ("write_text", "write_bytes"):
                 offenders.append(f"{where} {name}()")
-            elif name in ("open", "fdopen") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
-                    and any(m in str(node.args[1].value) for m in "wax+"):
+            elif (
+                name in ("open", "fdopen")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and any(m in str(node.args[1].value) for m in "wax+")
+            ):
                 offenders.append(f"{where} open(..., {node.args[1].value!r})")
             elif name in ("save", "savefig", "savez", "savez_compressed", "tofile") and node.args:
                 is_torch = isinstance(f, ast.Attribute) and getattr(f.value, "id", "") == "torch"
@@ -632,5 +684,9 @@ def test_library_writes_files_only_through_the_atomic_writers():
                 if not (isinstance(target, ast.Name) and target.id in ("buf", "fh")):
                     offenders.append(f"{where} {name}({ast.unparse(target)})")
     assert not offenders, "non-atomic writes:\n" + "\n".join(offenders)
-    record(group="atomic writes", case="static audit of every module in src/shiftguard",
-           n=len(list(src.rglob('*.py'))), outcome="every file write goes through shiftguard.io.atomic_write*")
+    record(
+        group="atomic writes",
+        case="static audit of every module in src/shiftguard",
+        n=len(list(src.rglob("*.py"))),
+        outcome="every file write goes through shiftguard.io.atomic_write*",
+    )

@@ -47,8 +47,7 @@ from shiftguard.models import MLP
 from shiftguard.nn import QACTBlock, QuantileActivation
 from shiftguard.uncertainty import ESTIMATOR_NAMES, build_estimator
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 
 
 def test_qact_forward_on_cuda_equals_the_cpu_reference():
@@ -91,8 +90,15 @@ def test_qact_block_trains_under_autocast(dtype):
 
 def test_evaluate_on_cuda_matches_cpu():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
-                        nn.Linear(128, 16), nn.ReLU(), nn.Linear(16, 3))
+    net = nn.Sequential(
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(128, 16),
+        nn.ReLU(),
+        nn.Linear(16, 3),
+    )
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (120, 1, 28, 28), generator=g, dtype=torch.uint8)
     y = torch.arange(120) % 3
@@ -123,12 +129,19 @@ def _on_device(t: torch.Tensor) -> bool:
 
 # ------------------------------------------------------------------------------------ adversarial shift
 
+
 def _small_cnn():
     # Strided convolutions instead of pooling: the CUDA backward of adaptive pooling accumulates with
     # atomics, which would make two identical attacks differ in the last bits.
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2, padding=1),
-                         nn.ReLU(), nn.Flatten(), nn.Linear(8 * 7 * 7, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 7 * 7, 3),
+    )
 
 
 def _float_pixels(n=64, seed=0):
@@ -213,23 +226,37 @@ def test_pgd_random_start_is_the_same_on_both_devices():
 def test_evaluate_with_attacks_on_cuda_matches_cpu():
     x, y = band_data(120)
     net = trained_band_mlp(x, y)
-    kw = dict(support=(x, y), corruptions=["fog"], severities=[3], heads=["softmax", "knn"], k=3, n_boot=10,
-              attacks=["fgsm", "pgd-l2"], attack_eps=[0.05, 0.3], attack_steps=5)
+    kw = dict(
+        support=(x, y),
+        corruptions=["fog"],
+        severities=[3],
+        heads=["softmax", "knn"],
+        k=3,
+        n_boot=10,
+        attacks=["fgsm", "pgd-l2"],
+        attack_eps=[0.05, 0.3],
+        attack_steps=5,
+    )
     cpu = shiftguard.evaluate(net, (x, y), **kw)
     gpu = shiftguard.evaluate(copy.deepcopy(net), (x, y), device=CUDA, **kw)
     assert len(cpu.rows) == len(gpu.rows)
     adversarial = [r for r in gpu.rows if r["group"] == "adversarial"]
     assert len(adversarial) == 2 * 2 * 2  # attacks x budgets x heads
     for a, b in zip(cpu.rows, gpu.rows):
-        assert (a["head"], a["corruption"], a["severity"], a["group"]) == (b["head"], b["corruption"],
-                                                                           b["severity"], b["group"])
+        assert (a["head"], a["corruption"], a["severity"], a["group"]) == (
+            b["head"],
+            b["corruption"],
+            b["severity"],
+            b["group"],
+        )
         # each (model, head) is attacked white-box on its device: a couple of images may flip
         assert a["accuracy"] == pytest.approx(b["accuracy"], abs=3 / 120)
         if a["group"] != "adversarial":  # the same images on both devices
             assert a["nll"] == pytest.approx(b["nll"], rel=1e-3, abs=1e-4)
     clean = next(r for r in gpu.rows if r["corruption"] == "clean" and r["head"] == "softmax")
-    strong = next(r for r in adversarial if r["corruption"] == "fgsm-linf" and r["severity"] == 2
-                  and r["head"] == "softmax")
+    strong = next(
+        r for r in adversarial if r["corruption"] == "fgsm-linf" and r["severity"] == 2 and r["head"] == "softmax"
+    )
     assert strong["accuracy"] < clean["accuracy"]  # the attack works on the device
 
 
@@ -307,8 +334,13 @@ def test_estimator_on_cuda_equals_cpu(name):
         loss = est.training_loss(xd, yd)
         loss.backward()
         grads = {n: p.grad.detach().cpu() for n, p in est.named_parameters() if p.grad is not None}
-        res[side] = dict(log_probs=log_probs.cpu(), unc={k: v.cpu() for k, v in unc.items()}, loss=loss.detach().cpu(),
-                        grads=grads, sigma=est.posterior_covariance().cpu() if name == "sngp" else None)
+        res[side] = dict(
+            log_probs=log_probs.cpu(),
+            unc={k: v.cpu() for k, v in unc.items()},
+            loss=loss.detach().cpu(),
+            grads=grads,
+            sigma=est.posterior_covariance().cpu() if name == "sngp" else None,
+        )
     cpu, gpu = res["cpu"], res["gpu"]
     assert gpu["log_probs"].shape == (24, 3)
     torch.testing.assert_close(gpu["log_probs"].exp().sum(1), torch.ones(24), rtol=0, atol=1e-5)
@@ -330,6 +362,7 @@ def test_estimator_on_cuda_equals_cpu(name):
 
 
 # ------------------------------------------------------------------- contrastive and hierarchy losses
+
 
 def _tightness():
     loss = TightnessLoss(4, 16, base=SPCELoss(4, 16), stop_gradient=False)
@@ -368,9 +401,12 @@ def test_new_losses_on_cuda_equal_cpu_with_a_finite_backward(name):
         z = emb.to(dev).detach().clone().requires_grad_(True)
         value = loss_fn(z, labels.to(dev))
         value.backward()
-        res[side] = dict(value=value.detach().cpu(), grad=z.grad.cpu(),
-                        params={n: p.grad.cpu() for n, p in loss_fn.named_parameters() if p.grad is not None},
-                        state={k: v.detach().cpu() for k, v in loss_fn.state_dict().items()})
+        res[side] = dict(
+            value=value.detach().cpu(),
+            grad=z.grad.cpu(),
+            params={n: p.grad.cpu() for n, p in loss_fn.named_parameters() if p.grad is not None},
+            state={k: v.detach().cpu() for k, v in loss_fn.state_dict().items()},
+        )
     cpu, gpu = res["cpu"], res["gpu"]
     assert gpu["value"].shape == () and bool(torch.isfinite(gpu["value"]))
     assert bool(torch.isfinite(gpu["grad"]).all())
@@ -398,8 +434,10 @@ def test_prototype_classifiers_and_ema_proxies_on_cuda_equal_cpu():
             "spce": SPCELoss(4, 16).to(dev).fit(ref.to(dev), ref_y.to(dev)).posterior(query.to(dev)),
             "tightness": _tightness().to(dev).posterior(query.to(dev)),
             "esupcon": ESupConLoss(4, 16).to(dev).posterior(query.to(dev)),
-            "momentum": MomentumMeanClassifier(4, 16).to(dev).update(ref.to(dev), ref_y.to(dev))
-                        .posterior(query.to(dev)),
+            "momentum": MomentumMeanClassifier(4, 16)
+            .to(dev)
+            .update(ref.to(dev), ref_y.to(dev))
+            .posterior(query.to(dev)),
         }
         ema = EMAProxies(4, 16, alpha=0.1).to(dev)
         ema.update(ref.to(dev), ref_y.to(dev))
@@ -411,6 +449,7 @@ def test_prototype_classifiers_and_ema_proxies_on_cuda_equal_cpu():
 
 
 # ------------------------------------------------------------------------------------------ augmentation
+
 
 @pytest.mark.parametrize("hflip", [False, True], ids=["crop-jitter", "crop-flip-jitter"])
 def test_augment_of_cuda_images_with_a_cpu_generator_equals_the_cpu_result(hflip):

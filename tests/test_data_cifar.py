@@ -54,8 +54,13 @@ def write_cifar100(root, n=6):
         b = _batch(n, seed, b"fine_labels", 100, {b"coarse_labels": [int(x) for x in rng.integers(0, 20, n)]})
         _dump(d / split, b)
         out[split] = b
-    _dump(d / "meta", {b"fine_label_names": [c.encode() for c in CIFAR100_CLASSES],
-                       b"coarse_label_names": [c.encode() for c in CIFAR100_COARSE_CLASSES]})
+    _dump(
+        d / "meta",
+        {
+            b"fine_label_names": [c.encode() for c in CIFAR100_CLASSES],
+            b"coarse_label_names": [c.encode() for c in CIFAR100_COARSE_CLASSES],
+        },
+    )
     return d, out
 
 
@@ -73,15 +78,49 @@ def _py2_int(v: int) -> bytes:
 def py2_cifar_pickle(data: np.ndarray, labels: list[int]) -> bytes:
     """Protocol-2 opcodes as Python 2's cPickle wrote the CIFAR batches (numpy.core path, str keys)."""
     n = data.shape[0]
-    dtype = (b"cnumpy\ndtype\n" + _py2_str(b"u1") + _py2_int(0) + _py2_int(1) + b"\x87R"
-             + b"(" + _py2_int(3) + _py2_str(b"|") + b"NNN" + _py2_int(-1) + _py2_int(-1) + _py2_int(0) + b"tb")
-    array = (b"cnumpy.core.multiarray\n_reconstruct\n" + b"cnumpy\nndarray\n" + _py2_int(0) + b"\x85"
-             + _py2_str(b"b") + b"\x87R"
-             + b"(" + _py2_int(1) + _py2_int(n) + b"M\x00\x0c" + b"\x86" + dtype + b"\x89"
-             + _py2_str(data.tobytes()) + b"tb")
+    dtype = (
+        b"cnumpy\ndtype\n"
+        + _py2_str(b"u1")
+        + _py2_int(0)
+        + _py2_int(1)
+        + b"\x87R"
+        + b"("
+        + _py2_int(3)
+        + _py2_str(b"|")
+        + b"NNN"
+        + _py2_int(-1)
+        + _py2_int(-1)
+        + _py2_int(0)
+        + b"tb"
+    )
+    array = (
+        b"cnumpy.core.multiarray\n_reconstruct\n"
+        + b"cnumpy\nndarray\n"
+        + _py2_int(0)
+        + b"\x85"
+        + _py2_str(b"b")
+        + b"\x87R"
+        + b"("
+        + _py2_int(1)
+        + _py2_int(n)
+        + b"M\x00\x0c"
+        + b"\x86"
+        + dtype
+        + b"\x89"
+        + _py2_str(data.tobytes())
+        + b"tb"
+    )
     labels_op = b"]" + b"(" + b"".join(_py2_int(v) for v in labels) + b"e"
-    return (b"\x80\x02}(" + _py2_str(b"data") + array + _py2_str(b"labels") + labels_op
-            + _py2_str(b"batch_label") + _py2_str(b"testing batch 1 of 1") + b"u.")
+    return (
+        b"\x80\x02}("
+        + _py2_str(b"data")
+        + array
+        + _py2_str(b"labels")
+        + labels_op
+        + _py2_str(b"batch_label")
+        + _py2_str(b"testing batch 1 of 1")
+        + b"u."
+    )
 
 
 # -- tests ----------------------------------------------------------------------------------------

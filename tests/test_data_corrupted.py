@@ -29,7 +29,7 @@ def test_cifar10_c_severity_selects_its_block_and_transposes_to_nchw(tmp_path):
     arrays, labels = write_cifar_c(tmp_path)
     for s in (1, 3, 5):
         ds = load("cifar10-c", "test", root=tmp_path, corruption="fog", severity=s)
-        want = arrays["fog"][(s - 1) * N: s * N]  # rows [(s-1)n, sn)
+        want = arrays["fog"][(s - 1) * N : s * N]  # rows [(s-1)n, sn)
         assert ds.images.shape == (N, 3, 32, 32) and ds.images.dtype == torch.uint8
         assert ds.images.is_contiguous()
         assert np.array_equal(ds.images.numpy(), want.transpose(0, 3, 1, 2))

@@ -55,8 +55,11 @@ def test_checksum_mismatch_names_the_file_and_leaves_nothing(tmp_path, monkeypat
     bad = (Resource(good[0].filename, good[0].urls, "0" * 32),) + good[1:]
     monkeypatch.setitem(dl.RESOURCES, "mnist", bad)
     dest = tmp_path / "data"
-    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte\.gz: checksum mismatch "
-                                         r".* expected the published 0{32}"):
+    with pytest.raises(
+        ValueError,
+        match=r"t10k-images-idx3-ubyte\.gz: checksum mismatch "
+        r".* expected the published 0{32}",
+    ):
         load("mnist", "test", root=dest, download=True)
     assert [p.name for p in dest.iterdir()] == []  # no partial or temporary file left behind
 
@@ -96,6 +99,7 @@ def _cifar_tarball(path):
     rng = np.random.default_rng(0)
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+
         def add(name, obj):
             data = pickle.dumps(obj, protocol=2)
             info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
@@ -103,8 +107,15 @@ def _cifar_tarball(path):
             tf.addfile(info, io.BytesIO(data))
 
         for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            add(name, {b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8), b"labels": [3, 4],
-                       b"batch_label": b"b", b"filenames": [b"a", b"b"]})
+            add(
+                name,
+                {
+                    b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8),
+                    b"labels": [3, 4],
+                    b"batch_label": b"b",
+                    b"filenames": [b"a", b"b"],
+                },
+            )
         add("batches.meta", {b"label_names": [f"c{i}".encode() for i in range(10)]})
     path.write_bytes(buf.getvalue())
     return buf.getvalue()
@@ -113,8 +124,9 @@ def _cifar_tarball(path):
 def test_cifar_archive_is_downloaded_and_extracted(tmp_path, monkeypatch):
     tarball = tmp_path / "cifar-10-python.tar.gz"
     data = _cifar_tarball(tarball)
-    monkeypatch.setitem(dl.RESOURCES, "cifar10",
-                        (Resource("cifar-10-python.tar.gz", (tarball.as_uri(),), _md5(data), extract=True),))
+    monkeypatch.setitem(
+        dl.RESOURCES, "cifar10", (Resource("cifar-10-python.tar.gz", (tarball.as_uri(),), _md5(data), extract=True),)
+    )
     ds = load("cifar10", "train", root=tmp_path / "data", download=True)
     assert len(ds) == 10 and ds.labels.tolist() == [3, 4] * 5
     assert (tmp_path / "data" / "cifar-10-batches-py" / "test_batch").is_file()

@@ -42,8 +42,12 @@ def _cifar(folder):
     d = folder / "cifar-10-batches-py"
     d.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    batch = {b"data": rng.integers(0, 256, (5, 3072), dtype=np.uint8), b"labels": [1, 2, 3, 4, 5],
-             b"batch_label": b"t", b"filenames": [b"a"] * 5}
+    batch = {
+        b"data": rng.integers(0, 256, (5, 3072), dtype=np.uint8),
+        b"labels": [1, 2, 3, 4, 5],
+        b"batch_label": b"t",
+        b"filenames": [b"a"] * 5,
+    }
     for name in ["test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]:
         (d / name).write_bytes(pickle.dumps(batch, protocol=2))
     (d / "batches.meta").write_bytes(pickle.dumps({b"label_names": [b"x"] * 10}, protocol=2))

@@ -32,8 +32,13 @@ from shiftguard.data import load
 from shiftguard.data.cifar import safe_unpickle
 from shiftguard.data.idx import encode_idx, parse_idx, read_idx
 
-_COMMON = dict(deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate),
-               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+_COMMON = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 FEW = settings(max_examples=15, **_COMMON)
 
 MiB = 1 << 20
@@ -87,8 +92,18 @@ def _array(shape: tuple[int, ...], payload: bytes | None, dtype: bytes | None = 
 
 
 def batch_pickle(data_ops: bytes, labels: list[int]) -> bytes:
-    return (b"\x80\x02}(" + _s(b"data") + data_ops + _s(b"labels") + b"](" + b"".join(_i(v) for v in labels)
-            + b"e" + _s(b"batch_label") + _s(b"testing batch 1 of 1") + b"u.")
+    return (
+        b"\x80\x02}("
+        + _s(b"data")
+        + data_ops
+        + _s(b"labels")
+        + b"]("
+        + b"".join(_i(v) for v in labels)
+        + b"e"
+        + _s(b"batch_label")
+        + _s(b"testing batch 1 of 1")
+        + b"u."
+    )
 
 
 def write_cifar10(root, test_batch: bytes):
@@ -132,8 +147,10 @@ def test_tiny_batch_claiming_many_images_is_refused(tmp_path):
     d = write_cifar10(tmp_path, batch_pickle(_array((300_000, 3072), bytes(3072)), [0]))
     out, peak = peak_bytes(lambda: load("cifar10", "test", root=tmp_path))
     assert isinstance(out, ValueError), out
-    assert str(out).startswith(f"{d / 'test_batch'}: refused array: array declares uint8 (300000, 3072) "
-                               f"(921600000 bytes) but the pickle holds 3072 bytes")
+    assert str(out).startswith(
+        f"{d / 'test_batch'}: refused array: array declares uint8 (300000, 3072) "
+        f"(921600000 bytes) but the pickle holds 3072 bytes"
+    )
     assert peak < 8 * MiB
 
 
@@ -171,8 +188,9 @@ HOSTILE_DTYPES = {
     "float": _dtype(b"f8"),
     "u1 with a changed item size": _dtype(b"u1", _tuple([_i(3), _s(b"|"), b"NNN", _i(1 << 30), _i(1), _i(0)])),
     "u1 with object flags": _dtype(b"u1", _tuple([_i(3), _s(b"|"), b"NNN", _i(-1), _i(-1), _i(63)])),
-    "u1 with fields": _dtype(b"u1", _tuple([_i(3), _s(b"|"), b"N", b"(" + _s(b"a") + b"t", b"N", _i(-1), _i(-1),
-                                            _i(0)])),
+    "u1 with fields": _dtype(
+        b"u1", _tuple([_i(3), _s(b"|"), b"N", b"(" + _s(b"a") + b"t", b"N", _i(-1), _i(-1), _i(0)])
+    ),
     "u1 without its state": _dtype(b"u1", None),
 }
 
@@ -200,8 +218,9 @@ def test_numpy_scalars_are_not_on_the_allow_list(tmp_path):
     protocol=st.integers(2, 5),
     fortran=st.booleans(),
 )
-def test_python3_pickles_of_integer_arrays_round_trip_as_plain_writable_arrays(tmp_path_factory, dtype, shape,
-                                                                                 protocol, fortran):
+def test_python3_pickles_of_integer_arrays_round_trip_as_plain_writable_arrays(
+    tmp_path_factory, dtype, shape, protocol, fortran
+):
     arr = np.arange(int(np.prod(shape)), dtype=dtype).reshape(shape, order="F" if fortran else "C")
     if protocol < 3 and arr.size == 0:  # empty bytes pickle as __builtin__.bytes() below protocol 3
         return
@@ -236,8 +255,9 @@ def test_bomb_with_a_valid_header_fails_fast_without_decompressing_the_rest(tmp_
     out, peak = peak_bytes(lambda: read_idx(p, expect_magic=0x00000803))
     elapsed = time.perf_counter() - start
     assert isinstance(out, ValueError), out
-    assert str(out) == (f"{p}: has trailing bytes: header declares shape (10000, 28, 28) "
-                        f"(7840016 bytes in all), file holds more")
+    assert str(out) == (
+        f"{p}: has trailing bytes: header declares shape (10000, 28, 28) (7840016 bytes in all), file holds more"
+    )
     assert peak < 7_840_000 + 4 * MiB  # the declared images plus a chunk, never the 1 GiB
     assert elapsed < 3.0
 
@@ -263,8 +283,11 @@ def test_header_claiming_more_than_deflate_can_expand_is_refused_before_reading(
 def test_declared_size_above_max_bytes_is_refused_before_reading(tmp_path):
     p = tmp_path / "images.gz"
     p.write_bytes(gzip.compress(encode_idx(np.zeros((10, 28, 28), np.uint8))))
-    with pytest.raises(ValueError, match=r"images\.gz: header declares shape \(10, 28, 28\) \(7856 bytes in all\): "
-                                         r"more than max_bytes=7000"):
+    with pytest.raises(
+        ValueError,
+        match=r"images\.gz: header declares shape \(10, 28, 28\) \(7856 bytes in all\): "
+        r"more than max_bytes=7000",
+    ):
         read_idx(p, max_bytes=7000)
     assert read_idx(p, max_bytes=7840).shape == (10, 28, 28)
     with pytest.raises(ValueError, match=r"<bytes>: header declares .* more than max_bytes=100"):
@@ -296,7 +319,7 @@ def test_idx_reads_exactly_the_declared_size(tmp_path_factory, dtype, dims, extr
     raw = encode_idx(arr)
     if extra < 0 and len(raw) + extra <= len(_header(dims)):  # nothing of the payload to cut
         extra = 0
-    blob = raw[:len(raw) + extra] if extra < 0 else raw + b"\x01" * extra
+    blob = raw[: len(raw) + extra] if extra < 0 else raw + b"\x01" * extra
     p = tmp_path_factory.mktemp("idx") / ("f.gz" if gz else "f")
     p.write_bytes(gzip.compress(blob) if gz else blob)
     if extra == 0:
@@ -323,9 +346,12 @@ def _tarball(path, members: dict[str, bytes]):
 
 
 def _snapshot(root):
-    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else os.readlink(p)
-                                       if p.is_symlink() else None)
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): (
+            p.read_bytes() if p.is_file() and not p.is_symlink() else os.readlink(p) if p.is_symlink() else None
+        )
+        for p in sorted(root.rglob("*"))
+    }
 
 
 MEMBERS = {"cifar-10-batches-py/test_batch": b"batch", "cifar-10-batches-py/batches.meta": b"meta"}
@@ -391,8 +417,10 @@ def test_download_keeps_a_users_file_in_a_partial_folder(tmp_path, monkeypatch):
 
     rng = np.random.default_rng(0)
     batch = {b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8), b"labels": [3, 4]}
-    members = {f"cifar-10-batches-py/{n}": pickle.dumps(batch, 2) for n in
-               [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]}
+    members = {
+        f"cifar-10-batches-py/{n}": pickle.dumps(batch, 2)
+        for n in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+    }
     members["cifar-10-batches-py/batches.meta"] = pickle.dumps({b"label_names": [b"c"] * 10}, 2)
     tarball = _tarball(tmp_path / "cifar-10-python.tar.gz", members)
     md5 = hashlib.md5(tarball.read_bytes()).hexdigest()

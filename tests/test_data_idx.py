@@ -150,8 +150,11 @@ def test_wrong_magic_number_names_the_file(tmp_path):
     _tiny_mnist(tmp_path, gz=False)
     # a labels file where the images file should be
     shutil.copy(tmp_path / "t10k-labels-idx1-ubyte", tmp_path / "t10k-images-idx3-ubyte")
-    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte: wrong IDX magic number 0x00000801, "
-                                         r"expected 0x00000803"):
+    with pytest.raises(
+        ValueError,
+        match=r"t10k-images-idx3-ubyte: wrong IDX magic number 0x00000801, "
+        r"expected 0x00000803",
+    ):
         load("mnist", "test", root=tmp_path)
 
 

@@ -10,8 +10,18 @@ from shiftguard.data import describe, load, names
 from shiftguard.data.digits import digits_split_mask
 
 ALL = [
-    "mnist", "fashion-mnist", "mnist-embedded", "cifar10", "cifar100", "cifar10-c", "cifar100-c",
-    "mnist-c", "tinyimagenet", "tinyimagenet-c", "imagefolder", "digits",
+    "mnist",
+    "fashion-mnist",
+    "mnist-embedded",
+    "cifar10",
+    "cifar100",
+    "cifar10-c",
+    "cifar100-c",
+    "mnist-c",
+    "tinyimagenet",
+    "tinyimagenet-c",
+    "imagefolder",
+    "digits",
 ]
 
 
@@ -21,8 +31,11 @@ def test_every_documented_name_is_registered():
 
 
 def test_unknown_name_lists_the_valid_names():
-    with pytest.raises(ValueError, match=r"name: unknown dataset 'svhn'; expected one of cifar10, cifar10-c, "
-                                         r".*digits, fashion-mnist"):
+    with pytest.raises(
+        ValueError,
+        match=r"name: unknown dataset 'svhn'; expected one of cifar10, cifar10-c, "
+        r".*digits, fashion-mnist",
+    ):
         load("svhn")
 
 

@@ -31,9 +31,13 @@ def _one_thread():
 
 def _case(shape, sizes, seed, **layer):
     g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(*shape, generator=g, dtype=torch.float64),
-            "gout": torch.randn(*shape, generator=g, dtype=torch.float64),
-            "sizes": sizes, "seed": seed, "layer": {**LAYER, **layer}}
+    return {
+        "x": torch.randn(*shape, generator=g, dtype=torch.float64),
+        "gout": torch.randn(*shape, generator=g, dtype=torch.float64),
+        "sizes": sizes,
+        "seed": seed,
+        "layer": {**LAYER, **layer},
+    }
 
 
 def _reference(d):
@@ -56,19 +60,37 @@ def layer_results(tmp_path_factory):
         "exact_dense": _case((8, 5), [4, 4], 1),
         "exact_conv": _case((6, 3, 4, 4), [3, 3], 2),
         "exact_unequal": _case((7, 4, 3), [5, 2], 3),
-        "sampled": {f"hw{s}": _case((8, 3, s, s), [4, 4], 4, n_tau=100, n_samples=1000, sketch_size=256, exact_max=16)
-                    for s in (8, 16)},
+        "sampled": {
+            f"hw{s}": _case((8, 3, s, s), [4, 4], 4, n_tau=100, n_samples=1000, sketch_size=256, exact_max=16)
+            for s in (8, 16)
+        },
     }
     g = torch.Generator().manual_seed(5)
     torch.manual_seed(5)
-    inputs["multistage"] = {"state": W.TinyEmbedder().double().state_dict(), "sizes": [10, 10], "chunk": 4,
-                            "x": torch.randn(20, 6, generator=g, dtype=torch.float64),
-                            "y": torch.randint(0, 3, (20,), generator=g)}
+    inputs["multistage"] = {
+        "state": W.TinyEmbedder().double().state_dict(),
+        "sizes": [10, 10],
+        "chunk": 4,
+        "x": torch.randn(20, 6, generator=g, dtype=torch.float64),
+        "y": torch.randint(0, 3, (20,), generator=g),
+    }
     inputs["global_loss"] = {**inputs["multistage"], "sizes": [12, 8]}
-    inputs["tiny"] = {"x": torch.randint(0, 256, (64, 1, 4, 4), generator=g, dtype=torch.uint8),
-                      "y": torch.randint(0, 3, (64,), generator=g)}
-    scenarios = ["exact_dense", "exact_conv", "exact_unequal", "sampled", "eval_mode_is_local", "multistage",
-                 "global_batch_loss", "trainer_equivalence", "loader_shards", "trainer_multistage"]
+    inputs["tiny"] = {
+        "x": torch.randint(0, 256, (64, 1, 4, 4), generator=g, dtype=torch.uint8),
+        "y": torch.randint(0, 3, (64,), generator=g),
+    }
+    scenarios = [
+        "exact_dense",
+        "exact_conv",
+        "exact_unequal",
+        "sampled",
+        "eval_mode_is_local",
+        "multistage",
+        "global_batch_loss",
+        "trainer_equivalence",
+        "loader_shards",
+        "trainer_multistage",
+    ]
     W.spawn(scenarios, out, inputs)
     results = {n: [torch.load(out / f"{n}_rank{r}.pt", weights_only=False) for r in range(2)] for n in scenarios}
     return inputs, results
@@ -247,8 +269,10 @@ def test_sketch_context_keeps_exact_side_counts():
     assert sketch[0, 2:].tolist() == [0.0, 5.0]
 
 
-@pytest.mark.parametrize("kw, match", [({"sketch_size": 3}, "sketch_size"), ({"sketch_size": 0}, "sketch_size"),
-                                       ({"exact_max": 0}, "exact_max")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [({"sketch_size": 3}, "sketch_size"), ({"sketch_size": 0}, "sketch_size"), ({"exact_max": 0}, "exact_max")],
+)
 def test_sync_layer_rejects_bad_options(kw, match):
     with pytest.raises(ValueError, match=match):
         SyncQuantileActivation(**kw)
@@ -304,9 +328,16 @@ def training_results(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("ddp_train")
     train, test = load_default("train"), load_default("test")
-    d = {"x": train.images[:3000], "y": train.labels[:3000], "vx": train.images[3000:3500],
-         "vy": train.labels[3000:3500], "tx": test.images[:1000], "ty": test.labels[:1000],
-         "batch_size": 64, "activation": "qact"}
+    d = {
+        "x": train.images[:3000],
+        "y": train.labels[:3000],
+        "vx": train.images[3000:3500],
+        "vy": train.labels[3000:3500],
+        "tx": test.images[:1000],
+        "ty": test.labels[:1000],
+        "batch_size": 64,
+        "activation": "qact",
+    }
     W.spawn(["train_mlp"], out, {"train": d})
     results = [torch.load(out / f"train_mlp_rank{r}.pt", weights_only=False) for r in range(2)]
     torch.manual_seed(0)
@@ -388,9 +419,25 @@ def test_cli_nproc_2_trains_and_evaluates_with_two_processes_and_rank_zero_write
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_RUN)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "shiftguard", "run", "--config", str(cfg), "--nproc", "2",
-                           "--out", str(tmp_path / "runs"), "--no-progress"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shiftguard",
+            "run",
+            "--config",
+            str(cfg),
+            "--nproc",
+            "2",
+            "--out",
+            str(tmp_path / "runs"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "runs" / "ddp-tiny"
     assert (run / "COMPLETE").is_file() and (run / "results.json").is_file()
@@ -404,9 +451,24 @@ def test_cli_nproc_2_trains_and_evaluates_with_two_processes_and_rank_zero_write
     sharded = json.loads((run / "results.json").read_text())
     assert sharded["timings"]["evaluate_detail"]["processes"] == 2
     shutil.rmtree(run / "cache")
-    proc = subprocess.run([sys.executable, "-m", "shiftguard", "run", "--config", str(cfg), "--resume",
-                           "--out", str(tmp_path / "runs"), "--no-progress"],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shiftguard",
+            "run",
+            "--config",
+            str(cfg),
+            "--resume",
+            "--out",
+            str(tmp_path / "runs"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = json.loads((run / "results.json").read_text())
     assert single["timings"]["evaluate_detail"]["processes"] == 1
@@ -443,11 +505,20 @@ def _grid_inputs():
     x = (torch.rand(120, 1, 12, 12, generator=g) * 200).to(torch.uint8)
     x[y == 1, :, :6] += 50
     torch.manual_seed(0)
-    models = {"relu": build_model("mlp", activation="relu", num_classes=3, input_size=12, hidden=(16, 8)),
-              "qact": build_model("mlp", activation="qact", num_classes=3, input_size=12, hidden=(16, 8))}
-    return models, dict(test=(x[:60], y[:60]), support=(x[60:100], y[60:100]), validation=(x[100:], y[100:]),
-                        corruptions=["fog", "shot_noise"], severities=[2, 5], heads=GRID_HEADS, n_boot=50,
-                        batch_size=20)
+    models = {
+        "relu": build_model("mlp", activation="relu", num_classes=3, input_size=12, hidden=(16, 8)),
+        "qact": build_model("mlp", activation="qact", num_classes=3, input_size=12, hidden=(16, 8)),
+    }
+    return models, dict(
+        test=(x[:60], y[:60]),
+        support=(x[60:100], y[60:100]),
+        validation=(x[100:], y[100:]),
+        corruptions=["fog", "shot_noise"],
+        severities=[2, 5],
+        heads=GRID_HEADS,
+        n_boot=50,
+        batch_size=20,
+    )
 
 
 def _comparable(results: dict) -> dict:
@@ -488,9 +559,15 @@ def _sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:
             failure = None
         except Exception as exc:
             failure = f"{type(exc).__name__}: {exc}"
-        torch.save({"results": _comparable(res.results), "processes": res.results["timings"]["evaluate_detail"]
-                    ["processes"], "written": written, "failure": failure},
-                   Path(out_dir) / f"sharded_rank{rank}.pt")
+        torch.save(
+            {
+                "results": _comparable(res.results),
+                "processes": res.results["timings"]["evaluate_detail"]["processes"],
+                "written": written,
+                "failure": failure,
+            },
+            Path(out_dir) / f"sharded_rank{rank}.pt",
+        )
     except Exception:
         traceback.print_exc()
         raise
@@ -506,8 +583,7 @@ def sharded_results(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("sharded_eval")
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_sharded_worker, args=(2, find_free_port(), str(out)), nprocs=2, join=True,
-                       start_method=method)
+    mp.start_processes(_sharded_worker, args=(2, find_free_port(), str(out)), nprocs=2, join=True, start_method=method)
     return out, [torch.load(out / f"sharded_rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -539,8 +615,9 @@ def test_sharded_evaluation_writes_each_cached_output_once(sharded_results):
 def test_a_failure_on_one_process_is_raised_on_every_process(sharded_results):
     _, results = sharded_results
     assert results[1]["failure"].startswith("ZeroDivisionError")
-    assert results[0]["failure"] == ("RuntimeError: the probe: process 1 of 2 failed: ZeroDivisionError: "
-                                     "integer division or modulo by zero")
+    assert results[0]["failure"] == (
+        "RuntimeError: the probe: process 1 of 2 failed: ZeroDivisionError: integer division or modulo by zero"
+    )
 
 
 def test_grid_shards_give_every_job_and_unit_to_exactly_one_process():
@@ -555,8 +632,10 @@ def test_grid_shards_give_every_job_and_unit_to_exactly_one_process():
         assert max(sizes) - min(sizes) <= 1
 
 
-@pytest.mark.parametrize("kw, match", [({"n": -1}, "^n:"), ({"rank": 2}, "^rank:"), ({"world_size": 0}, "^world_size:"),
-                                       ({"rank": True}, "^rank:")])
+@pytest.mark.parametrize(
+    "kw, match",
+    [({"n": -1}, "^n:"), ({"rank": 2}, "^rank:"), ({"world_size": 0}, "^world_size:"), ({"rank": True}, "^rank:")],
+)
 def test_shard_range_rejects_bad_arguments_naming_them(kw, match):
     from shiftguard.train.distributed import shard_range
 
@@ -592,7 +671,20 @@ def test_no_process_reaches_the_grid_before_the_cache_fingerprints_are_written(t
     monkeypatch.setattr(D, "is_main_process", lambda: True)
     x, y = torch.rand(6, 1, 4, 4), torch.arange(6) % 3
     entry = {"name": "m", "model": model, "outputs": ModelOutputs(model)}
-    E._check_cache(tmp_path, [entry], test=(x, y), support=None, validation=None, calibration=None, preprocess=None,
-                   batch_size=4, output="logits", embed=None, source="engine", seed=0, distributed=True,
-                   device=torch.device("cpu"))
+    E._check_cache(
+        tmp_path,
+        [entry],
+        test=(x, y),
+        support=None,
+        validation=None,
+        calibration=None,
+        preprocess=None,
+        batch_size=4,
+        output="logits",
+        embed=None,
+        source="engine",
+        seed=0,
+        distributed=True,
+        device=torch.device("cpu"),
+    )
     assert seen == [True]

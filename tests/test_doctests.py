@@ -25,9 +25,7 @@ def _module_name(path: Path) -> str:
 
 #: Every module with an example in its source, by dotted name.
 MODULES_WITH_EXAMPLES = sorted(
-    _module_name(path)
-    for path in (SRC / "shiftguard").rglob("*.py")
-    if ">>>" in path.read_text(encoding="utf-8")
+    _module_name(path) for path in (SRC / "shiftguard").rglob("*.py") if ">>>" in path.read_text(encoding="utf-8")
 )
 
 #: Public entry points whose docstring must hold at least one example that runs (not all skipped).

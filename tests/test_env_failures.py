@@ -28,9 +28,14 @@ from shiftguard.cli import main as cli
 from shiftguard.io import atomic_write, atomic_write_json
 from shiftguard.train.checkpoint import checksum_problem
 
-FEW = settings(max_examples=12, deadline=None, derandomize=True, database=None,
-               phases=(Phase.explicit, Phase.generate), suppress_health_check=[HealthCheck.too_slow,
-                                                                             HealthCheck.function_scoped_fixture])
+FEW = settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 ENOSPC_TEXT = os.strerror(errno.ENOSPC)
 
 
@@ -67,7 +72,7 @@ def fill_disk(monkeypatch, hits, room: int = 0) -> list[Path]:
         tmp = temps.pop(fd, None)
         if tmp is None:
             return fh
-        target = tmp.parent / tmp.name[1:-len(".tmp")].rsplit(".", 1)[0]  # ".<name>.<random>.tmp"
+        target = tmp.parent / tmp.name[1 : -len(".tmp")].rsplit(".", 1)[0]  # ".<name>.<random>.tmp"
         if not hits(target):
             return fh
         failed.append(target)
@@ -93,8 +98,11 @@ def test_a_full_disk_during_any_write_raises_enospc_naming_the_target_and_keeps_
         atomic_write_json(target, {"old": True})
         failed = fill_disk(mp, lambda t: t == target, room)
         payload = {"w": torch.arange(500.0)}
-        write = (lambda: atomic_write(target, lambda fh: torch.save(payload, fh))) if kind == "torch" else \
-            (lambda: atomic_write_json(target, {"w": payload["w"].tolist()}))
+        write = (
+            (lambda: atomic_write(target, lambda fh: torch.save(payload, fh)))
+            if kind == "torch"
+            else (lambda: atomic_write_json(target, {"w": payload["w"].tolist()}))
+        )
         try:
             write()
         except OSError as exc:  # torch.save's own "unexpected pos" RuntimeError must not be what surfaces
@@ -133,14 +141,24 @@ def failing_command(monkeypatch):
     def use(exc):
         def main(args):
             raise exc
+
         monkeypatch.setattr(G, "main", main)
         return ["gallery", "--out", "x.png"]
+
     return use
 
 
-@pytest.mark.parametrize("code, cause", [(errno.ENOSPC, "disk full"), (errno.EDQUOT, "quota"),
-                                         (errno.EROFS, "read-only"), (errno.EACCES, "permission"),
-                                         (errno.ENOTDIR, "file in the way"), (errno.EISDIR, "folder in the way")])
+@pytest.mark.parametrize(
+    "code, cause",
+    [
+        (errno.ENOSPC, "disk full"),
+        (errno.EDQUOT, "quota"),
+        (errno.EROFS, "read-only"),
+        (errno.EACCES, "permission"),
+        (errno.ENOTDIR, "file in the way"),
+        (errno.EISDIR, "folder in the way"),
+    ],
+)
 def test_environment_oserrors_are_one_line_naming_file_and_cause(failing_command, capsys, code, cause):
     argv = failing_command(OSError(code, os.strerror(code), "/data/out/results.json"))
     assert cli(argv) == 2, cause
@@ -149,8 +167,14 @@ def test_environment_oserrors_are_one_line_naming_file_and_cause(failing_command
     assert ("free space" in line) == (code in (errno.ENOSPC, errno.EDQUOT))
 
 
-@pytest.mark.parametrize("exc", [OSError(errno.EBADF, "Bad file descriptor"), RuntimeError("a bug"),
-                                 RecursionError("maximum recursion depth exceeded")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        OSError(errno.EBADF, "Bad file descriptor"),
+        RuntimeError("a bug"),
+        RecursionError("maximum recursion depth exceeded"),
+    ],
+)
 def test_errors_that_point_at_a_bug_keep_their_traceback(failing_command, exc):
     with pytest.raises(type(exc)):
         cli(failing_command(exc))
@@ -196,8 +220,9 @@ def reference(tmp_path_factory):
     return argv, root / "runs" / "tiny"
 
 
-def test_run_stopped_by_a_full_disk_at_each_stage_resumes_to_the_uninterrupted_results(reference, tmp_path,
-                                                                                         monkeypatch, capsys):
+def test_run_stopped_by_a_full_disk_at_each_stage_resumes_to_the_uninterrupted_results(
+    reference, tmp_path, monkeypatch, capsys
+):
     """The disk fills up while writing the final weights (torch.save streaming), then a cached
     evaluation cell, then results.json; each time one line names the file, and the run resumes."""
     argv, ref_dir = reference
@@ -215,8 +240,9 @@ def test_run_stopped_by_a_full_disk_at_each_stage_resumes_to_the_uninterrupted_r
         assert not [p for p in run_dir.rglob("*.tmp")], "a temporary file was left"
         for p, mtime in kept.items():  # nothing finished before is rewritten
             assert p.stat().st_mtime_ns == mtime, f"{p} was rewritten"
-        kept.update({p: p.stat().st_mtime_ns for p in run_dir.rglob("*.pt")
-                     if "checkpoints" not in p.parts and p.name != name})
+        kept.update(
+            {p: p.stat().st_mtime_ns for p in run_dir.rglob("*.pt") if "checkpoints" not in p.parts and p.name != name}
+        )
     assert checksum_problem(run_dir / "models" / "mlp" / "model.pt") is None
     assert cli([*argv, "--out", str(out), "--resume"]) == 0
     got, ref = (json.loads((d / "results.json").read_text()) for d in (run_dir, ref_dir))
@@ -284,8 +310,10 @@ def _finished_run(root: Path, results_text: str | bytes) -> Path:
     d = root / "run"
     d.mkdir()
     atomic_write_json(d / "config.json", {"config": {}, "source": "<test>"})
-    atomic_write(d / "results.json", lambda fh: fh.write(results_text if isinstance(results_text, bytes)
-                                                            else results_text.encode()))
+    atomic_write(
+        d / "results.json",
+        lambda fh: fh.write(results_text if isinstance(results_text, bytes) else results_text.encode()),
+    )
     atomic_write(d / "COMPLETE", lambda fh: fh.write(b"x\n"))
     return d
 
@@ -300,17 +328,22 @@ def _report_fails_with_one_line(root: Path, capsys, results_text) -> str:
     return line
 
 
-@pytest.mark.parametrize("text, cause", [
-    ('{"status": "complete", "rows": ' + "[" * 100_000 + "]" * 100_000 + ', "data": {}}', "nested too deeply"),
-    ('{"status": "complete", "data": {}, "rows": [' + "{\"a\": " * 5000 + "1" + "}" * 5000 + "]}",
-     "nested too deeply"),
-    ("[1, 2]", "a JSON list, expected an object"),
-    ('{"status": "complete", "rows": "abc", "data": {}}', "'rows' must be a list of objects"),
-    ('{"status": "complete", "rows": [], "data": 3}', "'data' must be an object"),
-    ('{"status": "complete", "rows": [{}], "data": {}}', "malformed results file"),
-    ('{"status": "complete", "rows": [{"mo', "not valid JSON"),
-    (b"\xff\xfe{}", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "text, cause",
+    [
+        ('{"status": "complete", "rows": ' + "[" * 100_000 + "]" * 100_000 + ', "data": {}}', "nested too deeply"),
+        (
+            '{"status": "complete", "data": {}, "rows": [' + '{"a": ' * 5000 + "1" + "}" * 5000 + "]}",
+            "nested too deeply",
+        ),
+        ("[1, 2]", "a JSON list, expected an object"),
+        ('{"status": "complete", "rows": "abc", "data": {}}', "'rows' must be a list of objects"),
+        ('{"status": "complete", "rows": [], "data": 3}', "'data' must be an object"),
+        ('{"status": "complete", "rows": [{}], "data": {}}', "malformed results file"),
+        ('{"status": "complete", "rows": [{"mo', "not valid JSON"),
+        (b"\xff\xfe{}", "not valid JSON"),
+    ],
+)
 def test_report_of_a_malformed_results_file_is_one_line_naming_it(tmp_path, capsys, text, cause):
     assert cause in _report_fails_with_one_line(tmp_path, capsys, text)
 
@@ -321,16 +354,29 @@ def test_report_of_a_results_file_with_wrong_values_is_one_line(reference, tmp_p
     assert "malformed results file" in _report_fails_with_one_line(tmp_path, capsys, json.dumps(results))
 
 
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                    max_leaves=12)
-ROW = st.dictionaries(st.sampled_from(["model", "context", "head", "corruption", "severity", "accuracy", "ece"]),
-                      JSON, max_size=7)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=12,
+)
+ROW = st.dictionaries(
+    st.sampled_from(["model", "context", "head", "corruption", "severity", "accuracy", "ece"]), JSON, max_size=7
+)
 
 
 @FEW
-@given(doc=st.one_of(JSON, st.fixed_dictionaries({"status": st.just("complete"), "rows": st.lists(ROW, max_size=2),
-                                                  "data": st.dictionaries(st.text(max_size=5), JSON, max_size=3)})))
+@given(
+    doc=st.one_of(
+        JSON,
+        st.fixed_dictionaries(
+            {
+                "status": st.just("complete"),
+                "rows": st.lists(ROW, max_size=2),
+                "data": st.dictionaries(st.text(max_size=5), JSON, max_size=3),
+            }
+        ),
+    )
+)
 def test_report_of_any_json_document_ends_in_a_report_or_one_line(tmp_path_factory, doc):
     root = tmp_path_factory.mktemp("doc")
     d = _finished_run(root, json.dumps(doc))
@@ -338,5 +384,9 @@ def test_report_of_any_json_document_ends_in_a_report_or_one_line(tmp_path_facto
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         rc = cli(["report", str(d), "--out", str(root / "rep")])
     lines = err.getvalue().splitlines()
-    assert rc == 0 or (rc == 2 and len(lines) == 1 and lines[0].startswith("shiftguard report: error: ")
-                       and str(d / "results.json") in lines[0]), (rc, lines)
+    assert rc == 0 or (
+        rc == 2
+        and len(lines) == 1
+        and lines[0].startswith("shiftguard report: error: ")
+        and str(d / "results.json") in lines[0]
+    ), (rc, lines)

@@ -13,11 +13,14 @@ from torch import nn
 import shiftguard
 from shiftguard.cli import main as cli
 
-FACTORY = _cli_helpers.FACTORY + '''
+FACTORY = (
+    _cli_helpers.FACTORY
+    + """
 def make_any(num_classes):
     torch.manual_seed(0)
     return nn.Sequential(nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, num_classes))
-'''
+"""
+)
 
 
 @pytest.fixture
@@ -31,13 +34,16 @@ def _one_line(capsys, command: str) -> str:
     return err[0]
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--random-weights", "--device", "cuda:7"], "--device: 'cuda:7'"),
-    (["--random-weights", "--device", "foo"], "--device: not a torch device: 'foo'"),
-    (["--random-weights", "--normalize", "nan", "nan"], "--normalize: expected finite numbers"),
-    (["--random-weights", "--seed", str(10**20)], "--seed: expected an integer in 0..2**63-1"),
-    (["--random-weights", "--test-subset", "3"], "--test-subset: expected more than 5 test images"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--random-weights", "--device", "cuda:7"], "--device: 'cuda:7'"),
+        (["--random-weights", "--device", "foo"], "--device: not a torch device: 'foo'"),
+        (["--random-weights", "--normalize", "nan", "nan"], "--normalize: expected finite numbers"),
+        (["--random-weights", "--seed", str(10**20)], "--seed: expected an integer in 0..2**63-1"),
+        (["--random-weights", "--test-subset", "3"], "--test-subset: expected more than 5 test images"),
+    ],
+)
 def test_evaluate_options_are_checked_before_any_work(argv, tmp_path, capsys, extra, message):
     assert cli([*argv, *extra]) == 2
     assert message in _one_line(capsys, "evaluate")
@@ -61,7 +67,8 @@ def test_weights_holding_nan_are_refused_naming_the_file_and_tensor(argv, tmp_pa
     torch.save(state, tmp_path / "w.pt")
     assert cli([*argv, "--weights", str(tmp_path / "w.pt")]) == 2
     assert f"--weights: {tmp_path / 'w.pt'} holds non-finite values (NaN or inf) in '1.weight'" in _one_line(
-        capsys, "evaluate")
+        capsys, "evaluate"
+    )
 
 
 def test_evaluate_checks_its_device_argument():
@@ -151,10 +158,15 @@ def test_a_training_that_diverges_is_one_line():
     assert is_user_error(info.value)
 
 
-@pytest.mark.parametrize("models, message", [
-    ('[[models]]\narch = "lenet"\nloss = "watershed"\nloss_kwargs = {bogus = 1}\nheads = ["quantile"]\n',
-     "loss 'watershed': .*bogus"),
-])
+@pytest.mark.parametrize(
+    "models, message",
+    [
+        (
+            '[[models]]\narch = "lenet"\nloss = "watershed"\nloss_kwargs = {bogus = 1}\nheads = ["quantile"]\n',
+            "loss 'watershed': .*bogus",
+        ),
+    ],
+)
 def test_model_tables_are_checked_before_the_run_directory_exists(tmp_path, capsys, models, message):
     import re
 
@@ -172,8 +184,9 @@ def test_missing_dataset_files_end_the_run_before_its_directory_exists(tmp_path,
     assert not (tmp_path / "runs" / "x").exists()
 
 
-def test_official_corrupted_sets_asked_for_but_absent_end_the_run_before_its_directory_exists(tmp_path, capsys,
-                                                                                            mnist_dir):
+def test_official_corrupted_sets_asked_for_but_absent_end_the_run_before_its_directory_exists(
+    tmp_path, capsys, mnist_dir
+):
     config = BASE.replace("[data]", f'[data]\ndataset = "mnist"\nroot = "{mnist_dir}"\ncorrupted_source = "official"')
     (tmp_path / "c.toml").write_text(config + '[[models]]\narch = "lenet"\n')
     assert cli(["run", "--config", str(tmp_path / "c.toml"), "--out", str(tmp_path / "runs"), "--name", "x"]) == 2

@@ -75,10 +75,16 @@ def test_every_input_form_gives_the_same_rows(model):
     ref = shiftguard.evaluate(model, (x, y), support=sup, heads=["softmax", "knn"], **FAST)
     forms = {
         "Dataset": (_PairDataset(x, y), _PairDataset(*sup), "nchw"),
-        "DataLoader": (DataLoader(_PairDataset(x, y), batch_size=7), DataLoader(_PairDataset(*sup), batch_size=50),
-                       "nchw"),
-        "numpy NHWC": ((x.permute(0, 2, 3, 1).numpy(), y.numpy()), (sup[0].permute(0, 2, 3, 1).numpy(), sup[1].numpy()),
-                       "nhwc"),
+        "DataLoader": (
+            DataLoader(_PairDataset(x, y), batch_size=7),
+            DataLoader(_PairDataset(*sup), batch_size=50),
+            "nchw",
+        ),
+        "numpy NHWC": (
+            (x.permute(0, 2, 3, 1).numpy(), y.numpy()),
+            (sup[0].permute(0, 2, 3, 1).numpy(), sup[1].numpy()),
+            "nhwc",
+        ),
         "Dataset of HWC arrays": (_PairDataset(x, y, nhwc=True), _PairDataset(*sup, nhwc=True), "nhwc"),
         "float pixels in [0, 1]": ((x.double() / 255, y), (sup[0].double() / 255, sup[1]), "nchw"),
     }
@@ -144,16 +150,18 @@ def test_unknown_embed_layer_is_an_error_naming_it(model):
 
 def test_heads_a_model_cannot_serve_are_skipped_with_the_reason(model):
     x, y = _data()
-    logits_only = shiftguard.evaluate(model, (x, y), support=_data(60, seed=3), embed=False,
-                                      heads=["softmax", "knn", "temperature"], **FAST)
+    logits_only = shiftguard.evaluate(
+        model, (x, y), support=_data(60, seed=3), embed=False, heads=["softmax", "knn", "temperature"], **FAST
+    )
     assert {r["head"] for r in logits_only.rows} == {"softmax"}
     reasons = {s["head"]: s["reason"] for s in logits_only.skipped_heads}
     assert "no embedding" in reasons["knn"] and "validation" in reasons["temperature"]
     assert all(r["r_auroc"] is None and "map_at_1" not in r for r in logits_only.rows)
 
     embedder = nn.Sequential(model.features, model.hidden)
-    emb_only = shiftguard.evaluate(embedder, (x, y), support=_data(60, seed=3), output="embedding",
-                                   heads=["softmax", "knn", "ned"], **FAST)
+    emb_only = shiftguard.evaluate(
+        embedder, (x, y), support=_data(60, seed=3), output="embedding", heads=["softmax", "knn", "ned"], **FAST
+    )
     assert {r["head"] for r in emb_only.rows} == {"knn", "ned"}
     assert "no logits" in {s["head"]: s["reason"] for s in emb_only.skipped_heads}["softmax"]
 
@@ -164,13 +172,29 @@ def test_heads_a_model_cannot_serve_are_skipped_with_the_reason(model):
 # ----------------------------------------------------------------------------------------- what is reported
 def test_rows_hold_every_metric_and_the_grid_is_complete(model):
     x, y = _data()
-    res = shiftguard.evaluate(model, (x, y), support=_data(120, seed=2), validation=_data(60, seed=4),
-                              heads=["softmax", "temperature", "logistic", "ned", "knn"], **FAST)
+    res = shiftguard.evaluate(
+        model,
+        (x, y),
+        support=_data(120, seed=2),
+        validation=_data(60, seed=4),
+        heads=["softmax", "temperature", "logistic", "ned", "knn"],
+        **FAST,
+    )
     cells = {(r["corruption"], r["severity"]) for r in res.rows}
     assert cells == {("clean", 0), ("fog", 2), ("fog", 5), ("rotate", 2), ("rotate", 5)}
     for r in res.rows:
-        for k in ("accuracy", "nll", "brier", "ece_top_label", "ece_marginal", "r_auroc", "auroc_error", "aurc",
-                  "map_at_1", "recall_at_5"):
+        for k in (
+            "accuracy",
+            "nll",
+            "brier",
+            "ece_top_label",
+            "ece_marginal",
+            "r_auroc",
+            "auroc_error",
+            "aurc",
+            "map_at_1",
+            "recall_at_5",
+        ):
             assert k in r, k
         assert r["n"] == 90 and 0 <= r["accuracy"] <= 1
     # the clean row of the softmax head equals the model's own accuracy
@@ -185,8 +209,14 @@ def test_rows_hold_every_metric_and_the_grid_is_complete(model):
     # intervals bracket the clean accuracy, seeded and repeatable
     ci = next(i for i in res.intervals if i["head"] == "softmax" and i["metric"] == "accuracy_clean")
     assert ci["lo"] <= ci["estimate"] <= ci["hi"] and ci["estimate"] == pytest.approx(acc)
-    again = shiftguard.evaluate(model, (x, y), support=_data(120, seed=2), validation=_data(60, seed=4),
-                                heads=["softmax", "temperature", "logistic", "ned", "knn"], **FAST)
+    again = shiftguard.evaluate(
+        model,
+        (x, y),
+        support=_data(120, seed=2),
+        validation=_data(60, seed=4),
+        heads=["softmax", "temperature", "logistic", "ned", "knn"],
+        **FAST,
+    )
     assert again.intervals == res.intervals and again.rows == res.rows
 
 
@@ -204,10 +234,12 @@ def test_mce_against_a_baseline_the_user_passes(model):
 def test_each_head_is_compared_with_the_same_head_of_the_baseline(model):
     x, y = _data()
     sup, val = _data(120, seed=2), _data(60, seed=4)
-    base = shiftguard.evaluate(model, (x, y), support=sup, validation=val, heads=["softmax", "temperature"],
-                               name="base", **FAST)
-    own = shiftguard.evaluate(model, (x, y), support=sup, validation=val, heads=["softmax", "temperature", "knn"],
-                              baseline=base, **FAST)
+    base = shiftguard.evaluate(
+        model, (x, y), support=sup, validation=val, heads=["softmax", "temperature"], name="base", **FAST
+    )
+    own = shiftguard.evaluate(
+        model, (x, y), support=sup, validation=val, heads=["softmax", "temperature", "knn"], baseline=base, **FAST
+    )
     by_head = {r["head"]: r for r in own.robustness}
     # The same model and data: each head the baseline scored has CE 1 against itself; a head it did
     # not score is compared with the baseline's primary head, its softmax.
@@ -219,8 +251,9 @@ def test_each_head_is_compared_with_the_same_head_of_the_baseline(model):
 
 def test_baseline_key_alone_names_a_series_of_this_evaluation(model):
     x, y = _data()
-    res = shiftguard.evaluate({"a": model, "b": model}, (x, y), heads=["softmax"], baseline_key="a/none/softmax",
-                              **FAST)
+    res = shiftguard.evaluate(
+        {"a": model, "b": model}, (x, y), heads=["softmax"], baseline_key="a/none/softmax", **FAST
+    )
     assert {r["baseline"] for r in res.robustness} == {"this evaluation: a/none/softmax"}
     assert all(r["mce"] == pytest.approx(1.0) for r in res.robustness)
     with pytest.raises(ValueError, match="baseline_key: 'c/none/softmax' names no model and head"):
@@ -255,17 +288,20 @@ def test_files_round_trip_and_report_is_written(model, tmp_path):
     assert "TinyCNN" in res.summary()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(heads=["softmax", "nope"]), "heads: unknown head 'nope'"),
-    (dict(corruptions=["fog", "fog"]), "corruptions: listed more than once: 'fog'"),
-    (dict(severities=[2, 2]), "severities: listed more than once"),
-    (dict(severities=[6]), "severities: expected integers in 1..5"),
-    (dict(corruptions=["fgo"]), "corruptions: unknown .*'fgo'"),
-    (dict(suite="imagenet-c"), "suite: unknown suite"),
-    (dict(batch_size=0), "batch_size"),
-    (dict(contexts=["train"]), "contexts"),
-    (dict(layout="hwc"), "layout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(heads=["softmax", "nope"]), "heads: unknown head 'nope'"),
+        (dict(corruptions=["fog", "fog"]), "corruptions: listed more than once: 'fog'"),
+        (dict(severities=[2, 2]), "severities: listed more than once"),
+        (dict(severities=[6]), "severities: expected integers in 1..5"),
+        (dict(corruptions=["fgo"]), "corruptions: unknown .*'fgo'"),
+        (dict(suite="imagenet-c"), "suite: unknown suite"),
+        (dict(batch_size=0), "batch_size"),
+        (dict(contexts=["train"]), "contexts"),
+        (dict(layout="hwc"), "layout"),
+    ],
+)
 def test_bad_arguments_are_errors_naming_them(model, kwargs, match):
     x, y = _data(30)
     kw = {**dict(heads=["softmax"], corruptions=["fog"], severities=[1]), **kwargs}
@@ -344,11 +380,20 @@ def test_run_and_evaluate_give_identical_numbers_for_the_same_trained_model(tmp_
     data = load_data(cfg)
     model = build_model("lenet", activation="relu", num_classes=10, in_channels=1)
     model.load_state_dict(torch.load(tmp_path / "runs" / "tiny" / "models" / "relu" / "model.pt", weights_only=True))
-    res = shiftguard.evaluate({"relu": model}, data["test"], support=data["train"], validation=data["val"],
-                              corruptions=["fog", "rotate"], severities=[3], heads=["softmax", "temperature",
-                                                                                    "logistic", "knn"],
-                              preprocess=to_model_input, batch_size=60, seed=cfg.data.corruption_seed, n_boot=50,
-                              baseline_key=C.baseline_key(cfg))  # the run's mCE baseline: its ReLU model's softmax
+    res = shiftguard.evaluate(
+        {"relu": model},
+        data["test"],
+        support=data["train"],
+        validation=data["val"],
+        corruptions=["fog", "rotate"],
+        severities=[3],
+        heads=["softmax", "temperature", "logistic", "knn"],
+        preprocess=to_model_input,
+        batch_size=60,
+        seed=cfg.data.corruption_seed,
+        n_boot=50,
+        baseline_key=C.baseline_key(cfg),
+    )  # the run's mCE baseline: its ReLU model's softmax
     assert C.baseline_key(cfg) == "relu/none/softmax"
     assert res.rows == run["rows"]
     assert res.results["robustness"] == run["robustness"]
@@ -362,8 +407,16 @@ def test_the_documented_example_runs_on_a_small_subset(fashion_mnist_dir, tmp_pa
         import evaluate_own_model as example
     finally:
         sys.path.remove(str(REPO / "examples"))
-    res = example.main(str(fashion_mnist_dir), str(tmp_path / "report"), n_train=1500, n_val=300, n_test=200,
-                       epochs=1, corruptions=["fog", "shot_noise"], severities=(1, 5))
+    res = example.main(
+        str(fashion_mnist_dir),
+        str(tmp_path / "report"),
+        n_train=1500,
+        n_val=300,
+        n_test=200,
+        epochs=1,
+        corruptions=["fog", "shot_noise"],
+        severities=(1, 5),
+    )
     assert (tmp_path / "report" / "report.html").is_file()
     assert {r["head"] for r in res.rows} == {"softmax", "temperature", "ned"}
     clean = next(r for r in res.rows if r["head"] == "softmax" and r["severity"] == 0)
@@ -371,20 +424,40 @@ def test_the_documented_example_runs_on_a_small_subset(fashion_mnist_dir, tmp_pa
 
 
 # ----------------------------------------------------------------------------------------- command line
-FACTORY = '''
+FACTORY = """
 import torch
 from torch import nn
 
 def make_net(num_classes):
     torch.manual_seed(0)
     return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 32), nn.ReLU(), nn.Linear(32, num_classes))
-'''
+"""
 
 
 def _cli_args(tmp_path, *extra):
-    return ["evaluate", "--model", "usernets:make_net", "--test-subset", "100", "--support-size", "300",
-            "--val-size", "100", "--corruptions", "fog", "--severities", "3", "--n-boot", "20", "--no-progress",
-            "--heads", "softmax", "temperature", "knn", *extra]
+    return [
+        "evaluate",
+        "--model",
+        "usernets:make_net",
+        "--test-subset",
+        "100",
+        "--support-size",
+        "300",
+        "--val-size",
+        "100",
+        "--corruptions",
+        "fog",
+        "--severities",
+        "3",
+        "--n-boot",
+        "20",
+        "--no-progress",
+        "--heads",
+        "softmax",
+        "temperature",
+        "knn",
+        *extra,
+    ]
 
 
 def test_cli_evaluates_a_factory_with_safely_loaded_weights(tmp_path, monkeypatch, capsys):
@@ -411,9 +484,14 @@ def test_cli_evaluates_a_factory_with_safely_loaded_weights(tmp_path, monkeypatc
     assert "make_net" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("spec, match", [("usernets", "expected 'module:function'"),
-                                         ("nosuchmodule:f", "cannot import module 'nosuchmodule'"),
-                                         ("usernets:missing", "has no attribute 'missing'")])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("usernets", "expected 'module:function'"),
+        ("nosuchmodule:f", "cannot import module 'nosuchmodule'"),
+        ("usernets:missing", "has no attribute 'missing'"),
+    ],
+)
 def test_cli_bad_model_spec_is_one_line_naming_the_option(tmp_path, monkeypatch, capsys, spec, match):
     from shiftguard.cli import main as cli
 

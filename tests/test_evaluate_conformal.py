@@ -36,8 +36,16 @@ class _BNNet(nn.Module):
 
 def test_every_head_and_method_gets_coverage_and_set_size_in_every_row():
     x, y = _data()
-    res = shiftguard.evaluate(_BNNet(), (x, y), support=(x, y), validation=(x, y), conformal=["lac", "aps", "raps"],
-                              heads=["softmax", "temperature", "knn"], adapt=["none", "bn"], **FAST)
+    res = shiftguard.evaluate(
+        _BNNet(),
+        (x, y),
+        support=(x, y),
+        validation=(x, y),
+        conformal=["lac", "aps", "raps"],
+        heads=["softmax", "temperature", "knn"],
+        adapt=["none", "bn"],
+        **FAST,
+    )
     for r in res.rows:
         for m in ("lac", "aps", "raps"):
             assert 0.0 <= r[f"coverage_{m}"] <= 1.0 and 0.0 <= r[f"set_size_{m}"] <= 3.0
@@ -51,8 +59,9 @@ def test_a_cells_coverage_is_the_librarys_sets_on_the_heads_probabilities():
     x, y = _data()
     cal_x, cal_y = _data(90, seed=3)
     net = _BNNet()
-    res = shiftguard.evaluate(net, (x, y), support=(x, y), calibration=(cal_x, cal_y), conformal=["aps"],
-                              heads=["knn"], **FAST)
+    res = shiftguard.evaluate(
+        net, (x, y), support=(x, y), calibration=(cal_x, cal_y), conformal=["aps"], heads=["knn"], **FAST
+    )
     outs = ModelOutputs(net)
     head = build_head("knn", 3).fit(compute_outputs(outs, x, 40)["embeddings"], y)
     probs_cal = head.predict_proba(compute_outputs(outs, cal_x, 40)["embeddings"])
@@ -66,8 +75,9 @@ def test_a_cells_coverage_is_the_librarys_sets_on_the_heads_probabilities():
 
 def test_the_weighted_variant_is_scored_beside_the_plain_one():
     x, y = _data()
-    res = shiftguard.evaluate(_BNNet(), (x, y), validation=(x, y), conformal=["lac"], conformal_weighted=True,
-                              heads=["softmax"], **FAST)
+    res = shiftguard.evaluate(
+        _BNNet(), (x, y), validation=(x, y), conformal=["lac"], conformal_weighted=True, heads=["softmax"], **FAST
+    )
     row = res.rows[-1]
     assert {"coverage_lac", "set_size_lac", "coverage_lac_weighted", "set_size_lac_weighted"} <= set(row)
     assert res.results["conformal"]["weighted"] is True
@@ -82,14 +92,17 @@ def test_the_validation_split_is_seeded_and_disjoint():
     assert torch.equal(split_validation((x, y), seed=4)[0][0], a)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(conformal=["lac"]), "conformal: the prediction sets need calibration data"),
-    (dict(conformal=["lac", "lac"], validation="data"), "conformal: a method is listed twice"),
-    (dict(conformal=["thr"], validation="data"), "conformal: unknown method 'thr'"),
-    (dict(conformal=["lac"], alpha=0.0, validation="data"), "alpha: expected a miscoverage level"),
-    (dict(calibration="data"), "calibration: given without conformal methods"),
-    (dict(conformal_weighted=True), "conformal_weighted: given without conformal methods"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(conformal=["lac"]), "conformal: the prediction sets need calibration data"),
+        (dict(conformal=["lac", "lac"], validation="data"), "conformal: a method is listed twice"),
+        (dict(conformal=["thr"], validation="data"), "conformal: unknown method 'thr'"),
+        (dict(conformal=["lac"], alpha=0.0, validation="data"), "alpha: expected a miscoverage level"),
+        (dict(calibration="data"), "calibration: given without conformal methods"),
+        (dict(conformal_weighted=True), "conformal_weighted: given without conformal methods"),
+    ],
+)
 def test_bad_conformal_arguments_are_errors_naming_them(kwargs, match):
     x, y = _data()
     kwargs = {k: ((x, y) if isinstance(v, str) and v == "data" else v) for k, v in kwargs.items()}
@@ -99,8 +112,7 @@ def test_bad_conformal_arguments_are_errors_naming_them(kwargs, match):
 
 def test_the_report_shows_coverage_against_severity_and_a_table(tmp_path):
     x, y = _data()
-    res = shiftguard.evaluate(_BNNet(), (x, y), validation=(x, y), conformal=["lac", "raps"], heads=["softmax"],
-                              **FAST)
+    res = shiftguard.evaluate(_BNNet(), (x, y), validation=(x, y), conformal=["lac", "raps"], heads=["softmax"], **FAST)
     page = res.write_report(tmp_path).read_text(encoding="utf-8")
     assert (tmp_path / "plots" / "coverage_lac_vs_severity.png").is_file()
     assert (tmp_path / "plots" / "set_size_raps_vs_severity.png").is_file()
@@ -121,4 +133,6 @@ def test_run_configs_and_the_command_line_ask_for_conformal_sets():
     parser = argparse.ArgumentParser()
     R.add_arguments(parser)
     assert R.resolve_config(parser.parse_args(["--quick", "--conformal", "lac", "raps"])).eval.conformal == [
-        "lac", "raps"]
+        "lac",
+        "raps",
+    ]

@@ -67,8 +67,9 @@ def test_output_probabilities_refuses_a_model_that_returns_logits():
 def test_probabilities_are_attacked_through_their_logarithm():
     x, y = _data()
     prob_model = nn.Sequential(_net(), nn.Softmax(dim=1))
-    res = shiftguard.evaluate(prob_model, (x, y), heads=["softmax"], output="probabilities", attacks=["fgsm"],
-                              attack_eps=[0.2], **FAST)
+    res = shiftguard.evaluate(
+        prob_model, (x, y), heads=["softmax"], output="probabilities", attacks=["fgsm"], attack_eps=[0.2], **FAST
+    )
     logit_res = shiftguard.evaluate(_net(), (x, y), heads=["softmax"], attacks=["fgsm"], attack_eps=[0.2], **FAST)
     adv = [r["accuracy"] for r in res.rows if r["group"] == "adversarial"]
     assert adv == [r["accuracy"] for r in logit_res.rows if r["group"] == "adversarial"]
@@ -88,8 +89,9 @@ def test_models_in_other_floating_dtypes_get_their_own_dtype(dtype):
 
 def test_float64_pixels_attack_a_float32_model():
     x, y = _data()
-    res = shiftguard.evaluate(_net(), (x.double() / 255, y), heads=["softmax"], attacks=["pgd"], attack_eps=[0.1],
-                              attack_steps=2, **FAST)
+    res = shiftguard.evaluate(
+        _net(), (x.double() / 255, y), heads=["softmax"], attacks=["pgd"], attack_eps=[0.1], attack_steps=2, **FAST
+    )
     assert any(r["group"] == "adversarial" for r in res.rows)
 
 
@@ -101,12 +103,16 @@ def test_the_cache_serves_only_the_evaluation_that_wrote_it(tmp_path):
     assert (tmp_path / "Sequential" / FINGERPRINT_FILE).is_file()
     assert shiftguard.evaluate(_net(0), (x, y), **kw).rows == first.rows  # the same evaluation reuses it
     for change, call in (
-            ("weights", lambda: shiftguard.evaluate(_net(1), (x, y), **kw)),
-            ("test", lambda: shiftguard.evaluate(_net(0), _data(seed=5), **kw)),
-            ("preprocess", lambda: shiftguard.evaluate(_net(0), (x, y), preprocess=lambda t: t * 2, **kw)),
-            ("batch_size", lambda: shiftguard.evaluate(_net(0), (x, y), **{**kw, "batch_size": 20}))):
-        with pytest.raises(ValueError, match=rf"cache_dir: .*Sequential holds the outputs of another evaluation "
-                                             rf"\(.*{change}.*\)"):
+        ("weights", lambda: shiftguard.evaluate(_net(1), (x, y), **kw)),
+        ("test", lambda: shiftguard.evaluate(_net(0), _data(seed=5), **kw)),
+        ("preprocess", lambda: shiftguard.evaluate(_net(0), (x, y), preprocess=lambda t: t * 2, **kw)),
+        ("batch_size", lambda: shiftguard.evaluate(_net(0), (x, y), **{**kw, "batch_size": 20})),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"cache_dir: .*Sequential holds the outputs of another evaluation "
+            rf"\(.*{change}.*\)",
+        ):
             call()
 
 
@@ -143,8 +149,20 @@ def test_model_names_that_would_leave_cache_dir_or_run_in_a_spreadsheet_are_refu
 def test_csv_cells_that_a_spreadsheet_would_run_are_neutralised():
     from shiftguard.evaluation.report import csv_text
 
-    text = csv_text([{"model": "=1+2", "context": "@x", "adaptation": "-y", "head": "+z", "corruption": "fog",
-                      "severity": 1, "n": 2, "accuracy": -0.5}])
+    text = csv_text(
+        [
+            {
+                "model": "=1+2",
+                "context": "@x",
+                "adaptation": "-y",
+                "head": "+z",
+                "corruption": "fog",
+                "severity": 1,
+                "n": 2,
+                "accuracy": -0.5,
+            }
+        ]
+    )
     row = text.splitlines()[1].split(",")
     assert row[:4] == ["'=1+2", "'@x", "'-y", "'+z"] and row[-1] == "-0.5"
 
@@ -175,8 +193,9 @@ def test_attacks_inside_the_callers_inference_mode_give_the_same_rows(mode):
         xi, yi = x.clone(), y.clone()
         res = shiftguard.evaluate(net, (xi, yi), **kw)
         if mode == "inference_mode":  # a model built under inference mode cannot be differentiated at all
-            with pytest.raises(ValueError, match="attacks: model 'Sequential' has parameters created under "
-                                                 "torch.inference_mode"):
+            with pytest.raises(
+                ValueError, match="attacks: model 'Sequential' has parameters created under torch.inference_mode"
+            ):
                 shiftguard.evaluate(_net(), (xi, yi), **kw)
     assert res.rows == ref.rows
 
@@ -199,6 +218,12 @@ def test_heads_that_read_validation_data_say_so_and_the_grid_gives_it_to_them_on
 
     assert build_head("ned", 3).uses_validation and build_head("temperature", 3).uses_validation
     x, y = _data()
-    res = shiftguard.evaluate(_net(), (x, y), support=(x, y), validation=(x, y),
-                              heads=["softmax", "temperature", "ned", "knn", "logistic"], **FAST)
+    res = shiftguard.evaluate(
+        _net(),
+        (x, y),
+        support=(x, y),
+        validation=(x, y),
+        heads=["softmax", "temperature", "ned", "knn", "logistic"],
+        **FAST,
+    )
     assert {r["head"] for r in res.rows} == {"softmax", "temperature", "ned", "knn", "logistic"}

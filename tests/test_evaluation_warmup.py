@@ -44,8 +44,16 @@ def test_the_compile_step_covers_what_an_evaluation_of_a_qact_model_calls():
     for step in W.evaluation_steps([model], torch.device("cpu"), corruptions, x):
         assert step() >= 0.0
     before = _signatures()
-    res = shiftguard.evaluate(model, (x, y), support=_data(seed=1), corruptions=["motion_blur", "canny_edges"],
-                              severities=[2, 5], heads=["softmax", "knn"], n_boot=10, batch_size=12)
+    res = shiftguard.evaluate(
+        model,
+        (x, y),
+        support=_data(seed=1),
+        corruptions=["motion_blur", "canny_edges"],
+        severities=[2, 5],
+        heads=["softmax", "knn"],
+        n_boot=10,
+        batch_size=12,
+    )
     assert _signatures() == before  # nothing new was compiled in the timed phases
     assert res.results["timings"]["compile_s"] >= 0.0
 
@@ -55,8 +63,9 @@ def test_the_steps_follow_the_models_the_device_and_the_corruptions(monkeypatch)
     import shiftguard.neighbors as NB
 
     calls = []
-    monkeypatch.setattr(F, "warm_up",
-                        lambda dtype, evaluation_only=False: calls.append((dtype, evaluation_only)) or 0.0)
+    monkeypatch.setattr(
+        F, "warm_up", lambda dtype, evaluation_only=False: calls.append((dtype, evaluation_only)) or 0.0
+    )
     monkeypatch.setattr(NB, "warm_up", lambda: calls.append("search") or 0.0)
     qact = build_model("lenet", activation="qact", num_classes=3, in_channels=1)
     relu = build_model("lenet", activation="relu", num_classes=3, in_channels=1)
@@ -93,7 +102,8 @@ def test_evaluate_announces_its_compile_step_with_progress(monkeypatch, capsys):
     monkeypatch.setattr(evaluate_module, "evaluation_steps", lambda *a, **k: [lambda: (time.sleep(1.1), 1.1)[1]])
     net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(28 * 28, 3))
     x, y = _data()
-    res = shiftguard.evaluate(net, (x, y), corruptions=["fog"], severities=[1], heads=["softmax"], n_boot=10,
-                              progress=True)
+    res = shiftguard.evaluate(
+        net, (x, y), corruptions=["fog"], severities=[1], heads=["softmax"], n_boot=10, progress=True
+    )
     assert "compiling kernels (first use) ... 1.1 s" in capsys.readouterr().out
     assert res.results["timings"]["compile_s"] == pytest.approx(1.1)

@@ -39,9 +39,11 @@ def test_psi_ratios_follow_the_literal_definition_with_support_and_queries():
     y = torch.arange(24) % 4
     support = torch.arange(24) < 12
     out = embedding_change_ratios(x0, x1, y, support=support)
+
     # literal: prototypes of each checkpoint from its own support embeddings; psi over query-prototype pairs
     def protos(x):
         return {c: x[support & (y == c)].mean(0) for c in range(4)}
+
     p0, p1 = protos(x0), protos(x1)
     con, div = [], []
     for j in range(24):
@@ -84,5 +86,6 @@ def test_degenerate_inputs_raise_naming_the_argument():
     with pytest.raises(ValueError, match="support"):
         embedding_change_ratios(x, 2 * x, torch.tensor([0, 1, 0, 1, 0, 1]), support=torch.ones(6, dtype=torch.bool))
     with pytest.raises(ValueError, match="labels"):
-        embedding_change_ratios(x, 2 * x, torch.tensor([0, 1, 0, 1, 2, 2]),
-                                support=torch.tensor([True, True, False, False, False, False]))
+        embedding_change_ratios(
+            x, 2 * x, torch.tensor([0, 1, 0, 1, 2, 2]), support=torch.tensor([True, True, False, False, False, False])
+        )

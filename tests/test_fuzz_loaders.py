@@ -66,8 +66,10 @@ def check_dataset(ds, num_classes: int, channels: int) -> None:
 def build_idx(d: Path, gz: bool):
     d.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    blobs = {"t10k-images-idx3-ubyte": encode_idx(rng.integers(0, 256, (8, 28, 28), dtype=np.uint8)),
-             "t10k-labels-idx1-ubyte": encode_idx(rng.integers(0, 10, 8).astype(np.uint8))}
+    blobs = {
+        "t10k-images-idx3-ubyte": encode_idx(rng.integers(0, 256, (8, 28, 28), dtype=np.uint8)),
+        "t10k-labels-idx1-ubyte": encode_idx(rng.integers(0, 10, 8).astype(np.uint8)),
+    }
     files = []
     for stem, data in blobs.items():
         p = d / (stem + (".gz" if gz else ""))
@@ -89,14 +91,22 @@ def build_cifar(d: Path):
     root = d / "cifar-10-batches-py"
     root.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    batch = {b"data": rng.integers(0, 256, (6, 3072), dtype=np.uint8), b"labels": [0, 1, 2, 3, 4, 9],
-             b"batch_label": b"testing batch 1 of 1", b"filenames": [b"f.png"] * 6}
+    batch = {
+        b"data": rng.integers(0, 256, (6, 3072), dtype=np.uint8),
+        b"labels": [0, 1, 2, 3, 4, 9],
+        b"batch_label": b"testing batch 1 of 1",
+        b"filenames": [b"f.png"] * 6,
+    }
     for name in ["test_batch"] + [f"data_batch_{i}" for i in range(1, 6)]:
         (root / name).write_bytes(pickle.dumps(batch, protocol=2))
-    (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": [f"c{i}".encode() for i in range(10)]},
-                                                     protocol=2))
-    return [root / "test_batch", root / "batches.meta"], lambda: load("cifar10", "test", root=d), \
-        lambda ds: check_dataset(ds, 10, 3)
+    (root / "batches.meta").write_bytes(
+        pickle.dumps({b"label_names": [f"c{i}".encode() for i in range(10)]}, protocol=2)
+    )
+    return (
+        [root / "test_batch", root / "batches.meta"],
+        lambda: load("cifar10", "test", root=d),
+        lambda ds: check_dataset(ds, 10, 3),
+    )
 
 
 def build_cifar_c(d: Path):
@@ -104,8 +114,11 @@ def build_cifar_c(d: Path):
     rng = np.random.default_rng(0)
     np.save(d / "fog.npy", rng.integers(0, 256, (10, 32, 32, 3), dtype=np.uint8))
     np.save(d / "labels.npy", rng.integers(0, 10, 10))
-    return [d / "fog.npy", d / "labels.npy"], \
-        lambda: load("cifar10-c", "test", root=d, corruption="fog", severity=2), lambda ds: check_dataset(ds, 10, 3)
+    return (
+        [d / "fog.npy", d / "labels.npy"],
+        lambda: load("cifar10-c", "test", root=d, corruption="fog", severity=2),
+        lambda ds: check_dataset(ds, 10, 3),
+    )
 
 
 def build_mnist_c(d: Path):
@@ -114,8 +127,11 @@ def build_mnist_c(d: Path):
     rng = np.random.default_rng(0)
     np.save(sub / "test_images.npy", rng.integers(0, 256, (6, 28, 28, 1), dtype=np.uint8))
     np.save(sub / "test_labels.npy", rng.integers(0, 10, 6))
-    return [sub / "test_images.npy", sub / "test_labels.npy"], \
-        lambda: load("mnist-c", "test", root=d, corruption="fog"), lambda ds: check_dataset(ds, 10, 1)
+    return (
+        [sub / "test_images.npy", sub / "test_labels.npy"],
+        lambda: load("mnist-c", "test", root=d, corruption="fog"),
+        lambda ds: check_dataset(ds, 10, 1),
+    )
 
 
 def build_imagefolder(d: Path):
@@ -275,8 +291,11 @@ def build_final_model(d: Path):
         assert summary["loaded_from_run_dir"] is True
         assert loaded.state_dict().keys() == model.state_dict().keys()
 
-    return [mdir / "model.pt", mdir / "model.json"], \
-        lambda: train_model(cfg, m, data, d, "cpu", resume=True, progress=False), validate
+    return (
+        [mdir / "model.pt", mdir / "model.json"],
+        lambda: train_model(cfg, m, data, d, "cpu", resume=True, progress=False),
+        validate,
+    )
 
 
 FORMATS = {
@@ -333,9 +352,14 @@ def test_damaged_file_fails_naming_it_or_loads_valid_data(tmp_path, fmt):
                 outcomes["loaded valid data"] += 1
         finally:
             target.write_bytes(pristine[target])
-    record(group="fuzz", case=fmt, n=CASES, outcome=f"{outcomes['error naming the file']} clear errors, "
-           f"{outcomes['loaded valid data']} valid loads, {len(problems)} defects "
-           f"({kinds['truncation']} truncations, {kinds['flip']} flips)")
+    record(
+        group="fuzz",
+        case=fmt,
+        n=CASES,
+        outcome=f"{outcomes['error naming the file']} clear errors, "
+        f"{outcomes['loaded valid data']} valid loads, {len(problems)} defects "
+        f"({kinds['truncation']} truncations, {kinds['flip']} flips)",
+    )
     assert not problems, f"{len(problems)} of {CASES} damaged files mishandled:\n" + "\n".join(problems[:8])
     assert outcomes["error naming the file"] >= CASES // 4, outcomes  # the damage is real
 
@@ -359,8 +383,12 @@ def test_cache_file_damage_is_recomputed_never_raised(tmp_path):
         if not calls:
             torch.testing.assert_close(out["embeddings"].shape, good["embeddings"].shape)
     assert recomputed >= CASES // 4
-    record(group="fuzz", case="embedding-cache", n=CASES,
-           outcome=f"{recomputed} recomputed, {CASES - recomputed} read back")
+    record(
+        group="fuzz",
+        case="embedding-cache",
+        n=CASES,
+        outcome=f"{recomputed} recomputed, {CASES - recomputed} read back",
+    )
 
 
 # ------------------------------------------------------------------------------------------ malicious pickles
@@ -396,8 +424,9 @@ def test_malicious_cifar_batch_is_refused_without_running_it(tmp_path):
             assert str(target) in str(exc.value), what
             assert not marker.exists(), f"{what} in {target.name} executed code"
             target.write_bytes(good)
-    record(group="malicious pickle", case="CIFAR batch / meta (__reduce__ -> exec)", n=4,
-           outcome="refused, no code ran")
+    record(
+        group="malicious pickle", case="CIFAR batch / meta (__reduce__ -> exec)", n=4, outcome="refused, no code ran"
+    )
 
 
 def test_malicious_checkpoint_is_refused_without_running_it(tmp_path):
@@ -443,5 +472,9 @@ def test_npy_with_pickled_objects_is_refused_without_running_it(tmp_path):
         assert str(target) in str(exc.value)
         assert not marker.exists()
         target.write_bytes(good)
-    record(group="malicious pickle", case=".npy object arrays (CIFAR-10-C images / labels)", n=2,
-           outcome="refused, no code ran")
+    record(
+        group="malicious pickle",
+        case=".npy object arrays (CIFAR-10-C images / labels)",
+        n=2,
+        outcome="refused, no code ran",
+    )

@@ -136,8 +136,8 @@ def check_refitting_gives_the_same_probabilities(make: Make) -> None:
     prob = problem(make().input)
     head = fitted(make(), prob)
     first = probabilities(head, prob)
-    again = probabilities(fitted(head, prob), prob)        # the same instance, refitted
-    fresh = probabilities(fitted(make(), prob), prob)      # a new instance
+    again = probabilities(fitted(head, prob), prob)  # the same instance, refitted
+    fresh = probabilities(fitted(make(), prob), prob)  # a new instance
     assert torch.equal(first, again), "refitting the same head on the same data changed its probabilities"
     assert torch.equal(first, fresh), "two heads fitted alike on the same data disagree"
 
@@ -193,7 +193,7 @@ class Prototype(EmbeddingHead):
     def predict_proba(self, embeddings) -> torch.Tensor:
         self._check_is_fitted()
         emb = self._check_query(embeddings, self.means_.shape[1])
-        return torch.softmax(-torch.cdist(emb, self.means_) ** 2, dim=1)
+        return torch.softmax(-(torch.cdist(emb, self.means_) ** 2), dim=1)
 
 
 class ReadsFeatures(Prototype):

@@ -17,8 +17,10 @@ def brute_force(query, support, k, exclude_self=False):
 @pytest.fixture
 def data():
     g = torch.Generator().manual_seed(1)
-    return (torch.randn(300, 12, generator=g, dtype=torch.float64),
-            torch.randn(500, 12, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(300, 12, generator=g, dtype=torch.float64),
+        torch.randn(500, 12, generator=g, dtype=torch.float64),
+    )
 
 
 def test_torch_backend_matches_brute_force(data):

@@ -60,8 +60,9 @@ def test_transformed_distance_and_similarity_follow_article_iv_eq_14():
 
 
 def test_nested_mapping_builds_the_same_tree_with_the_given_class_order():
-    h = ClassHierarchy.from_nested({"A": ["c0", "c1"], "B": {"c2": None, "C": ["c3", "c4"]}},
-                                   classes=["c0", "c1", "c2", "c3", "c4"])
+    h = ClassHierarchy.from_nested(
+        {"A": ["c0", "c1"], "B": {"c2": None, "C": ["c3", "c4"]}}, classes=["c0", "c1", "c2", "c3", "c4"]
+    )
     ref = small_tree()
     assert torch.equal(h.distance_matrix(), ref.distance_matrix())
     assert h.class_names == ("c0", "c1", "c2", "c3", "c4")
@@ -69,14 +70,17 @@ def test_nested_mapping_builds_the_same_tree_with_the_given_class_order():
     assert reordered.path_distance(1, 2) == 2 and reordered.path_distance(0, 1) == 3
 
 
-@pytest.mark.parametrize("parents, n_cls, match", [
-    ([2, 3, None, None], 2, "exactly one root"),
-    ([2, 3, 3, 2, None], 2, "do not reach the root"),
-    ([1, None], 2, "classes must be leaves"),
-    ([2, 2, None, 2], 2, "no children"),
-    ([0, None], 1, "own parent"),
-    ([7, None], 1, "outside"),
-])
+@pytest.mark.parametrize(
+    "parents, n_cls, match",
+    [
+        ([2, 3, None, None], 2, "exactly one root"),
+        ([2, 3, 3, 2, None], 2, "do not reach the root"),
+        ([1, None], 2, "classes must be leaves"),
+        ([2, 2, None, 2], 2, "no children"),
+        ([0, None], 1, "own parent"),
+        ([7, None], 1, "outside"),
+    ],
+)
 def test_invalid_parent_lists_are_refused_naming_parents(parents, n_cls, match):
     with pytest.raises(ValueError, match="parents: .*" + match):
         ClassHierarchy(parents, n_cls)

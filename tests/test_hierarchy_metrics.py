@@ -73,8 +73,9 @@ def test_hs_at_k_and_ahs_match_the_hand_computed_retrieval():
 def test_hs_at_k_with_a_separate_reference_set_keeps_every_reference():
     q = torch.tensor([_unit(0)], dtype=D64)
     ref = torch.tensor([_unit(5), _unit(90), _unit(100)], dtype=D64)
-    out = hierarchical_similarity_at_k(q, torch.tensor([0]), tree(), ks=(1, 2), ahs_k=None,
-                                       reference=ref, reference_labels=torch.tensor([3, 0, 1]))
+    out = hierarchical_similarity_at_k(
+        q, torch.tensor([0]), tree(), ks=(1, 2), ahs_k=None, reference=ref, reference_labels=torch.tensor([3, 0, 1])
+    )
     # ranking: label 3 (9/25), label 0 (1), label 1 (5/9); best: 1, 5/9
     assert out["hs@1"] == pytest.approx(9 / 25)
     assert out["hs@2"] == pytest.approx((9 / 25 + 1) / (1 + 5 / 9))

@@ -69,8 +69,14 @@ def _env(site: Path, home: Path, **extra) -> dict:
 
 
 def _run_child(env: dict, refused=(), user_cmd=()) -> dict:
-    out = subprocess.run([*user_cmd, sys.executable, "-c", _CHILD, json.dumps([str(p) for p in refused])],
-                         env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    out = subprocess.run(
+        [*user_cmd, sys.executable, "-c", _CHILD, json.dumps([str(p) for p in refused])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -164,8 +170,11 @@ def test_corruption_warm_up_compiles_what_an_evaluation_pass_then_uses():
     assert SC.warm_up() >= 0.0
 
     def signatures():
-        return {n: set(getattr(_kernels, n).signatures) for n in dir(_kernels)
-                if hasattr(getattr(_kernels, n), "signatures")}
+        return {
+            n: set(getattr(_kernels, n).signatures)
+            for n in dir(_kernels)
+            if hasattr(getattr(_kernels, n), "signatures")
+        }
 
     before = signatures()
     assert any(before.values())

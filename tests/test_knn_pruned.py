@@ -15,7 +15,8 @@ def clustered(n_support, n_query, dim, n_centres=10, spread=4.0, noise=1.0, seed
     centres = spread * torch.randn(n_centres, dim, generator=g, dtype=dtype)
     s = centres[torch.arange(n_support) % n_centres] + noise * torch.randn(n_support, dim, generator=g, dtype=dtype)
     q = centres[torch.randint(0, n_centres, (n_query,), generator=g)] + noise * torch.randn(
-        n_query, dim, generator=g, dtype=dtype)
+        n_query, dim, generator=g, dtype=dtype
+    )
     return q, s
 
 
@@ -66,9 +67,17 @@ def test_unclustered_data_same_neighbours_with_and_without_fallback():
     assert index.last_stats["fallback_queries"] > 0
 
 
-@pytest.mark.parametrize("n_support, n_query, dim, k", [
-    (7, 5, 3, 1), (7, 5, 3, 7), (257, 33, 5, 4), (1001, 200, 64, 10), (333, 100, 200, 3), (2, 9, 1, 2),
-])
+@pytest.mark.parametrize(
+    "n_support, n_query, dim, k",
+    [
+        (7, 5, 3, 1),
+        (7, 5, 3, 7),
+        (257, 33, 5, 4),
+        (1001, 200, 64, 10),
+        (333, 100, 200, 3),
+        (2, 9, 1, 2),
+    ],
+)
 def test_random_shapes_same_neighbours(n_support, n_query, dim, k):
     g = torch.Generator().manual_seed(n_support + dim)
     s, q = torch.randn(n_support, dim, generator=g), torch.randn(n_query, dim, generator=g)
@@ -86,8 +95,9 @@ def test_k_of_one_and_k_larger_than_a_cluster(k):
 
 def test_queries_far_from_all_clusters():
     q, s = clustered(2000, 200, 20)
-    far = q + 60.0 * torch.nn.functional.normalize(torch.randn(200, 20, generator=torch.Generator().manual_seed(5)),
-                                                   dim=1)
+    far = q + 60.0 * torch.nn.functional.normalize(
+        torch.randn(200, 20, generator=torch.Generator().manual_seed(5)), dim=1
+    )
     assert_same_as_torch(far, s, 6)
 
 
@@ -102,8 +112,10 @@ def test_self_index_on_a_subset_of_support_rows_as_ned_fit_does():
     _, s = clustered(2500, 1, 24)
     rows = torch.randperm(2500, generator=torch.Generator().manual_seed(0))[:400]
     chunk = default_chunk_size(2500)
-    assert_same(knn_search(s[rows], s, 8, backend="pruned", exclude=rows, chunk_size=chunk),
-                knn_search(s[rows], s, 8, backend="torch", exclude=rows, chunk_size=chunk))
+    assert_same(
+        knn_search(s[rows], s, 8, backend="pruned", exclude=rows, chunk_size=chunk),
+        knn_search(s[rows], s, 8, backend="torch", exclude=rows, chunk_size=chunk),
+    )
 
 
 def test_exclude_self_excludes_by_index_even_with_duplicates():
@@ -160,7 +172,7 @@ def test_lower_bound_never_exceeds_the_true_distance():
     home = torch.cdist(zq, index.c).argmin(1)
     true = torch.cdist(q.double(), s[index.perm].double()).pow(2)  # (Nq, Ns) in storage order
     for j in range(q.shape[0]):
-        lb = index._lower_bounds(int(home[j]), zq[j:j + 1], tq[j:j + 1])[0]
+        lb = index._lower_bounds(int(home[j]), zq[j : j + 1], tq[j : j + 1])[0]
         for c in range(index.n_clusters):
             a, e = index.starts[c], index.starts[c + 1]
             assert lb[c] <= true[j, a:e].min() * (1 + 1e-9) + 1e-9
@@ -208,8 +220,12 @@ def test_query_chunks_and_tuning_arguments_do_not_change_the_result():
     q, s = clustered(1500, 400, 16)
     ref = knn_search(q, s, 6)
     index = PrunedKNNIndex(s, n_clusters=12)
-    for kwargs in (dict(query_chunk=70), dict(block_rows=16, group_cols=64), dict(core_fraction=1.0),
-                   dict(core_fraction=0.0, first_cols=10**6)):
+    for kwargs in (
+        dict(query_chunk=70),
+        dict(block_rows=16, group_cols=64),
+        dict(core_fraction=1.0),
+        dict(core_fraction=0.0, first_cols=10**6),
+    ):
         assert_same(index.search(q, 6, **kwargs), ref)
     index.search(q, 6, query_chunk=70)
     assert index.last_stats["brute_products"] == 400 * 1500

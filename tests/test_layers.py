@@ -64,7 +64,7 @@ def _imports(module: str) -> list[tuple[str, str | None, int]]:
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
@@ -159,14 +159,20 @@ def test_the_parser_sees_the_whole_package():
 def test_no_module_imports_another_packages_private_names():
     leaks = private_imports() - ALLOWED_PRIVATE_IMPORTS
     assert not leaks, "private names imported across packages: " + ", ".join(
-        f"{m} imports {n} from {t}" for m, t, n in sorted(leaks))
+        f"{m} imports {n} from {t}" for m, t, n in sorted(leaks)
+    )
 
 
 def test_neighbors_imports_only_the_library_internals():
     # neighbors sits below heads, metrics and uncertainty, which all search through it; below it
     # only the library-wide internals it uses (validation, the compiled kernels' helpers).
-    outside = {(m, t) for m in MODULES if _top(m) == "neighbors" for t, _, _ in _imports(m)
-               if _top(t) not in ("neighbors", "_validation", "_numba", "_parallel")}
+    outside = {
+        (m, t)
+        for m in MODULES
+        if _top(m) == "neighbors"
+        for t, _, _ in _imports(m)
+        if _top(t) not in ("neighbors", "_validation", "_numba", "_parallel")
+    }
     assert not outside, f"neighbors imports a higher layer: {sorted(outside)}"
 
 
@@ -180,11 +186,15 @@ def test_modules_form_no_import_cycle():
     assert not cycles, f"import cycles between modules: {sorted(cycles)}"
 
 
-@pytest.mark.parametrize("allowed, found", [
-    (ALLOWED_PRIVATE_IMPORTS, private_imports),
-    (ALLOWED_PACKAGE_CYCLES, package_cycles),
-    (ALLOWED_MODULE_CYCLES, module_cycles),
-], ids=["private-imports", "package-cycles", "module-cycles"])
+@pytest.mark.parametrize(
+    "allowed, found",
+    [
+        (ALLOWED_PRIVATE_IMPORTS, private_imports),
+        (ALLOWED_PACKAGE_CYCLES, package_cycles),
+        (ALLOWED_MODULE_CYCLES, module_cycles),
+    ],
+    ids=["private-imports", "package-cycles", "module-cycles"],
+)
 def test_every_allowed_exception_still_exists(allowed, found):
     stale = allowed - found()
     assert not stale, f"fixed, remove from the allow-list: {sorted(stale)}"

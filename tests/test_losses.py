@@ -34,10 +34,14 @@ def _batch(n_cls=3, m=3, dim=4, seed=0):
 
 # ---------------------------------------------------------------- distance ratio [Kim, Art. II]
 
-@pytest.mark.parametrize("d1,d2,sigma,delta,l_s,l_dr", [
-    (1.0, 2.0, 0.95257, 0.80000, 0.048587, 0.22314),  # Table 1, case (a)
-    (2.0, 4.0, 0.99999, 0.80000, 6.1442e-6, 0.22314),  # Table 1, case (b)
-])
+
+@pytest.mark.parametrize(
+    "d1,d2,sigma,delta,l_s,l_dr",
+    [
+        (1.0, 2.0, 0.95257, 0.80000, 0.048587, 0.22314),  # Table 1, case (a)
+        (2.0, 4.0, 0.99999, 0.80000, 6.1442e-6, 0.22314),  # Table 1, case (b)
+    ],
+)
 def test_dr_and_softmax_reproduce_paper2_table1(d1, d2, sigma, delta, l_s, l_dr):
     d = torch.tensor([[d1, d2]], dtype=D64)
     log_sd = sd_softmax_log_probs(d)[0, 0]
@@ -102,7 +106,7 @@ def test_dr_proxy_mode_matches_reference():
     emb, y = _batch()
     loss = DRLoss(mode="proxies", num_classes=3, embedding_dim=4).double()
     d = torch.cdist(emb, loss.proxies)
-    ref = -dr_log_probs((d ** 2 + 1e-10).sqrt(), loss.rho)[torch.arange(9), y].mean()
+    ref = -dr_log_probs((d**2 + 1e-10).sqrt(), loss.rho)[torch.arange(9), y].mean()
     assert torch.allclose(loss(emb, y), ref, atol=1e-12)
 
 
@@ -123,6 +127,7 @@ def test_gradcheck_dr_proxies():
 
 
 # ---------------------------------------------------------------- ProxyDR [Kim, Art. IV]
+
 
 def test_proxydr_matches_reference_with_normalised_chord_distance():
     emb, y = _batch()
@@ -184,6 +189,7 @@ def test_gradcheck_proxydr():
 
 
 # ---------------------------------------------------------------- watershed [QACT, App. D]
+
 
 def _prim_watershed(dist, seeds, seed_labels):
     """Reference: grow the seeded minimum spanning forest one sample at a time (Prim)."""
@@ -261,8 +267,11 @@ def _ref_watershed_loss(emb, y, y_hat):
     for i in range(n):
         logits = {}
         for c in classes:
-            ds = [float((emb[i] - emb[j]).pow(2).sum().add(1e-10).sqrt())
-                  for j in range(n) if j != i and y[j] == c and y_hat[j] == c]
+            ds = [
+                float((emb[i] - emb[j]).pow(2).sum().add(1e-10).sqrt())
+                for j in range(n)
+                if j != i and y[j] == c and y_hat[j] == c
+            ]
             if ds:
                 logits[c] = -min(ds)
         if int(y[i]) not in logits:
@@ -284,11 +293,11 @@ def test_watershed_loss_matches_loop_reference_of_eq11():
 def test_gradcheck_watershed_with_fixed_seeds():
     emb, y = _batch(n_cls=3, m=3, dim=3, seed=4)
     emb.requires_grad_(True)
-    assert torch.autograd.gradcheck(
-        lambda e: WatershedLoss(generator=torch.Generator().manual_seed(0))(e, y), (emb,))
+    assert torch.autograd.gradcheck(lambda e: WatershedLoss(generator=torch.Generator().manual_seed(0))(e, y), (emb,))
 
 
 # ---------------------------------------------------------------- RS@k and SiMix [Patel, Ch. 5]
+
 
 def _ref_rsk(sim, y, ks, tau1, tau2):
     """Loop reference of eq. (5.5)-(5.7) with the min(k, |P|) normalisation and clipping at k."""
@@ -355,10 +364,12 @@ def test_gradcheck_rsk_and_simix():
     emb.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda e: RecallAtKSurrogate(k=(1, 2, 4))(e, y), (emb,))
     assert torch.autograd.gradcheck(
-        lambda e: RecallAtKSurrogate(k=(1, 2), simix=True, generator=torch.Generator().manual_seed(0))(e, y), (emb,))
+        lambda e: RecallAtKSurrogate(k=(1, 2), simix=True, generator=torch.Generator().manual_seed(0))(e, y), (emb,)
+    )
 
 
 # ---------------------------------------------------------------- Smooth-AP (Brown et al. 2020)
+
 
 def _ref_smooth_ap(sim, y, tau):
     n = len(y)
@@ -387,6 +398,7 @@ def test_smooth_ap_matches_loop_reference_with_unequal_classes():
 
 def test_pml_smoothap_depends_on_batch_order_ours_does_not():
     from pytorch_metric_learning.losses import SmoothAPLoss as PMLSmoothAP
+
     g = torch.Generator().manual_seed(0)
     emb = torch.randn(8, 4, generator=g)
     y = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
@@ -405,6 +417,7 @@ def test_gradcheck_smooth_ap():
 
 # ---------------------------------------------------------------- registry
 
+
 def test_build_loss_unknown_name_lists_valid_names():
     with pytest.raises(ValueError, match="name: unknown loss 'nope'; expected one of .*recall_at_k.*watershed"):
         build_loss("nope")
@@ -417,9 +430,28 @@ def test_build_loss_requires_dims_for_proxy_losses():
         build_loss("proxy_anchor", embedding_dim=8)
 
 
-@pytest.mark.parametrize("name", ["watershed", "dr", "proxydr", "recall_at_k", "smooth_ap", "cross_entropy",
-                                  "triplet", "proxy_nca", "proxy_nca_pp", "proxy_anchor", "normface", "supcon",
-                                  "mcinfonce", "hib", "elk", "nivmf_proxy", "Recall@k"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "watershed",
+        "dr",
+        "proxydr",
+        "recall_at_k",
+        "smooth_ap",
+        "cross_entropy",
+        "triplet",
+        "proxy_nca",
+        "proxy_nca_pp",
+        "proxy_anchor",
+        "normface",
+        "supcon",
+        "mcinfonce",
+        "hib",
+        "elk",
+        "nivmf_proxy",
+        "Recall@k",
+    ],
+)
 def test_build_loss_every_name_gives_a_finite_differentiable_scalar(name):
     emb = torch.randn(12, 6, requires_grad=True)
     y = torch.arange(3).repeat(4)
@@ -449,6 +481,7 @@ def test_proxy_nca_pp_is_the_temperature_scaled_normalised_proxy_softmax():
 
 def test_safe_euclidean_large_path_matches_small_path(monkeypatch):
     import shiftguard.losses.base as base
+
     a, b = torch.randn(30, 5, dtype=D64), torch.randn(20, 5, dtype=D64)
     small = base.safe_euclidean(a, b)
     monkeypatch.setattr(base, "EXPLICIT_DIFF_LIMIT", 0)

@@ -88,8 +88,9 @@ def test_hib_matches_loop_reference_of_eq54():
     n, terms = len(y), []
     for i in range(n):
         negs = [m for m in range(n) if y[m] != y[i]]
-        neg_term = -sum(math.log(sum(1 - s(a * float(z[kk, i] @ z[kk, m]) + b) for kk in range(k)) / k)
-                        for m in negs) / len(negs)
+        neg_term = -sum(
+            math.log(sum(1 - s(a * float(z[kk, i] @ z[kk, m]) + b) for kk in range(k)) / k) for m in negs
+        ) / len(negs)
         for p in range(n):
             if p != i and y[p] == y[i]:
                 pos = -math.log(sum(s(a * float(z[kk, i] @ z[kk, p]) + b) for kk in range(k)) / k)
@@ -173,11 +174,14 @@ def test_nivmf_proxy_parameters_are_learnable():
     assert names == {"proxies", "log_kappa_p", "log_t"}
 
 
-@pytest.mark.parametrize("make", [
-    lambda: MCInfoNCELoss(n_samples=3, generator=_gen(7)),
-    lambda: HIBLoss(n_samples=3, generator=_gen(7)),
-    lambda: ELKLoss(),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: MCInfoNCELoss(n_samples=3, generator=_gen(7)),
+        lambda: HIBLoss(n_samples=3, generator=_gen(7)),
+        lambda: ELKLoss(),
+    ],
+)
 def test_gradcheck_contrastive_probabilistic_losses(make):
     e, y = _batch(n_cls=2, m=2, dim=3)
     e.requires_grad_(True)
@@ -212,6 +216,18 @@ def test_mcinfonce_recovers_the_ordering_of_true_concentrations_on_the_toy():
     full pipeline with learned directions is experiments/mcinfonce_toy.py (docs/losses.md has its numbers)."""
     toy = _load_toy()
     torch.set_num_threads(1)
-    res = toy.run(dim=4, oracle_mu=True, steps_kappa=150, batch_size_kappa=32, n_neg=32, n_samples=32, width=32,
-                  n_eval=300, seed=0, kappa_min=4.0, kappa_max=32.0, lr=5e-3)
+    res = toy.run(
+        dim=4,
+        oracle_mu=True,
+        steps_kappa=150,
+        batch_size_kappa=32,
+        n_neg=32,
+        n_samples=32,
+        width=32,
+        n_eval=300,
+        seed=0,
+        kappa_min=4.0,
+        kappa_max=32.0,
+        lr=5e-3,
+    )
     assert res["kappa_rank_corr"] > 0.3, res

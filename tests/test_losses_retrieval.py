@@ -38,15 +38,26 @@ CUSTOM = [
 
 
 def _tiny_cnn():
-    return nn.Sequential(nn.Conv2d(1, 8, 5, stride=2, padding=2), nn.ReLU(),
-                         nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(16 * 7 * 7, 16))
+    return nn.Sequential(
+        nn.Conv2d(1, 8, 5, stride=2, padding=2),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 7 * 7, 16),
+    )
 
 
 def _subset(ds, per_class, seed=0):
     g = torch.Generator().manual_seed(seed)
-    idx = torch.cat([torch.nonzero(ds.labels == c).flatten()[
-        torch.randperm(int((ds.labels == c).sum()), generator=g)[:per_class]] for c in range(10)])
+    idx = torch.cat(
+        [
+            torch.nonzero(ds.labels == c).flatten()[
+                torch.randperm(int((ds.labels == c).sum()), generator=g)[:per_class]
+            ]
+            for c in range(10)
+        ]
+    )
     return ds.images[idx].float().div(255.0).sub(0.286).div(0.353), ds.labels[idx]
 
 
@@ -57,8 +68,10 @@ _CACHE: dict = {}
 def fmnist(fashion_mnist_dir):
     if "data" not in _CACHE:  # load once per session; the fixture above skips when the data is absent
         root = fashion_mnist_dir
-        _CACHE["data"] = (_subset(load("fashion-mnist", "train", root=root), 200),
-                          _subset(load("fashion-mnist", "test", root=root), 60))
+        _CACHE["data"] = (
+            _subset(load("fashion-mnist", "train", root=root), 200),
+            _subset(load("fashion-mnist", "test", root=root), 60),
+        )
     return _CACHE["data"]
 
 

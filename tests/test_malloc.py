@@ -54,8 +54,14 @@ class _FakeLibc:
         return 1
 
 
-@pytest.mark.parametrize("environ", [{"MALLOC_TRIM_THRESHOLD_": "0"}, {"MALLOC_MMAP_THRESHOLD_": "131072"},
-                                     {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}])
+@pytest.mark.parametrize(
+    "environ",
+    [
+        {"MALLOC_TRIM_THRESHOLD_": "0"},
+        {"MALLOC_MMAP_THRESHOLD_": "131072"},
+        {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+    ],
+)
 def test_the_users_own_allocator_settings_are_left_alone(monkeypatch, environ):
     fake = _FakeLibc()
     monkeypatch.setattr(_malloc, "_libc", lambda: fake)

@@ -26,7 +26,7 @@ import pytest
 
 MiB = 2**20
 
-SCRIPT = r'''
+SCRIPT = r"""
 import gc, json, sys
 import torch
 torch.set_num_threads(1)
@@ -66,7 +66,7 @@ for n in map(int, sys.argv[2:]):
     r["NED fit + predict_proba (default)"] = peak_extra(lambda: NED(k=10).fit(emb, fine).predict_proba(emb))
     res[n] = r
 print(json.dumps(res))
-'''
+"""
 
 
 def record(**row) -> None:
@@ -85,8 +85,10 @@ def _can_reset_peak() -> bool:
         return False
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_reset_peak(),
-                    reason="needs Linux /proc/self/clear_refs to reset the peak RSS counter")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not _can_reset_peak(),
+    reason="needs Linux /proc/self/clear_refs to reset the peak RSS counter",
+)
 def test_knn_heads_and_retrieval_metrics_stay_within_their_chunk_budget():
     from shiftguard.neighbors import DEFAULT_MEMORY_BUDGET_BYTES
 
@@ -95,8 +97,13 @@ def test_knn_heads_and_retrieval_metrics_stay_within_their_chunk_budget():
     # A fixed mmap threshold makes glibc return every freed tensor buffer to the kernel at once, so
     # memory freed by one operation cannot hide (as already-resident heap) the peak of the next.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(budget), str(small), str(big)],
-                          capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(budget), str(small), str(big)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = {int(k): v for k, v in json.loads(proc.stdout.strip().splitlines()[-1]).items()}
     full_matrix = big * big * 4  # one float32 N x N matrix: 1.6 GB
@@ -107,7 +114,12 @@ def test_knn_heads_and_retrieval_metrics_stay_within_their_chunk_budget():
         if "(budget)" in op:
             # Same budget, 4x the rows: an N x N temporary would make the peak 16x; chunking keeps it flat.
             assert extra < 2 * res[small][op] + 48 * MiB, (
-                f"{op}: peak grows with N ({res[small][op] / MiB:.0f} -> {extra / MiB:.0f} MiB)")
-        record(group="memory", case=op, n=big,
-               outcome=f"peak +{extra / MiB:.0f} MiB at N={big} (+{res[small][op] / MiB:.0f} MiB at N={small}); "
-                       f"N x N float32 = {full_matrix / MiB:.0f} MiB")
+                f"{op}: peak grows with N ({res[small][op] / MiB:.0f} -> {extra / MiB:.0f} MiB)"
+            )
+        record(
+            group="memory",
+            case=op,
+            n=big,
+            outcome=f"peak +{extra / MiB:.0f} MiB at N={big} (+{res[small][op] / MiB:.0f} MiB at N={small}); "
+            f"N x N float32 = {full_matrix / MiB:.0f} MiB",
+        )

@@ -10,7 +10,7 @@ from shiftguard.metrics import accuracy, brier, ece, nll, reliability_diagram
 def random_probs(n=500, c=6, seed=0, sharp=3.0):
     g = torch.Generator().manual_seed(seed)
     probs = torch.softmax(sharp * torch.randn(n, c, generator=g, dtype=torch.float64), 1)
-    labels = torch.multinomial(probs ** 0.7 / (probs ** 0.7).sum(1, keepdim=True), 1, generator=g).squeeze(1)
+    labels = torch.multinomial(probs**0.7 / (probs**0.7).sum(1, keepdim=True), 1, generator=g).squeeze(1)
     return probs, labels
 
 
@@ -101,7 +101,8 @@ def test_marginal_ece_of_all_classes_at_once_equals_each_class_on_its_own_also_o
     onehot = torch.nn.functional.one_hot(y, 5).bool()
     each = [calibration_error_1d(p[:, c], onehot[:, c], 15, "width", p_norm, debiased) ** p_norm for c in range(5)]
     assert ece(p, y, kind="marginal", one_vs_rest=True, p=p_norm, debiased=debiased) == pytest.approx(
-        np.mean(each) ** (1 / p_norm), rel=1e-12, abs=1e-15)
+        np.mean(each) ** (1 / p_norm), rel=1e-12, abs=1e-15
+    )
 
 
 def test_one_vs_rest_ece_uses_per_class_probabilities_without_renormalising():

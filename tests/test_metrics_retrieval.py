@@ -16,8 +16,11 @@ from shiftguard.metrics import retrieval_metrics
 def slow_reference(x, y, ks):
     """Per query: sort all other samples by distance and apply the textbook formulas."""
     n = len(y)
-    acc = ({f"recall@{k}": [] for k in ks} | {f"map@{k}": [] for k in ks}
-           | {"map@r": [], "r_precision": [], "precision@1": []})
+    acc = (
+        {f"recall@{k}": [] for k in ks}
+        | {f"map@{k}": [] for k in ks}
+        | {"map@r": [], "r_precision": [], "precision@1": []}
+    )
     for q in range(n):
         d = ((x - x[q]) ** 2).sum(1)
         d[q] = float("inf")
@@ -64,8 +67,9 @@ def test_without_r_metrics_the_k_metrics_are_unchanged(data):
 @pytest.mark.parametrize("budget", [2**25, 4096])
 def test_return_nearest_gives_each_querys_nearest_other_sample(data, budget):
     x, y = data
-    metrics, nearest = retrieval_metrics(x, y, ks=(1, 3), r_metrics=False, return_nearest=True,
-                                         memory_budget_bytes=budget)
+    metrics, nearest = retrieval_metrics(
+        x, y, ks=(1, 3), r_metrics=False, return_nearest=True, memory_budget_bytes=budget
+    )
     d = torch.cdist(x, x)
     d.fill_diagonal_(float("inf"))
     assert torch.equal(nearest, d.argmin(1))
@@ -102,8 +106,9 @@ def test_results_are_bit_identical_for_every_chunking(data, backend):
 def test_unequal_classes_and_lone_queries_match_the_slow_reference_in_small_chunks():
     g = torch.Generator().manual_seed(5)
     # one class of 150, others of 40, 9, 2 and three lone samples: chunks of very different list lengths
-    y = torch.cat([torch.full((150,), 0), torch.full((40,), 1), torch.full((9,), 2), torch.full((2,), 3),
-                   torch.tensor([4, 5, 6])])[torch.randperm(204, generator=g)]
+    y = torch.cat(
+        [torch.full((150,), 0), torch.full((40,), 1), torch.full((9,), 2), torch.full((2,), 3), torch.tensor([4, 5, 6])]
+    )[torch.randperm(204, generator=g)]
     x = torch.randn(204, 6, generator=g, dtype=torch.float64) + 0.7 * torch.nn.functional.one_hot(y, 7)[:, :6]
     ref = slow_reference(x, y, (1, 4))
     for budget in (2048, 2**14, 2**25):
@@ -117,8 +122,7 @@ def test_unequal_classes_and_lone_queries_match_the_slow_reference_in_small_chun
 
 
 @given(seed=st.integers(0, 2**31 - 1), budget=st.integers(1, 2**18), n_classes=st.integers(2, 12))
-@settings(max_examples=10, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=10, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 def test_any_memory_budget_gives_the_same_values_as_the_default(seed, budget, n_classes):
     g = torch.Generator().manual_seed(seed)
     y = torch.randint(0, n_classes, (120,), generator=g)
@@ -148,8 +152,9 @@ def test_peak_memory_stays_within_a_few_budgets_when_classes_are_large(backend, 
     if backend == "faiss":
         pytest.importorskip("faiss")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, backend, str(budget)], capture_output=True,
-                         text=True, env=env, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, backend, str(budget)], capture_output=True, text=True, env=env, check=True
+    ).stdout.split()
     extra_bytes, map_r = int(out[0]), float(out[1])
     assert 0.0 < map_r < 1.0
     # one chunk's lists, the distance block and the per-query scalars; MAP@R over whole (N, R)

@@ -95,10 +95,12 @@ def test_corruption_errors_equal_a_literal_loop_over_hendrycks_formulas():
     assert out["relative_ce"] == pytest.approx(rce, rel=1e-13)
     assert out["relative_mce"] == pytest.approx(sum(rce.values()) / 15, rel=1e-13)
     # the per-corruption sequence form, numpy rows and tensors give the same numbers
-    seq = corruption_errors({c: e_f[i].numpy() for i, c in enumerate(names)},
-                            {c: list(e_b[i].tolist()) for i, c in enumerate(names)},
-                            clean_error=torch.tensor(clean_f, dtype=torch.float64),
-                            baseline_clean_error=np.float64(clean_b))
+    seq = corruption_errors(
+        {c: e_f[i].numpy() for i, c in enumerate(names)},
+        {c: list(e_b[i].tolist()) for i, c in enumerate(names)},
+        clean_error=torch.tensor(clean_f, dtype=torch.float64),
+        baseline_clean_error=np.float64(clean_b),
+    )
     assert seq["mce"] == pytest.approx(out["mce"], rel=1e-15)
     assert seq["relative_mce"] == pytest.approx(out["relative_mce"], rel=1e-15)
 
@@ -121,8 +123,9 @@ def test_undefined_corruption_errors_are_none_and_so_is_their_mean():
 
 
 def test_relative_ce_is_none_when_the_baseline_improves_under_corruption_but_ce_is_defined():
-    out = corruption_errors({"brightness": [0.1, 0.12]}, {"brightness": [0.2, 0.21]},
-                            clean_error=0.1, baseline_clean_error=0.22)
+    out = corruption_errors(
+        {"brightness": [0.1, 0.12]}, {"brightness": [0.2, 0.21]}, clean_error=0.1, baseline_clean_error=0.22
+    )
     assert out["ce"]["brightness"] == pytest.approx(0.22 / 0.41)
     assert out["relative_ce"]["brightness"] is None
     assert out["relative_mce"] is None
@@ -133,17 +136,20 @@ def test_corruption_errors_reject_different_cells_and_list_them():
         corruption_errors({"fog": [0.1, 0.2, 0.3]}, {("fog", 1): 0.2, ("fog", 2): 0.3, ("snow", 1): 0.5})
 
 
-@pytest.mark.parametrize("kwargs, pattern", [
-    ({"errors": {"fog": [12.0]}}, r"errors: cell \('fog', 1\) = 12.0 lies outside"),
-    ({"baseline_errors": {("fog", 1): float("nan")}}, r"baseline_errors: cell \('fog', 1\) is not finite"),
-    ({"errors": [0.1, 0.2]}, "errors: expected a mapping"),
-    ({"errors": {"fog": 0.3}}, "errors: key 'fog' of a single value"),
-    ({"errors": {"fog": [[0.1, 0.2]]}}, r"errors: cell \('fog', 1\) should be one number"),
-    ({"errors": {"fog": ["high"]}}, r"errors: cell \('fog', 1\) is not a number"),
-    ({"clean_error": 0.1}, "baseline_clean_error: the relative CE needs both"),
-    ({"baseline_clean_error": 0.1}, "clean_error: the relative CE needs both"),
-    ({"clean_error": 1.5, "baseline_clean_error": 0.1}, r"clean_error = 1.5 lies outside \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"errors": {"fog": [12.0]}}, r"errors: cell \('fog', 1\) = 12.0 lies outside"),
+        ({"baseline_errors": {("fog", 1): float("nan")}}, r"baseline_errors: cell \('fog', 1\) is not finite"),
+        ({"errors": [0.1, 0.2]}, "errors: expected a mapping"),
+        ({"errors": {"fog": 0.3}}, "errors: key 'fog' of a single value"),
+        ({"errors": {"fog": [[0.1, 0.2]]}}, r"errors: cell \('fog', 1\) should be one number"),
+        ({"errors": {"fog": ["high"]}}, r"errors: cell \('fog', 1\) is not a number"),
+        ({"clean_error": 0.1}, "baseline_clean_error: the relative CE needs both"),
+        ({"baseline_clean_error": 0.1}, "clean_error: the relative CE needs both"),
+        ({"clean_error": 1.5, "baseline_clean_error": 0.1}, r"clean_error = 1.5 lies outside \[0, 1\]"),
+    ],
+)
 def test_corruption_errors_reject_bad_input_naming_the_argument(kwargs, pattern):
     args = {"errors": {"fog": [0.1]}, "baseline_errors": {"fog": [0.2]}, **kwargs}
     with pytest.raises((ValueError, TypeError), match=pattern):
@@ -165,8 +171,9 @@ def test_bootstrap_ci_is_the_percentile_interval_of_the_statistic_on_resampled_i
     est, lo, hi = bootstrap_ci(stat, 12, n_boot=200, level=0.8, seed=3)
     assert est == float(values.mean()) and seen[0].tolist() == list(range(12))
     assert len(seen) == 201
-    assert all(i.dtype == torch.int64 and i.shape == (12,) and 0 <= int(i.min()) and int(i.max()) < 12
-               for i in seen[1:])
+    assert all(
+        i.dtype == torch.int64 and i.shape == (12,) and 0 <= int(i.min()) and int(i.max()) < 12 for i in seen[1:]
+    )
     # percentile method, linear interpolation between order statistics (numpy's default)
     assert (lo, hi) == pytest.approx(tuple(np.percentile(reps[1:], [10, 90])), abs=1e-15)
 
@@ -203,8 +210,13 @@ def test_bootstrap_ece_ci_uses_the_same_resamples_as_bootstrap_ci_over_ece(m, n,
     def pooled_ece(idx):
         return ece(probs[:, idx].reshape(-1, 4), labels[idx].repeat(m), n_bins=n_bins, kind="top-label")
 
-    fast = bootstrap_ece_ci(conf.squeeze(0) if m == 1 else conf, correct.squeeze(0) if m == 1 else correct,
-                            n_bins=n_bins, n_boot=200, seed=5)
+    fast = bootstrap_ece_ci(
+        conf.squeeze(0) if m == 1 else conf,
+        correct.squeeze(0) if m == 1 else correct,
+        n_bins=n_bins,
+        n_boot=200,
+        seed=5,
+    )
     slow = bootstrap_ci(pooled_ece, n, n_boot=200, seed=5)
     assert fast[0] == slow[0]  # the estimate is exactly shiftguard.metrics.ece on the pooled pairs
     assert fast == pytest.approx(slow, abs=1e-12)
@@ -247,24 +259,29 @@ def test_bootstrap_is_seeded_and_independent_of_the_global_rng():
     assert bootstrap_mean_ci(v, seed=43) != a
 
 
-@pytest.mark.parametrize("call, pattern", [
-    (lambda: bootstrap_mean_ci(torch.rand(2, 3, 4)), "values: expected 1 or 2 dimensions"),
-    (lambda: bootstrap_mean_ci(torch.tensor([0.5, float("nan")])), "values: contains non-finite"),
-    (lambda: bootstrap_mean_ci(torch.zeros(0)), "values: expected a non-empty"),
-    (lambda: bootstrap_mean_ci(torch.rand(5), level=1.0), "level: expected a number strictly between"),
-    (lambda: bootstrap_mean_ci(torch.rand(5), n_boot=0), "n_boot: expected a positive"),
-    (lambda: bootstrap_mean_ci(torch.rand(5), seed=1.5), "seed: expected an int"),
-    (lambda: bootstrap_ece_ci(torch.tensor([0.5, 1.2]), torch.tensor([1, 0])), r"confidence: values must lie"),
-    (lambda: bootstrap_ece_ci(torch.tensor([0.5, 0.7]), torch.tensor([1, 2])), "correct: expected booleans"),
-    (lambda: bootstrap_ece_ci(torch.rand(2, 5), torch.ones(5)), "correct: expected the shape of confidence"),
-    (lambda: bootstrap_ece_ci(torch.tensor([1, 0]), torch.tensor([1, 0])), "confidence: expected a floating"),
-    (lambda: bootstrap_ece_ci(torch.rand(5), torch.ones(5), n_bins=0), "n_bins: expected a positive"),
-    (lambda: bootstrap_ci(lambda idx: float("nan") if len(set(idx.tolist())) < 4 else 0.0, 4),
-     r"statistic: returned nan on resample \d+"),
-    (lambda: bootstrap_ci(lambda idx: "x", 4), "statistic: returned str on the full sample"),
-    (lambda: bootstrap_ci(1.0, 4), "statistic: expected a callable"),
-    (lambda: bootstrap_ci(lambda idx: 0.0, 0), "n: expected a positive"),
-])
+@pytest.mark.parametrize(
+    "call, pattern",
+    [
+        (lambda: bootstrap_mean_ci(torch.rand(2, 3, 4)), "values: expected 1 or 2 dimensions"),
+        (lambda: bootstrap_mean_ci(torch.tensor([0.5, float("nan")])), "values: contains non-finite"),
+        (lambda: bootstrap_mean_ci(torch.zeros(0)), "values: expected a non-empty"),
+        (lambda: bootstrap_mean_ci(torch.rand(5), level=1.0), "level: expected a number strictly between"),
+        (lambda: bootstrap_mean_ci(torch.rand(5), n_boot=0), "n_boot: expected a positive"),
+        (lambda: bootstrap_mean_ci(torch.rand(5), seed=1.5), "seed: expected an int"),
+        (lambda: bootstrap_ece_ci(torch.tensor([0.5, 1.2]), torch.tensor([1, 0])), r"confidence: values must lie"),
+        (lambda: bootstrap_ece_ci(torch.tensor([0.5, 0.7]), torch.tensor([1, 2])), "correct: expected booleans"),
+        (lambda: bootstrap_ece_ci(torch.rand(2, 5), torch.ones(5)), "correct: expected the shape of confidence"),
+        (lambda: bootstrap_ece_ci(torch.tensor([1, 0]), torch.tensor([1, 0])), "confidence: expected a floating"),
+        (lambda: bootstrap_ece_ci(torch.rand(5), torch.ones(5), n_bins=0), "n_bins: expected a positive"),
+        (
+            lambda: bootstrap_ci(lambda idx: float("nan") if len(set(idx.tolist())) < 4 else 0.0, 4),
+            r"statistic: returned nan on resample \d+",
+        ),
+        (lambda: bootstrap_ci(lambda idx: "x", 4), "statistic: returned str on the full sample"),
+        (lambda: bootstrap_ci(1.0, 4), "statistic: expected a callable"),
+        (lambda: bootstrap_ci(lambda idx: 0.0, 0), "n: expected a positive"),
+    ],
+)
 def test_bootstrap_rejects_bad_input_naming_the_argument(call, pattern):
     with pytest.raises((ValueError, TypeError), match=pattern):
         call()

@@ -24,12 +24,15 @@ def _grads(module):
     return [p.grad.clone() for p in module.parameters()]
 
 
-@pytest.mark.parametrize("make_loss", [
-    lambda: RecallAtKSurrogate(k=(1, 2, 4), tau2=0.05),
-    lambda: SmoothAPLoss(0.05),
-    lambda: DRLoss().double(),
-    lambda: ProxyDRLoss(4, 5).double(),
-])
+@pytest.mark.parametrize(
+    "make_loss",
+    [
+        lambda: RecallAtKSurrogate(k=(1, 2, 4), tau2=0.05),
+        lambda: SmoothAPLoss(0.05),
+        lambda: DRLoss().double(),
+        lambda: ProxyDRLoss(4, 5).double(),
+    ],
+)
 @pytest.mark.parametrize("chunk", [1, 5, 24])
 def test_multistage_gradients_equal_full_batch_gradients(make_loss, chunk):
     x, y = _data()

@@ -41,13 +41,23 @@ def test_every_spelling_of_a_corruption_resolves_to_its_registered_name(spelling
 
 
 def test_suites_heads_and_arms_follow_the_same_rule():
-    assert [C.canonical_suite(s) for s in ("MNIST_C", "mnist c", "Cifar-C-Extra")] == ["mnist-c", "mnist-c",
-                                                                                        "cifar-c-extra"]
+    assert [C.canonical_suite(s) for s in ("MNIST_C", "mnist c", "Cifar-C-Extra")] == [
+        "mnist-c",
+        "mnist-c",
+        "cifar-c-extra",
+    ]
     assert C.names("CIFAR C") == C.names("cifar-c")
     assert [canonical_head(h) for h in ("Distance Ratio", "DISTANCE-RATIO", "1 NN", "Softmax")] == [
-        "distance_ratio", "distance_ratio", "1nn", "softmax"]
+        "distance_ratio",
+        "distance_ratio",
+        "1nn",
+        "softmax",
+    ]
     assert [AdaptSpec.parse(a).label for a in ("BN_Batch", "bn batch", "Tent:steps=2")] == [
-        "bn-batch", "bn-batch", "tent:steps=2"]
+        "bn-batch",
+        "bn-batch",
+        "tent:steps=2",
+    ]
     assert AdaptSpec("BN", prior=4).name == "bn"
 
 
@@ -56,13 +66,16 @@ def test_one_arm_in_two_spellings_is_listed_twice():
         adapt_specs(["bn-batch", "BN batch"])
 
 
-@pytest.mark.parametrize("lookup, argument", [
-    (lambda: C.canonical_name("motion blr"), "name"),
-    (lambda: C.canonical_name("zoom blur", "mnist-c", argument="corruptions"), "corruptions"),
-    (lambda: C.canonical_suite("imagenet c"), "suite"),
-    (lambda: canonical_head("distance ratios"), "heads"),
-    (lambda: AdaptSpec.parse("bn batches"), "adapt"),
-])
+@pytest.mark.parametrize(
+    "lookup, argument",
+    [
+        (lambda: C.canonical_name("motion blr"), "name"),
+        (lambda: C.canonical_name("zoom blur", "mnist-c", argument="corruptions"), "corruptions"),
+        (lambda: C.canonical_suite("imagenet c"), "suite"),
+        (lambda: canonical_head("distance ratios"), "heads"),
+        (lambda: AdaptSpec.parse("bn batches"), "adapt"),
+    ],
+)
 def test_an_unknown_name_is_one_line_naming_the_argument_and_the_valid_names(lookup, argument):
     with pytest.raises(ValueError) as info:
         lookup()
@@ -105,10 +118,12 @@ def model():
 
 def test_evaluate_rows_are_identical_whatever_the_spelling(model):
     kw = dict(support=_data(60, seed=1), severities=[2], n_boot=10)
-    ref = shiftguard.evaluate(model, _data(), suite="mnist-c", corruptions=["motion_blur", "fog"],
-                              heads=["softmax", "distance_ratio"], **kw)
-    res = shiftguard.evaluate(model, _data(), suite="MNIST C", corruptions=["Motion-Blur", "FOG"],
-                              heads=["Softmax", "Distance Ratio"], **kw)
+    ref = shiftguard.evaluate(
+        model, _data(), suite="mnist-c", corruptions=["motion_blur", "fog"], heads=["softmax", "distance_ratio"], **kw
+    )
+    res = shiftguard.evaluate(
+        model, _data(), suite="MNIST C", corruptions=["Motion-Blur", "FOG"], heads=["Softmax", "Distance Ratio"], **kw
+    )
     assert res.rows == ref.rows
     assert {r["corruption"] for r in res.rows} == {"clean", "motion_blur", "fog"}
     assert {r["head"] for r in res.rows} == {"softmax", "distance_ratio"}
@@ -116,10 +131,13 @@ def test_evaluate_rows_are_identical_whatever_the_spelling(model):
     assert res.results["data"]["corruptions"] == ["motion_blur", "fog"]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(corruptions=["Fog", "fog"]), "corruptions: listed more than once: 'fog'"),
-    (dict(heads=["softmax", "SOFTMAX"]), "heads: listed more than once: 'softmax'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(corruptions=["Fog", "fog"]), "corruptions: listed more than once: 'fog'"),
+        (dict(heads=["softmax", "SOFTMAX"]), "heads: listed more than once: 'softmax'"),
+    ],
+)
 def test_evaluate_finds_a_repeat_across_spellings(model, kwargs, match):
     kw = {**dict(heads=["softmax"], corruptions=["fog"], severities=[1]), **kwargs}
     with pytest.raises(ValueError, match=match):
@@ -143,10 +161,13 @@ def test_a_config_records_registered_names():
     assert cfg.models[0].heads == ["softmax", "distance_ratio"]
 
 
-@pytest.mark.parametrize("corruptions, match", [
-    (["Fog", "fog"], r"key data\.corruptions must list each corruption once \('fog' repeated\)"),
-    (["zoom blur"], r"key data\.corruptions has unknown corruption 'zoom blur' for suite 'mnist-c'"),
-])
+@pytest.mark.parametrize(
+    "corruptions, match",
+    [
+        (["Fog", "fog"], r"key data\.corruptions must list each corruption once \('fog' repeated\)"),
+        (["zoom blur"], r"key data\.corruptions has unknown corruption 'zoom blur' for suite 'mnist-c'"),
+    ],
+)
 def test_a_config_refuses_repeats_and_unknown_names_in_one_line(corruptions, match):
     with pytest.raises(ValueError, match=match) as info:
         config_from_dict(_raw(corruptions=corruptions))
@@ -167,15 +188,25 @@ def test_every_list_option_of_every_subcommand_takes_spaces_and_commas(command):
             assert isinstance(action, ListAction), f"shiftguard {command} {action.option_strings[0]}"
 
 
-@pytest.mark.parametrize("command, flag", [("evaluate", "--corruptions"), ("corrupt", "--corruptions"),
-                                           ("evaluate", "--heads"), ("evaluate", "--conformal"),
-                                           ("run", "--conformal"), ("corrupt", "--split")])
+@pytest.mark.parametrize(
+    "command, flag",
+    [
+        ("evaluate", "--corruptions"),
+        ("corrupt", "--corruptions"),
+        ("evaluate", "--heads"),
+        ("evaluate", "--conformal"),
+        ("run", "--conformal"),
+        ("corrupt", "--split"),
+    ],
+)
 def test_space_and_comma_separated_values_give_the_same_list(command, flag):
     parser = _parser(command)
     required = {"evaluate": ["--model", "m:f", "--out", "o"], "corrupt": ["--out", "o"]}.get(command, [])
     dest = flag.lstrip("-").replace("-", "_")
-    lists = [getattr(parser.parse_args([*required, flag, *values]), dest)
-             for values in (["fog", "zoom-blur"], ["fog,zoom-blur"], ["fog,", "zoom-blur"], ["fog, zoom-blur"])]
+    lists = [
+        getattr(parser.parse_args([*required, flag, *values]), dest)
+        for values in (["fog", "zoom-blur"], ["fog,zoom-blur"], ["fog,", "zoom-blur"], ["fog, zoom-blur"])
+    ]
     assert lists == [["fog", "zoom-blur"]] * 4
 
 
@@ -191,7 +222,10 @@ def test_integer_lists_and_arm_options_split_the_same_way():
     assert evaluate.parse_args(["--model", "m:f", "--out", "o", "--severities", "1,3", "5"]).severities == [1, 3, 5]
     run = _parser("run")
     assert run.parse_args(["--adapt", "none,tent:lr=0.001,steps=2", "bn:prior=16"]).adapt == [
-        "none", "tent:lr=0.001,steps=2", "bn:prior=16"]
+        "none",
+        "tent:lr=0.001,steps=2",
+        "bn:prior=16",
+    ]
     assert run.parse_args(["--adapt", "none", "tent:lr=0.001,steps=2"]).adapt == ["none", "tent:lr=0.001,steps=2"]
 
 
@@ -201,8 +235,24 @@ def test_suite_choices_take_any_spelling():
 
 
 def test_corrupt_writes_registered_names_and_a_log_without_carriage_returns(tmp_path, capsys):
-    rc = cli(["corrupt", "--dataset", "mnist-embedded", "--out", str(tmp_path), "--limit", "8", "--threads", "1",
-              "--corruptions", "Motion Blur,FOG", "--severities", "2", "4"])
+    rc = cli(
+        [
+            "corrupt",
+            "--dataset",
+            "mnist-embedded",
+            "--out",
+            str(tmp_path),
+            "--limit",
+            "8",
+            "--threads",
+            "1",
+            "--corruptions",
+            "Motion Blur,FOG",
+            "--severities",
+            "2",
+            "4",
+        ]
+    )
     assert rc == 0
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["corruptions"] == ["motion_blur", "fog"] and manifest["severities"] == [2, 4]
@@ -241,9 +291,24 @@ def test_missing_data_is_one_line_of_command_line_advice(tmp_path, monkeypatch, 
 @pytest.mark.parametrize("command", ["gallery", "corrupt"])
 def test_gallery_and_corrupt_read_shiftguard_data_as_run_does(mnist_dir, tmp_path, monkeypatch, capsys, command):
     monkeypatch.setenv("SHIFTGUARD_DATA", str(mnist_dir.parent))
-    argv = ([command, "--dataset", "mnist", "--out", str(tmp_path / "g.png"), "--dpi", "20"] if command == "gallery"
-            else [command, "--dataset", "mnist", "--out", str(tmp_path), "--limit", "4", "--corruptions", "fog",
-                  "--severities", "1", "--no-progress"])
+    argv = (
+        [command, "--dataset", "mnist", "--out", str(tmp_path / "g.png"), "--dpi", "20"]
+        if command == "gallery"
+        else [
+            command,
+            "--dataset",
+            "mnist",
+            "--out",
+            str(tmp_path),
+            "--limit",
+            "4",
+            "--corruptions",
+            "fog",
+            "--severities",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert cli(argv) == 0, capsys.readouterr().err
 
 

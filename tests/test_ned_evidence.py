@@ -83,7 +83,7 @@ def _run_experiment(data_dir):
     for _ in range(2):
         order = torch.randperm(len(y_fit), generator=g)
         for i in range(0, len(order), 100):
-            b = order[i:i + 100]
+            b = order[i : i + 100]
             loss = F.cross_entropy(net(x_fit[b]), y_fit[b])
             opt.zero_grad()
             loss.backward()

@@ -43,8 +43,12 @@ def test_index_search_returns_exactly_what_knn_search_returns(backend):
     s, q = data(), data(n=90, seed=3)
     index = KNNIndex(s, backend)
     for chunk in (None, 7):
-        assert all(torch.equal(a, b) for a, b in zip(index.search(q, 4, chunk_size=chunk),
-                                                      knn_search(q, s, 4, backend=backend, chunk_size=chunk)))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(
+                index.search(q, 4, chunk_size=chunk), knn_search(q, s, 4, backend=backend, chunk_size=chunk)
+            )
+        )
     rows = torch.arange(100, 160)
     got = index.search(s[rows], 3, exclude=rows, chunk_size=default_chunk_size(600))
     want = knn_search(s[rows], s, 3, backend=backend, exclude=rows)
@@ -56,13 +60,16 @@ def test_index_search_of_an_empty_query_is_empty():
     assert d.shape == i.shape == (0, 2) and i.dtype == torch.int64
 
 
-@pytest.mark.parametrize("exclude, exc, text", [
-    (torch.tensor([0, 1]), ValueError, "one support row per query"),
-    (torch.tensor([0, 1, 600]), ValueError, "[0, 600)"),
-    (torch.tensor([0, -1, 2]), ValueError, "[0, 600)"),
-    (torch.tensor([0.0, 1.0, 2.0]), TypeError, "integer"),
-    (torch.tensor([[0, 1, 2]]), ValueError, "dimensions"),
-])
+@pytest.mark.parametrize(
+    "exclude, exc, text",
+    [
+        (torch.tensor([0, 1]), ValueError, "one support row per query"),
+        (torch.tensor([0, 1, 600]), ValueError, "[0, 600)"),
+        (torch.tensor([0, -1, 2]), ValueError, "[0, 600)"),
+        (torch.tensor([0.0, 1.0, 2.0]), TypeError, "integer"),
+        (torch.tensor([[0, 1, 2]]), ValueError, "dimensions"),
+    ],
+)
 def test_bad_exclude_is_refused_naming_it(exclude, exc, text):
     s = data()
     with pytest.raises(exc, match="^exclude") as info:

@@ -37,9 +37,13 @@ def test_matches_a_literal_sort_of_every_row_with_many_ties(dtype, k):
 
 
 def test_inf_and_nan_rank_last_nan_after_inf():
-    block = torch.tensor([[float("nan"), 3.0, float("inf"), float("nan"), 1.0, float("inf"), -2.0],
-                          [float("nan")] * 3 + [float("inf"), 5.0] + [float("nan")] * 2,
-                          [float("nan")] * 7])
+    block = torch.tensor(
+        [
+            [float("nan"), 3.0, float("inf"), float("nan"), 1.0, float("inf"), -2.0],
+            [float("nan")] * 3 + [float("inf"), 5.0] + [float("nan")] * 2,
+            [float("nan")] * 7,
+        ]
+    )
     for k in range(1, 8):
         assert_same(smallest_k(block, k), literal_smallest_k(block, k))
     assert smallest_k(block, 3)[1].tolist()[0] == [6, 4, 1]

@@ -24,8 +24,13 @@ from shiftguard.losses.probabilistic import split_vmf
 from shiftguard.metrics.retrieval import retrieval_metrics
 from shiftguard.nn import QuantileActivation, QuantileClassifier
 
-_COMMON = dict(deadline=None, derandomize=True, database=None, phases=(Phase.explicit, Phase.generate),
-               suppress_health_check=[HealthCheck.too_slow])
+_COMMON = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow],
+)
 FEW = settings(max_examples=8, **_COMMON)
 
 #: decimal exponents of the scales tried (1e-30 .. 1e30)
@@ -58,7 +63,7 @@ def test_distance_ratio_head_is_finite_and_scale_invariant(exp10):
     x, y = _blobs()
     q, _ = _blobs(n=15, seed=1)
     ref = DistanceRatioHead().fit(x, y).predict_proba(q)
-    scale = 10.0 ** exp10
+    scale = 10.0**exp10
     head = DistanceRatioHead().fit(x * scale, y)
     p = head.predict_proba(q * scale)
     assert torch.isfinite(p).all()
@@ -72,7 +77,7 @@ def test_ned_is_finite_and_scale_invariant(exp10):
     x, y = _blobs()
     q, _ = _blobs(n=15, seed=1)
     base = NED(k=5).fit(x, y)
-    scale = 10.0 ** exp10
+    scale = 10.0**exp10
     head = NED(k=5).fit(x * scale, y)
     p = head.predict_proba(q * scale)
     assert np.isfinite(head.temperature_) and head.temperature_ > 0
@@ -133,7 +138,7 @@ LOSSES = {
 @given(exp10=EXPONENTS)
 def test_losses_finite_or_refuse_naming_embeddings(name, exp10):
     x, y = _blobs(n=12)
-    out = _finite_or_names_embeddings(lambda: _loss_and_grad(LOSSES[name], x * 10.0 ** exp10, y))
+    out = _finite_or_names_embeddings(lambda: _loss_and_grad(LOSSES[name], x * 10.0**exp10, y))
     if out is not None:
         loss, grad = out
         assert torch.isfinite(loss), (name, exp10)
@@ -183,7 +188,7 @@ def test_split_vmf_large_rows_gradcheck():
     """kappa and mu of rows beyond the squaring range (float64 ~1e154) have exact gradients."""
     torch.manual_seed(0)
     u = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    big = 2.0 ** 600
+    big = 2.0**600
     assert torch.autograd.gradcheck(lambda t: split_vmf(t * big)[0], (u,))
     assert torch.autograd.gradcheck(lambda t: split_vmf(t * big)[1] / big, (u,))
 
@@ -191,7 +196,7 @@ def test_split_vmf_large_rows_gradcheck():
 def test_normalize_rows_tiny_rows_gradcheck_and_unit_length():
     torch.manual_seed(0)
     u = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    tiny = 2.0 ** -200
+    tiny = 2.0**-200
     assert torch.autograd.gradcheck(lambda t: normalize_rows(t * tiny), (u,))
     out = normalize_rows(torch.randn(5, 4) * 1e-30)
     torch.testing.assert_close(out.norm(dim=1), torch.ones(5))

@@ -35,8 +35,9 @@ def test_a_load_that_cannot_be_measured_counts_as_busy(monkeypatch):
     assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
-@pytest.mark.parametrize("user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"},
-                                  {"OMP_WAIT_POLICY": "passive"}])
+@pytest.mark.parametrize(
+    "user", [{"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "0"}, {"OMP_WAIT_POLICY": "passive"}]
+)
 @pytest.mark.parametrize("load", [0.0, 2.0])
 def test_the_users_own_setting_stands(user, load):
     env = dict(user)
@@ -54,8 +55,12 @@ def _stat(cpu0, cpu1) -> str:
     # user nice system idle iowait irq softirq steal guest guest_nice
     line = "cpu{} {} 0 {} {} {} 0 0 0 0 0\n"
     total = [a + b for a, b in zip(cpu0, cpu1)]
-    return (line.format("", *total).replace("cpu ", "cpu  ", 1) + line.format(0, *cpu0) + line.format(1, *cpu1)
-            + "intr 12345 0 0\nctxt 999\n")
+    return (
+        line.format("", *total).replace("cpu ", "cpu  ", 1)
+        + line.format(0, *cpu0)
+        + line.format(1, *cpu1)
+        + "intr 12345 0 0\nctxt 999\n"
+    )
 
 
 def test_busy_cores_reads_other_processes_work_on_the_allowed_cpus(monkeypatch, tmp_path):
@@ -85,8 +90,10 @@ def test_busy_cores_is_none_where_the_load_cannot_be_read(monkeypatch, tmp_path)
     assert _openmp.busy_cores(stat_path=str(path)) is None
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/stat") or not hasattr(os, "sched_getaffinity"),
-                    reason="the cores' load is read from Linux's /proc/stat")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/stat") or not hasattr(os, "sched_getaffinity"),
+    reason="the cores' load is read from Linux's /proc/stat",
+)
 def test_busy_cores_measures_this_machine():
     load = _openmp.busy_cores(window_s=0.05)
     assert load is not None and 0.0 <= load <= len(os.sched_getaffinity(0))
@@ -106,8 +113,9 @@ print("torch" in sys.modules, os.environ.get("OMP_WAIT_POLICY"), os.environ.get(
 @pytest.mark.parametrize("user", [{}, {"OMP_WAIT_POLICY": "ACTIVE"}])
 def test_the_command_line_chooses_before_torch_is_imported(user):
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-    out = subprocess.run([sys.executable, "-c", _CHILD], env={**env, **user}, capture_output=True, text=True,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], env={**env, **user}, capture_output=True, text=True, check=True
+    )
     imported, policy, spin = out.stdout.strip().splitlines()[-1].split()
     assert imported == "True"  # the command's module imported torch after the choice
     if user:

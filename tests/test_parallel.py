@@ -14,8 +14,11 @@ import torch
 
 from shiftguard import _parallel as P
 
-OPENMP_HERE = (os.path.exists("/proc/self/maps") and "parallel backend: OpenMP" in torch.__config__.parallel_info()
-               and os.environ.get("SHIFTGUARD_THREADS", "").strip().lower() != "pool")
+OPENMP_HERE = (
+    os.path.exists("/proc/self/maps")
+    and "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    and os.environ.get("SHIFTGUARD_THREADS", "").strip().lower() != "pool"
+)
 
 
 @pytest.fixture(params=["default", "pool"])

@@ -114,7 +114,7 @@ def test_second_derivative_equals_max_pool2ds():
     for fn in (max_pool2x2, lambda t: F.max_pool2d(t, 2)):
         a = x.clone().requires_grad_()
         g = torch.autograd.grad((fn(a) ** 2).sum(), a, create_graph=True)[0]
-        grads.append((g, torch.autograd.grad((g ** 3).sum(), a)[0]))
+        grads.append((g, torch.autograd.grad((g**3).sum(), a)[0]))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
@@ -132,7 +132,7 @@ def test_without_numba_the_gradient_path_is_max_pool2d(monkeypatch):
 def test_applies_only_to_float_cpu_4d_of_two_pixels_or_more():
     assert max_pool2x2_applies(torch.zeros(1, 1, 2, 2))
     assert max_pool2x2_applies(torch.zeros(1, 1, 2, 2, dtype=torch.float64))
-    assert not max_pool2x2_applies(torch.zeros(1, 2, 2))                       # 3-D
+    assert not max_pool2x2_applies(torch.zeros(1, 2, 2))  # 3-D
     assert not max_pool2x2_applies(torch.zeros(1, 1, 2, 2, dtype=torch.bfloat16))
     assert not max_pool2x2_applies(torch.zeros(1, 1, 1, 4))
     # and whatever it does not apply to is max_pool2d's: the same result, errors included
@@ -150,16 +150,19 @@ def test_warm_up_checks_dtypes_and_compiles():
         pool.warm_up((torch.int64,))
 
 
-@pytest.mark.parametrize("kwargs, shape, fast", [
-    ({"kernel_size": 2}, (2, 3, 8, 8), True),
-    ({"kernel_size": (2, 2), "stride": 2}, (2, 3, 7, 9), True),
-    ({"kernel_size": 2, "ceil_mode": True}, (2, 3, 8, 6), True),
-    ({"kernel_size": 2, "ceil_mode": True}, (2, 3, 7, 7), False),   # ceil and floor differ
-    ({"kernel_size": 2, "stride": 1}, (2, 3, 8, 8), False),
-    ({"kernel_size": 2, "padding": 1}, (2, 3, 8, 8), False),
-    ({"kernel_size": 3}, (2, 3, 9, 9), False),
-    ({"kernel_size": 2, "dilation": 2}, (2, 3, 9, 9), False),
-])
+@pytest.mark.parametrize(
+    "kwargs, shape, fast",
+    [
+        ({"kernel_size": 2}, (2, 3, 8, 8), True),
+        ({"kernel_size": (2, 2), "stride": 2}, (2, 3, 7, 9), True),
+        ({"kernel_size": 2, "ceil_mode": True}, (2, 3, 8, 6), True),
+        ({"kernel_size": 2, "ceil_mode": True}, (2, 3, 7, 7), False),  # ceil and floor differ
+        ({"kernel_size": 2, "stride": 1}, (2, 3, 8, 8), False),
+        ({"kernel_size": 2, "padding": 1}, (2, 3, 8, 8), False),
+        ({"kernel_size": 3}, (2, 3, 9, 9), False),
+        ({"kernel_size": 2, "dilation": 2}, (2, 3, 9, 9), False),
+    ],
+)
 def test_module_takes_the_fast_path_only_where_torchs_result_is_the_same(monkeypatch, kwargs, shape, fast):
     calls = []
     real = max_pool2x2
@@ -181,8 +184,17 @@ def test_module_with_indices_is_torchs():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-@pytest.mark.parametrize("size, shape", [(5, (2, 3, 5, 5)), ((5, None), (2, 3, 5, 7)), (1, (2, 4, 1, 1)),
-                                         (5, (2, 3, 6, 6)), (1, (2, 4, 3, 3)), ((None, 2), (3, 5, 4))])
+@pytest.mark.parametrize(
+    "size, shape",
+    [
+        (5, (2, 3, 5, 5)),
+        ((5, None), (2, 3, 5, 7)),
+        (1, (2, 4, 1, 1)),
+        (5, (2, 3, 6, 6)),
+        (1, (2, 4, 3, 3)),
+        ((None, 2), (3, 5, 4)),
+    ],
+)
 def test_adaptive_pool_equals_torchs(size, shape):
     x = torch.randn(shape).requires_grad_()
     y = x.detach().clone().requires_grad_()
@@ -219,10 +231,10 @@ def test_lenet_trains_exactly_as_with_torchs_pools(activation):
     assert not any(isinstance(m, (MaxPool2d, AdaptiveAvgPool2d)) for m in theirs.modules())
     gen = torch.Generator().manual_seed(3)
     x = torch.rand(5, 32, 1, 28, 28, generator=gen)
-    x[..., :4, :] = 0.0   # blank rows: tied windows
+    x[..., :4, :] = 0.0  # blank rows: tied windows
     y = torch.randint(0, 10, (5, 32), generator=gen)
     for model in (ours, theirs):
-        torch.manual_seed(1)   # QACT's KDE draws
+        torch.manual_seed(1)  # QACT's KDE draws
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model.train()
         for xb, yb in zip(x, y):

@@ -59,9 +59,13 @@ def assert_grad_is_exact_kde(grad: torch.Tensor, g: torch.Tensor, x: torch.Tenso
 @pytest.mark.parametrize("bad", [0, -0.5, float("nan"), float("inf"), "0.5", True, torch.tensor(0.5)])
 def test_bandwidth_must_be_a_positive_finite_number_or_none(bad):
     x = torch.randn(8, 3)
-    for call in (lambda: QuantileActivation(bandwidth=bad), lambda: QACTBlock(3, bandwidth=bad),
-                 lambda: quantile_activation(x, bandwidth=bad), lambda: qact_statistics(x.T, bandwidth=bad),
-                 lambda: convert_activations(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), bandwidth=bad)):
+    for call in (
+        lambda: QuantileActivation(bandwidth=bad),
+        lambda: QACTBlock(3, bandwidth=bad),
+        lambda: quantile_activation(x, bandwidth=bad),
+        lambda: qact_statistics(x.T, bandwidth=bad),
+        lambda: convert_activations(nn.Sequential(nn.Linear(3, 3), nn.ReLU()), bandwidth=bad),
+    ):
         with pytest.raises(ValueError, match="^bandwidth: expected a positive finite number or None"):
             call()
 
@@ -241,8 +245,9 @@ def test_user_factory_gets_activation_kwargs_through_the_conversion(monkeypatch)
     module.plain = lambda: nn.Sequential(nn.Flatten(), nn.Linear(16, 6), nn.ReLU(), nn.Linear(6, 2))
     monkeypatch.setitem(sys.modules, "bandwidth_factories", module)
     x = torch.randn(2, 1, 4, 4)
-    model = build_model("bandwidth_factories:plain", activation="qact", example_input=x,
-                        activation_kwargs={"bandwidth": H})
+    model = build_model(
+        "bandwidth_factories:plain", activation="qact", example_input=x, activation_kwargs={"bandwidth": H}
+    )
     assert [m.bandwidth for m in model.modules() if isinstance(m, QuantileActivation)] == [H]
     with pytest.raises(ValueError, match="activation 'bn-relu-bn': kwargs:"):
         build_model("bandwidth_factories:plain", activation="bn-relu-bn", activation_kwargs={"bandwidth": H})

@@ -16,8 +16,9 @@ from shiftguard.functional import _qact_cpu as K
 from shiftguard.functional import kde
 from shiftguard.nn import QuantileActivation
 
-pytestmark = pytest.mark.skipif(not K.AVAILABLE,
-                                reason="numba is not installed: QACT runs on the eager torch path only")
+pytestmark = pytest.mark.skipif(
+    not K.AVAILABLE, reason="numba is not installed: QACT runs on the eager torch path only"
+)
 
 # kernel taps of the default grid: 2 * ceil(truncate * points_per_bandwidth) + 1 (kde.py)
 _N_TAPS = 2 * math.ceil(kde.TRUNCATE * kde.POINTS_PER_BANDWIDTH) + 1
@@ -32,8 +33,10 @@ def _contexts():
     yield "negative", -g.random((30, 2, 1)) - 0.5
     yield "constant", np.full((20, 2, 2), 0.7)
     yield "one sample", g.standard_normal((1, 5, 1))
-    yield "beyond c", np.concatenate([g.standard_normal((10, 2, 1)), np.full((2, 2, 1), 250.0),
-                                      np.full((1, 2, 1), -250.0)])
+    yield (
+        "beyond c",
+        np.concatenate([g.standard_normal((10, 2, 1)), np.full((2, 2, 1), 250.0), np.full((1, 2, 1), -250.0)]),
+    )
     yield "zeros", np.concatenate([np.zeros((10, 3, 1)), -np.zeros((5, 3, 1)), g.standard_normal((10, 3, 1))])
 
 
@@ -76,8 +79,12 @@ def test_quantiles_equal_the_eager_implementation(case, brackets, monkeypatch):
         monkeypatch.setattr(K.quantiles, "_BRACKETS_MAX_ROW", 0)
     _, x3 = case
     ctx = K.sorted_grounded_context(np.ascontiguousarray(x3), 100.0)
-    want_ctx = np.sort(np.concatenate([x3.transpose(1, 0, 2).reshape(x3.shape[1], -1),
-                                       np.tile([-100.0, 100.0], (x3.shape[1], 1))], axis=1), axis=1)
+    want_ctx = np.sort(
+        np.concatenate(
+            [x3.transpose(1, 0, 2).reshape(x3.shape[1], -1), np.tile([-100.0, 100.0], (x3.shape[1], 1))], axis=1
+        ),
+        axis=1,
+    )
     np.testing.assert_array_equal(ctx, want_ctx)
     for n_tau in (100, 7, 1):
         got = K.grounded_quantiles(ctx, n_tau)
@@ -197,8 +204,9 @@ def _reference_draws(row: np.ndarray, channel: int, n_samples: int, seed: int) -
     return out
 
 
-@pytest.mark.parametrize("case", list(_contexts()) + [("long", np.random.default_rng(3).standard_normal((9000, 2, 1)))],
-                         ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    "case", list(_contexts()) + [("long", np.random.default_rng(3).standard_normal((9000, 2, 1)))], ids=lambda c: c[0]
+)
 def test_samples_equal_the_reference_draws(case):
     # covers the tally read-out (an entry drawn more than 4 times: the +-c of one-sided channels)
     # and, for contexts longer than 8 S ("long"), the draws found one by one; the eager code's
@@ -293,13 +301,14 @@ def test_grid_equals_the_eager_grid():
     samples, bw = K.grounded_samples(ctx, 1000, seed=3)
     xmin, xmax = x3.min(axis=(0, 2)), x3.max(axis=(0, 2))
     grid, lo, delta, n_grid = K.kde_grid(samples, bw, xmin, xmax)
-    eg, elo, edelta = kde.kde_grid(torch.from_numpy(samples), torch.from_numpy(bw), torch.from_numpy(xmin),
-                                   torch.from_numpy(xmax))
+    eg, elo, edelta = kde.kde_grid(
+        torch.from_numpy(samples), torch.from_numpy(bw), torch.from_numpy(xmin), torch.from_numpy(xmax)
+    )
     np.testing.assert_allclose(lo, elo.numpy(), rtol=1e-14)
     np.testing.assert_allclose(delta, edelta.numpy(), rtol=1e-14)
     for c in range(5):
         peak = 1 / (np.sqrt(2 * np.pi) * bw[c])
-        np.testing.assert_allclose(grid[c, :n_grid[c]], eg[c, :n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
+        np.testing.assert_allclose(grid[c, : n_grid[c]], eg[c, : n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
 
 
 def test_grid_equals_the_eager_grid_on_many_channels():
@@ -314,7 +323,7 @@ def test_grid_equals_the_eager_grid_on_many_channels():
     eg, _, _ = kde.kde_grid(*(torch.from_numpy(a) for a in (samples, bw, xmin, xmax)))
     for c in range(96):
         peak = 1 / (np.sqrt(2 * np.pi) * bw[c])
-        np.testing.assert_allclose(grid[c, :n_grid[c]], eg[c, :n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
+        np.testing.assert_allclose(grid[c, : n_grid[c]], eg[c, : n_grid[c]].numpy(), rtol=0, atol=1e-12 * peak)
 
 
 def test_float32_grid_is_the_float64_grid_to_float32_rounding():
@@ -328,8 +337,8 @@ def test_float32_grid_is_the_float64_grid_to_float32_rounding():
     g32, _, _, n_grid = K.kde_grid(samples, bw, xmin, xmax)
     g64, _, _, _ = K.kde_grid(samples.astype(np.float64), bw, xmin, xmax)
     for c in range(8):
-        ref = g64[c, :n_grid[c]]
-        assert np.all(np.abs(g32[c, :n_grid[c]] - ref) <= (_N_TAPS + 4) * 2.0**-24 * ref + 1e-12 / bw[c])
+        ref = g64[c, : n_grid[c]]
+        assert np.all(np.abs(g32[c, : n_grid[c]] - ref) <= (_N_TAPS + 4) * 2.0**-24 * ref + 1e-12 / bw[c])
 
 
 @pytest.mark.parametrize("shape", [(64, 3), (4, 2, 6, 6), (300, 5), (1, 3)])
@@ -463,8 +472,9 @@ def test_fused_density_of_values_off_the_grid():
     assert torch.equal(fwd.output, y.detach())
     torch.testing.assert_close(fwd.density, xi.grad, rtol=1e-12, atol=1e-12)
     xmin, xmax = torch.aminmax(Q.channel_values(x), dim=1)
-    lo, delta, nodes = kde.grid_layout(stats.samples.min(1).values, stats.samples.max(1).values, stats.bandwidth,
-                                       xmin, xmax)
+    lo, delta, nodes = kde.grid_layout(
+        stats.samples.min(1).values, stats.samples.max(1).values, stats.bandwidth, xmin, xmax
+    )
     off = xmax > lo + (nodes - 1) * delta
     assert off.any() and not off.all()  # both loops ran
     assert (fwd.density[0][off] == 0).all()
@@ -509,8 +519,12 @@ def test_pass_that_sorts_its_own_rows_equals_the_pass_on_the_sorted_context(shap
     vbc = Q._values_by_count(100, torch.float32)
     got, want = [], []
     for ctx, into in ((None, got), (K.sorted_grounded_context(x3, 100.0), want)):
-        run = (0.3, np.ones((shape[1], 100), np.float32), np.ones((shape[1], 1000), np.float32),
-               np.ones(shape[1], np.float32))
+        run = (
+            0.3,
+            np.ones((shape[1], 100), np.float32),
+            np.ones((shape[1], 1000), np.float32),
+            np.ones(shape[1], np.float32),
+        )
         into.extend(K.batch_channels(x3, ctx, 100.0, 100, 1000, 11, vbc, running=run, keep_samples=False))
         into.extend(run[1:])
     assert got[1] is None and want[1] is None  # (samples not kept)
@@ -524,8 +538,11 @@ def test_running_statistics_of_another_dtype_are_moved_after_the_pass():
     # the separate update from the kept samples; buffers of the input's dtype inside the pass, and
     # then the samples are not kept. Either way the dispatch moves them: the same statistics
     x = torch.randn(40, 3)
-    buffers = (torch.zeros(3, 100, dtype=torch.float64), torch.zeros(3, 1000, dtype=torch.float64),
-               torch.ones(3, dtype=torch.float64))
+    buffers = (
+        torch.zeros(3, 100, dtype=torch.float64),
+        torch.zeros(3, 1000, dtype=torch.float64),
+        torch.ones(3, dtype=torch.float64),
+    )
     apart = Q._forward(x, None, Q._Running(*buffers, 0.5), 100, 100.0, 1000, torch.Generator().manual_seed(1), True)
     assert apart.stats.samples.shape == (3, 1000)
     same = (torch.zeros(3, 100), torch.zeros(3, 1000), torch.ones(3))

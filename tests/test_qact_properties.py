@@ -48,8 +48,9 @@ def test_unchanged_when_a_channel_is_scaled_by_a_positive_factor(x, a):
     # values stay inside (-c, c) = (-100, 100): |50 * 1.9| < 100
     scaled = x.clone()
     scaled[:, 0] *= a
-    torch.testing.assert_close(quantile_activation(scaled, generator=_g()), quantile_activation(x, generator=_g()),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(
+        quantile_activation(scaled, generator=_g()), quantile_activation(x, generator=_g()), rtol=0, atol=0
+    )
 
 
 @SETTINGS
@@ -58,7 +59,7 @@ def test_frozen_mode_gives_a_sample_the_same_output_alone_or_in_a_batch(x, i):
     i = i % x.shape[0]
     layer = QuantileActivation(num_features=x.shape[1]).double()
     layer.fit_context(torch.randn(64, x.shape[1], dtype=torch.float64))
-    torch.testing.assert_close(layer(x[i:i + 1]), layer(x)[i:i + 1], rtol=0, atol=0)
+    torch.testing.assert_close(layer(x[i : i + 1]), layer(x)[i : i + 1], rtol=0, atol=0)
 
 
 @settings(SETTINGS, derandomize=True, database=None)

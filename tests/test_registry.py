@@ -20,6 +20,7 @@ def colours() -> Registry:
 
 # ---------------------------------------------------------------- the registry itself
 
+
 def test_names_match_ignoring_case_dashes_underscores_and_surrounding_whitespace():
     reg = colours()
     for spelling in ("dark-red", "dark_red", "DarkRed", "DARK--RED", " Dark-Red\t"):
@@ -53,12 +54,15 @@ def test_register_works_as_a_decorator_and_returns_the_object():
     assert reg.register("circle", len) is len
 
 
-@pytest.mark.parametrize("name, aliases", [
-    ("Dark_Red", ()),          # the same name in another spelling
-    ("crimson", ("maroon",)),  # an alias taken by another entry
-    ("maroon", ()),            # a name that is another entry's alias
-    ("lightblue", ()),
-])
+@pytest.mark.parametrize(
+    "name, aliases",
+    [
+        ("Dark_Red", ()),  # the same name in another spelling
+        ("crimson", ("maroon",)),  # an alias taken by another entry
+        ("maroon", ()),  # a name that is another entry's alias
+        ("lightblue", ()),
+    ],
+)
 def test_a_name_or_alias_already_taken_is_refused_and_nothing_is_registered(name, aliases):
     reg = colours()
     before = (reg.as_dict(), reg.aliases())
@@ -98,8 +102,9 @@ def test_unknown_name_error_names_the_argument_lists_the_names_and_suggests_the_
     reg = colours()
     with pytest.raises(ValueError) as info:
         reg.get("dark-rde")
-    assert str(info.value) == ("paint: unknown colour 'dark-rde'; expected one of dark-red, green, light_blue "
-                               "(did you mean 'dark-red'?)")
+    assert str(info.value) == (
+        "paint: unknown colour 'dark-rde'; expected one of dark-red, green, light_blue (did you mean 'dark-red'?)"
+    )
     with pytest.raises(ValueError) as info:
         reg.get("marone", argument="colour_of_wall")  # the caller names its own argument; aliases match too
     assert str(info.value).startswith("colour_of_wall: unknown colour 'marone'")
@@ -139,6 +144,7 @@ def test_lookup_is_exactly_membership_of_the_normalised_name(name):
 
 # ---------------------------------------------------------------- the six families
 
+
 def test_models_are_built_and_listed_through_the_registry():
     from shiftguard.models import MODEL_REGISTRY, MODELS, LeNet5, build_model, model_names
 
@@ -147,8 +153,11 @@ def test_models_are_built_and_listed_through_the_registry():
     assert MODEL_REGISTRY.get("LeNet-5") is LeNet5  # alias lenet5
     assert {"resnet": "resnet18", "densenet": "densenet121"}.items() <= MODEL_REGISTRY.aliases().items()
     assert isinstance(build_model("LeNet_5", num_classes=3), LeNet5)
-    with pytest.raises(ValueError, match=r"^arch: unknown model 'lenett'; expected one of densenet121, lenet, "
-                                         r".* or a factory 'package.module:function' \(did you mean 'lenet'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^arch: unknown model 'lenett'; expected one of densenet121, lenet, "
+        r".* or a factory 'package.module:function' \(did you mean 'lenet'\?\)",
+    ):
         build_model("lenett")
     with pytest.raises(TypeError, match="^arch: expected a model name"):
         build_model(5)
@@ -171,8 +180,11 @@ def test_activations_are_built_and_listed_through_the_registry():
     from shiftguard.nn import ACTIVATION_NAMES, QACTBlock, make_activation
     from shiftguard.nn.qact import ACTIVATION_REGISTRY
 
-    assert ACTIVATION_NAMES == ("relu", "prelu", "selu", "qact", "bn-relu-bn", "bn-prelu-bn", "bn-selu-bn") \
+    assert (
+        ACTIVATION_NAMES
+        == ("relu", "prelu", "selu", "qact", "bn-relu-bn", "bn-prelu-bn", "bn-selu-bn")
         == tuple(ACTIVATION_REGISTRY)
+    )
     assert isinstance(make_activation("Q-ACT", 4), QACTBlock)
     assert isinstance(make_activation("PReLU", 3), torch.nn.PReLU)
     listed = "bn-prelu-bn, bn-relu-bn, bn-selu-bn, prelu, qact, relu, selu"

@@ -21,18 +21,41 @@ SCRIPT = "<script>alert(1)</script>"
 
 # --------------------------------------------------------------------------- a synthetic results dict
 def _row(model, ctx, head, corruption, severity, acc, group="benchmark"):
-    return {"model": model, "context": ctx, "head": head, "corruption": corruption, "severity": severity, "n": 100,
-            "group": group, "accuracy": acc, "ece_top_label": 0.02 + 0.01 * severity, "ece_marginal": 0.01,
-            "nll": 0.3 + 0.1 * severity, "brier": 0.1 + 0.01 * severity, "aurc": 0.05, "r_auroc": 0.8,
-            "auroc_error": 0.85, "mean_confidence": 0.9, "map_at_1": 0.9, "map_at_5": 0.8 - 0.05 * severity,
-            "recall_at_1": 0.9, "recall_at_5": 0.95}
+    return {
+        "model": model,
+        "context": ctx,
+        "head": head,
+        "corruption": corruption,
+        "severity": severity,
+        "n": 100,
+        "group": group,
+        "accuracy": acc,
+        "ece_top_label": 0.02 + 0.01 * severity,
+        "ece_marginal": 0.01,
+        "nll": 0.3 + 0.1 * severity,
+        "brier": 0.1 + 0.01 * severity,
+        "aurc": 0.05,
+        "r_auroc": 0.8,
+        "auroc_error": 0.85,
+        "mean_confidence": 0.9,
+        "map_at_1": 0.9,
+        "map_at_5": 0.8 - 0.05 * severity,
+        "recall_at_1": 0.9,
+        "recall_at_5": 0.95,
+    }
 
 
 HEADS = {("qact", "batch"): ["quantile", "knn"], ("relu", "none"): ["logistic", "softmax"]}
 BASE = {"quantile": 0.90, "knn": 0.88, "logistic": 0.80, "softmax": 0.78}
 # accuracy lost per (corruption, severity); speckle is an extra corruption, reported apart
-LOSS = {("noise", 1): 0.10, ("noise", 3): 0.30, ("blur", 1): 0.20, ("blur", 3): 0.40, ("speckle", 1): 0.05,
-        ("speckle", 3): 0.15}
+LOSS = {
+    ("noise", 1): 0.10,
+    ("noise", 3): 0.30,
+    ("blur", 1): 0.20,
+    ("blur", 3): 0.40,
+    ("speckle", 1): 0.05,
+    ("speckle", 3): 0.15,
+}
 
 
 def make_results() -> dict:
@@ -44,31 +67,85 @@ def make_results() -> dict:
             for (c, s), d in LOSS.items():
                 rows.append(_row(m, ctx, h, c, s, round(BASE[h] - d, 6), "extra" if c == "speckle" else "benchmark"))
             for s in (0, 3):  # the first bin is empty, the second holds only errors
-                rel.append({"model": m, "context": ctx, "head": h, "severity": s, "edges": [0.0, 0.25, 0.5, 0.75, 1.0],
-                            "confidence": [None, 0.4, 0.6, 0.9], "accuracy": [None, 0.0, 0.5, 0.95],
-                            "count": [0, 10, 20, 70]})
-            ivs.append({"model": m, "context": ctx, "head": h, "metric": "accuracy_clean", "estimate": BASE[h],
-                        "lo": BASE[h] - 0.02, "hi": BASE[h] + 0.02})
+                rel.append(
+                    {
+                        "model": m,
+                        "context": ctx,
+                        "head": h,
+                        "severity": s,
+                        "edges": [0.0, 0.25, 0.5, 0.75, 1.0],
+                        "confidence": [None, 0.4, 0.6, 0.9],
+                        "accuracy": [None, 0.0, 0.5, 0.95],
+                        "count": [0, 10, 20, 70],
+                    }
+                )
+            ivs.append(
+                {
+                    "model": m,
+                    "context": ctx,
+                    "head": h,
+                    "metric": "accuracy_clean",
+                    "estimate": BASE[h],
+                    "lo": BASE[h] - 0.02,
+                    "hi": BASE[h] + 0.02,
+                }
+            )
     return {
-        "kind": "run", "status": "complete", "name": "synthetic", "created": "2025-01-01T00:00:00+00:00",
-        "config": {"eval": {"batch_size": 256, "ece_bins": 4},
-                   "models": [{"name": "qact", "heads": ["quantile", "knn"]},
-                              {"name": "relu", "heads": ["logistic", "softmax"]}]},
-        "config_source": "synthetic.toml", "seed": 7, "device": "cpu", "versions": {"shiftguard": "0"},
+        "kind": "run",
+        "status": "complete",
+        "name": "synthetic",
+        "created": "2025-01-01T00:00:00+00:00",
+        "config": {
+            "eval": {"batch_size": 256, "ece_bins": 4},
+            "models": [
+                {"name": "qact", "heads": ["quantile", "knn"]},
+                {"name": "relu", "heads": ["logistic", "softmax"]},
+            ],
+        },
+        "config_source": "synthetic.toml",
+        "seed": 7,
+        "device": "cpu",
+        "versions": {"shiftguard": "0"},
         "command": "shiftguard run",
-        "data": {"dataset": "toy", "n_train": 1000, "n_val": 100, "n_test": 100, "num_classes": 10,
-                 "corruptions": ["noise", "blur"], "severities": [1, 3], "corruption_source": "engine",
-                 "suite": "toy-c", "extra_corruptions": ["speckle"]},
+        "data": {
+            "dataset": "toy",
+            "n_train": 1000,
+            "n_val": 100,
+            "n_test": 100,
+            "num_classes": 10,
+            "corruptions": ["noise", "blur"],
+            "severities": [1, 3],
+            "corruption_source": "engine",
+            "suite": "toy-c",
+            "extra_corruptions": ["speckle"],
+        },
         "training": {"qact": {"parameters": 1234, "epochs_run": 2, "best_epoch": 1, "best_val_acc": 0.9}},
         "timings": {"train_s": {"qact": 1.5}, "evaluate_s": 2.0, "total_s": 4.0},
-        "rows": rows, "aggregates": [], "drops": [], "reliability": rel,
-        "models": [{"name": "qact", "heads": ["quantile", "knn"], "primary_head": "quantile", "contexts": ["batch"]},
-                   {"name": "relu", "heads": ["logistic", "softmax"], "primary_head": "logistic",
-                    "contexts": ["none"]}],
-        "robustness": [{"model": "qact", "context": "batch", "head": "quantile", "mca": 0.65, "mca_extra": 0.8,
-                        "corrupted_accuracy": 0.65, "corrupted_nll": 0.5, "corrupted_ece": 0.04, "mce": 0.75,
-                        "relative_mce": 0.5, "ce": {"noise": 0.7, "blur": 0.8},
-                        "relative_ce": {"noise": 0.4, "blur": 0.6}, "baseline": "relu-baseline"}],
+        "rows": rows,
+        "aggregates": [],
+        "drops": [],
+        "reliability": rel,
+        "models": [
+            {"name": "qact", "heads": ["quantile", "knn"], "primary_head": "quantile", "contexts": ["batch"]},
+            {"name": "relu", "heads": ["logistic", "softmax"], "primary_head": "logistic", "contexts": ["none"]},
+        ],
+        "robustness": [
+            {
+                "model": "qact",
+                "context": "batch",
+                "head": "quantile",
+                "mca": 0.65,
+                "mca_extra": 0.8,
+                "corrupted_accuracy": 0.65,
+                "corrupted_nll": 0.5,
+                "corrupted_ece": 0.04,
+                "mce": 0.75,
+                "relative_mce": 0.5,
+                "ce": {"noise": 0.7, "blur": 0.8},
+                "relative_ce": {"noise": 0.4, "blur": 0.6},
+                "baseline": "relu-baseline",
+            }
+        ],
         "intervals": ivs,
         "interval_info": {"level": 0.95, "n_boot": 1000, "seed": 0, "method": "percentile bootstrap over test images"},
         "skipped_heads": [{"model": "relu", "head": "ned", "reason": "no validation split"}],
@@ -113,8 +190,11 @@ def table_with(page: str, header: str) -> dict[tuple, dict[str, str]]:
 
 
 def sha_tree(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def write_run(d: Path, results: dict) -> Path:
@@ -177,8 +257,11 @@ def test_mce_table_names_the_baseline_and_lists_ce_per_corruption(page):
     assert t["baseline"] == "relu-baseline" and t["mCE"] == "75.0" and t["relative mCE"] == "50.0"
     assert "relative to the baseline relu-baseline" in page
     ce = next(t for t in tables(page) if "qact [batch] / quantile: CE" in t[0])
-    assert dict(zip(ce[0], ce[1])) == {"corruption": "noise", "qact [batch] / quantile: CE": "70.0",
-                                        "qact [batch] / quantile: relative CE": "40.0"}
+    assert dict(zip(ce[0], ce[1])) == {
+        "corruption": "noise",
+        "qact [batch] / quantile: CE": "70.0",
+        "qact [batch] / quantile: relative CE": "40.0",
+    }
 
 
 def test_skipped_heads_are_listed_with_their_reason(page):
@@ -283,9 +366,13 @@ def _spread_results() -> dict:
     rows = [{**_row("m", "none", "logistic", "clean", 0, 1.0), "ece_top_label": 0.0}]
     for c, acc, ece in (("a", 1.0, 0.0), ("b", 1.0, 0.0), ("c", 0.4, 0.6)):
         rows.append({**_row("m", "none", "logistic", c, 1, acc), "ece_top_label": ece})
-    return {"name": "spread", "data": {"dataset": "toy", "corruptions": ["a", "b", "c"], "severities": [1],
-                                        "corruption_source": "engine"},
-            "rows": rows, "reliability": [], "config": None}
+    return {
+        "name": "spread",
+        "data": {"dataset": "toy", "corruptions": ["a", "b", "c"], "severities": [1], "corruption_source": "engine"},
+        "rows": rows,
+        "reliability": [],
+        "config": None,
+    }
 
 
 @pytest.mark.parametrize("metric", ["accuracy", "ece_top_label"])

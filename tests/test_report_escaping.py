@@ -20,8 +20,19 @@ from shiftguard.evaluation import report as R
 #: Values with a meaning to the report (which rows are clean, benchmark or extra, which context a
 #: row has, which interval a cell shows): poisoned one at a time below, and kept when every other
 #: string is poisoned at once, so the page still has all its tables.
-KEYWORDS = {"clean", "benchmark", "extra", "none", "batch", "frozen", "run", "complete",
-            "accuracy_clean", "ece_clean", "ece_corrupted"}
+KEYWORDS = {
+    "clean",
+    "benchmark",
+    "extra",
+    "none",
+    "batch",
+    "frozen",
+    "run",
+    "complete",
+    "accuracy_clean",
+    "ece_clean",
+    "ece_corrupted",
+}
 
 
 def payload(tag: str) -> str:
@@ -52,12 +63,24 @@ def _rename_strings(o, f):
 
 
 # Displayed numbers: (path, how the page may print the payload put there)
-NUMBER_FIELDS = [("seed",), ("data", "n_train"), ("data", "n_val"), ("data", "n_test"),
-                 ("config", "eval", "batch_size"), ("config", "eval", "ece_bins"),
-                 ("timings", "total_s"), ("timings", "evaluate_s"), ("timings", "train_s", "qact"),
-                 ("training", "qact", "parameters"), ("training", "qact", "epochs_run"),
-                 ("training", "qact", "best_epoch"), ("training", "qact", "best_val_acc"),
-                 ("interval_info", "level"), ("interval_info", "n_boot"), ("interval_info", "seed")]
+NUMBER_FIELDS = [
+    ("seed",),
+    ("data", "n_train"),
+    ("data", "n_val"),
+    ("data", "n_test"),
+    ("config", "eval", "batch_size"),
+    ("config", "eval", "ece_bins"),
+    ("timings", "total_s"),
+    ("timings", "evaluate_s"),
+    ("timings", "train_s", "qact"),
+    ("training", "qact", "parameters"),
+    ("training", "qact", "epochs_run"),
+    ("training", "qact", "best_epoch"),
+    ("training", "qact", "best_val_acc"),
+    ("interval_info", "level"),
+    ("interval_info", "n_boot"),
+    ("interval_info", "seed"),
+]
 
 
 def _set(d: dict, path: tuple, value) -> None:
@@ -72,10 +95,27 @@ def poisoned() -> tuple[dict, list[str]]:
     shows (model names of training and timings, per-corruption CE, versions, interval metrics) and in
     every number the page shows as it is; and the payloads that must be on the page, escaped."""
     res = _rename_strings(rich_results(), lambda s: s + payload(s))
-    shown = [payload(s) for s in ("synthetic", "synthetic.toml", "shiftguard run", "cpu", "toy", "toy-c",
-                                  "engine", "no validation split", "percentile bootstrap over test images",
-                                  "share of correct test images", "qact", "logistic", "noise", "speckle",
-                                  "relu-baseline", "2025-01-01T00:00:00+00:00")]
+    shown = [
+        payload(s)
+        for s in (
+            "synthetic",
+            "synthetic.toml",
+            "shiftguard run",
+            "cpu",
+            "toy",
+            "toy-c",
+            "engine",
+            "no validation split",
+            "percentile bootstrap over test images",
+            "share of correct test images",
+            "qact",
+            "logistic",
+            "noise",
+            "speckle",
+            "relu-baseline",
+            "2025-01-01T00:00:00+00:00",
+        )
+    ]
     qact = "qact" + payload("qact")
     res["training"] = {qact: res["training"]["qact"]}
     res["timings"]["train_s"] = {qact: res["timings"]["train_s"]["qact"]}

@@ -10,9 +10,19 @@ from shiftguard.evaluation.report import make_plots, masking_signs, render_html
 
 
 def _row(model, head, corruption, severity, acc, group="benchmark"):
-    return {"model": model, "context": "none", "adaptation": "none", "head": head, "corruption": corruption,
-            "severity": severity, "group": group, "accuracy": acc, "ece_top_label": 0.1, "nll": 1.0,
-            "r_auroc": 0.5}
+    return {
+        "model": model,
+        "context": "none",
+        "adaptation": "none",
+        "head": head,
+        "corruption": corruption,
+        "severity": severity,
+        "group": group,
+        "accuracy": acc,
+        "ece_top_label": 0.1,
+        "nll": 1.0,
+        "r_auroc": 0.5,
+    }
 
 
 def _attacked(pgd: dict, fgsm: dict) -> dict:
@@ -24,10 +34,16 @@ def _attacked(pgd: dict, fgsm: dict) -> dict:
         rows.append(_row("m", head, "clean", 0, 0.99 - shift))
         for name, acc in (("pgd", pgd), ("fgsm", fgsm)):
             rows += [_row("m", head, name, i + 1, acc[e] - shift, "adversarial") for i, e in enumerate(eps)]
-    attacks = {"pgd": {"attack": "pgd", "norm": "linf", "eps": eps, "steps": 10},
-               "fgsm": {"attack": "fgsm", "norm": "linf", "eps": eps, "steps": 1}}
-    return {"name": "t", "kind": "evaluate", "rows": rows,
-            "data": {"dataset": "d", "attacks": attacks, "num_classes": 10, "severities": [], "corruptions": []}}
+    attacks = {
+        "pgd": {"attack": "pgd", "norm": "linf", "eps": eps, "steps": 10},
+        "fgsm": {"attack": "fgsm", "norm": "linf", "eps": eps, "steps": 1},
+    }
+    return {
+        "name": "t",
+        "kind": "evaluate",
+        "rows": rows,
+        "data": {"dataset": "d", "attacks": attacks, "num_classes": 10, "severities": [], "corruptions": []},
+    }
 
 
 def test_an_attack_that_removes_all_accuracy_shows_no_masking_sign():
@@ -36,11 +52,18 @@ def test_an_attack_that_removes_all_accuracy_shows_no_masking_sign():
     assert "Possible gradient masking" not in render_html(res, {})
 
 
-@pytest.mark.parametrize("pgd, fgsm, sign", [
-    ({0.05: 0.40, 0.3: 0.30}, {0.05: 0.55, 0.3: 0.35}, "keeps 30.0% under pgd at eps 0.3 (chance 10.0%)"),
-    ({0.05: 0.40, 0.3: 0.02}, {0.05: 0.30, 0.3: 0.05}, "one-step fgsm (30.0%) beats iterative pgd (40.0%) at eps 0.05"),
-    ({0.05: 0.40, 0.3: 0.02}, {0.05: 0.30, 0.3: 0.45}, "accuracy under fgsm rises with the budget"),
-])
+@pytest.mark.parametrize(
+    "pgd, fgsm, sign",
+    [
+        ({0.05: 0.40, 0.3: 0.30}, {0.05: 0.55, 0.3: 0.35}, "keeps 30.0% under pgd at eps 0.3 (chance 10.0%)"),
+        (
+            {0.05: 0.40, 0.3: 0.02},
+            {0.05: 0.30, 0.3: 0.05},
+            "one-step fgsm (30.0%) beats iterative pgd (40.0%) at eps 0.05",
+        ),
+        ({0.05: 0.40, 0.3: 0.02}, {0.05: 0.30, 0.3: 0.45}, "accuracy under fgsm rises with the budget"),
+    ],
+)
 def test_each_sign_of_gradient_masking_is_named_on_the_page(pgd, fgsm, sign):
     res = _attacked(pgd, fgsm)
     signs = masking_signs(res)
@@ -69,9 +92,19 @@ def test_a_head_has_one_colour_whatever_the_other_heads():
 def test_every_scored_head_has_a_reliability_diagram(tmp_path):
     res = _attacked(pgd={0.05: 0.40, 0.3: 0.01}, fgsm={0.05: 0.55, 0.3: 0.05})
     res["data"]["severities"] = []
-    res["reliability"] = [{"model": "m", "context": "none", "adaptation": "none", "head": h, "severity": 0,
-                           "edges": [0.0, 0.5, 1.0], "accuracy": [None, 0.9], "count": [0, 3]}
-                          for h in ("softmax", "knn")]
+    res["reliability"] = [
+        {
+            "model": "m",
+            "context": "none",
+            "adaptation": "none",
+            "head": h,
+            "severity": 0,
+            "edges": [0.0, 0.5, 1.0],
+            "accuracy": [None, 0.9],
+            "count": [0, 3],
+        }
+        for h in ("softmax", "knn")
+    ]
     plots = make_plots(tmp_path, res)
     assert plots["reliability_every_head"].stat().st_size > 0
     assert plots["adversarial_accuracy"].stat().st_size > 0
@@ -83,8 +116,10 @@ def test_images_made_on_another_model_that_beat_the_white_box_attack_are_a_maski
     res["data"]["attacks"]["pgd@other"] = {**res["data"]["attacks"]["pgd"], "source": "other", "transfer": True}
     res["rows"] += [_row("m", "softmax", "pgd@other", i + 1, acc, "adversarial") for i, acc in enumerate((0.2, 0.01))]
     signs = masking_signs(res)
-    assert signs == ["m / softmax: images made on other (pgd@other, 20.0%) remove more accuracy than its own "
-                     "white-box pgd (40.0%) at eps 0.05"]
+    assert signs == [
+        "m / softmax: images made on other (pgd@other, 20.0%) remove more accuracy than its own "
+        "white-box pgd (40.0%) at eps 0.05"
+    ]
     page = render_html(res, {})
     assert "pgd@other 0.05" in page and "columns <code>attack@model</code>" in page
     # the source's own transfer cell is its white-box attack again: never a sign

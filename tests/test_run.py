@@ -21,10 +21,20 @@ def quick_run(tmp_path_factory):
 
 
 def test_quick_run_writes_every_artefact(quick_run):
-    for f in ["results.json", "results.csv", "report.html", "COMPLETE", "config.json",
-              "plots/accuracy_vs_severity.png", "plots/ece_vs_severity.png", "plots/accuracy_drop_heatmap.png",
-              "plots/reliability_diagrams.png", "plots/corruption_gallery.png",
-              "models/lenet-relu-ce/model.pt", "models/lenet-relu-ce/metrics.jsonl"]:
+    for f in [
+        "results.json",
+        "results.csv",
+        "report.html",
+        "COMPLETE",
+        "config.json",
+        "plots/accuracy_vs_severity.png",
+        "plots/ece_vs_severity.png",
+        "plots/accuracy_drop_heatmap.png",
+        "plots/reliability_diagrams.png",
+        "plots/corruption_gallery.png",
+        "models/lenet-relu-ce/model.pt",
+        "models/lenet-relu-ce/metrics.jsonl",
+    ]:
         assert (quick_run / f).is_file(), f
 
 
@@ -42,8 +52,13 @@ def test_results_json_has_every_cell_metric_and_provenance(quick_run):
     # model static and with BatchNorm re-estimated, except the ReLU model, which has no BatchNorm
     assert {c[1] for c in cells if c[0] == "lenet-qact-watershed"} == {"batch"}
     arms = {(x["model"], x["adaptation"]) for x in r["rows"]}
-    assert arms == {("lenet-relu-ce", "none"), ("lenet-bnrelubn-ce", "none"), ("lenet-bnrelubn-ce", "bn"),
-                    ("lenet-qact-watershed", "none"), ("lenet-qact-watershed", "bn")}
+    assert arms == {
+        ("lenet-relu-ce", "none"),
+        ("lenet-bnrelubn-ce", "none"),
+        ("lenet-bnrelubn-ce", "bn"),
+        ("lenet-qact-watershed", "none"),
+        ("lenet-qact-watershed", "bn"),
+    }
     assert [(s["model"], s["adaptation"]) for s in r["skipped_adaptations"]] == [("lenet-relu-ce", "bn")]
     assert next(a for a in r["adaptation"] if a["name"] == "bn")["images"] == r["data"]["n_test"]
     row = r["rows"][0]
@@ -114,8 +129,9 @@ def test_existing_run_dir_without_resume_is_refused(quick_run, capsys):
 def test_user_errors_end_with_one_line_and_exit_2(tmp_path, capsys, toml, message):
     p = tmp_path / "bad.toml"
     p.write_text(toml)
-    rc = cli(["run", "--config", str(p), "--out", str(tmp_path / "runs"), "--name", "x", "--no-progress",
-              "--epochs", "1"])
+    rc = cli(
+        ["run", "--config", str(p), "--out", str(tmp_path / "runs"), "--name", "x", "--no-progress", "--epochs", "1"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1, err
     assert err[0].startswith("shiftguard run: error:") and message in err[0]
@@ -124,8 +140,19 @@ def test_user_errors_end_with_one_line_and_exit_2(tmp_path, capsys, toml, messag
 def test_missing_config_file_and_bad_device(tmp_path, capsys):
     assert cli(["run", "--config", str(tmp_path / "none.toml")]) == 2
     assert "not found" in capsys.readouterr().err
-    assert cli(["run", "--quick", "--device", "cuda:7" if not __import__("torch").cuda.is_available() else "nodevice",
-                "--out", str(tmp_path)]) == 2
+    assert (
+        cli(
+            [
+                "run",
+                "--quick",
+                "--device",
+                "cuda:7" if not __import__("torch").cuda.is_available() else "nodevice",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 2
+    )
     assert "device" in capsys.readouterr().err
 
 

@@ -61,11 +61,14 @@ def test_a_config_trains_and_evaluates_estimators(tmp_path):
     assert counts and int(counts[0]) == 320  # 80% of the 400 training images
 
 
-@pytest.mark.parametrize("models, message", [
-    ({"estimator": "sngpp"}, r"models\[0\]\.estimator: unknown estimator 'sngpp'.*sngp"),
-    ({"estimator": "sngp", "loss": "watershed"}, r"models\[0\]\.loss: an estimator \('sngp'\)"),
-    ({"estimator_kwargs": {"rate": 0.1}}, r"models\[0\]\.estimator_kwargs is set but"),
-])
+@pytest.mark.parametrize(
+    "models, message",
+    [
+        ({"estimator": "sngpp"}, r"models\[0\]\.estimator: unknown estimator 'sngpp'.*sngp"),
+        ({"estimator": "sngp", "loss": "watershed"}, r"models\[0\]\.loss: an estimator \('sngp'\)"),
+        ({"estimator_kwargs": {"rate": 0.1}}, r"models\[0\]\.estimator_kwargs is set but"),
+    ],
+)
 def test_bad_estimator_keys_are_named(models, message):
     with pytest.raises(ValueError, match=message):
         C.config_from_dict({"models": [{"arch": "lenet", **models}]})

@@ -14,16 +14,23 @@ from shiftguard.experiments.run import execute, load_data, training_jobs
 
 
 def _config(jobs: int) -> C.RunConfig:
-    return C.config_from_dict({
-        "data": {"dataset": "mnist-default", "train_subset": 300, "test_subset": 60, "corruptions": ["fog"],
-                 "severities": [3]},
-        "train": {"epochs": 2, "batch_size": 50, "jobs": jobs},
-        "eval": {"batch_size": 30, "n_boot": 10},
-        "models": [
-            {"name": "relu", "arch": "lenet", "activation": "relu", "loss": "cross_entropy", "heads": ["softmax"]},
-            {"name": "qact", "arch": "lenet", "activation": "qact", "loss": "watershed", "heads": ["quantile"]},
-        ],
-    })
+    return C.config_from_dict(
+        {
+            "data": {
+                "dataset": "mnist-default",
+                "train_subset": 300,
+                "test_subset": 60,
+                "corruptions": ["fog"],
+                "severities": [3],
+            },
+            "train": {"epochs": 2, "batch_size": 50, "jobs": jobs},
+            "eval": {"batch_size": 30, "n_boot": 10},
+            "models": [
+                {"name": "relu", "arch": "lenet", "activation": "relu", "loss": "cross_entropy", "heads": ["softmax"]},
+                {"name": "qact", "arch": "lenet", "activation": "qact", "loss": "watershed", "heads": ["quantile"]},
+            ],
+        }
+    )
 
 
 def _weights(run_dir) -> dict:
@@ -38,8 +45,9 @@ def test_models_trained_in_parallel_processes_equal_those_trained_one_after_the_
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # each of the two processes trained with 1 thread (threads // jobs, at least 1)
     try:
-        serial = execute(_config(jobs=1), tmp_path / "serial", torch.device("cpu"), progress=False,
-                         log=lambda s: None, data=data)
+        serial = execute(
+            _config(jobs=1), tmp_path / "serial", torch.device("cpu"), progress=False, log=lambda s: None, data=data
+        )
     finally:
         torch.set_num_threads(before)
     assert serial["timings"]["train_jobs"] == 1

@@ -30,7 +30,7 @@ from shiftguard.experiments.run import claim_run_dir
 
 # A worker process: "go NAME" makes it create run NAME under OUT (with its own seed) and report
 # the outcome; "release" releases the lock it holds. Results are lines starting with "RESULT ".
-WORKER = r'''
+WORKER = r"""
 import argparse, json, os, sys
 from shiftguard._lock import DirectoryInUseError
 from shiftguard.experiments import config as C
@@ -57,14 +57,19 @@ for line in sys.stdin:
             lock.release()
             lock = None
         print("RESULT released", flush=True)
-'''
+"""
 
 
 class Worker:
     def __init__(self, script: Path, out: Path, seed: int, resume: bool = False):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, str(script), str(out), str(seed), "resume" if resume else "new"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), str(out), str(seed), "resume" if resume else "new"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
 
     def ready(self) -> "Worker":
         assert self.read() == "ready"
@@ -73,7 +78,7 @@ class Worker:
     def read(self) -> str:
         for line in self.proc.stdout:
             if line.startswith("RESULT "):
-                return line[len("RESULT "):].strip()
+                return line[len("RESULT ") :].strip()
         raise AssertionError(f"worker ended (status {self.proc.wait()})")
 
     def send(self, line: str) -> None:
@@ -113,8 +118,9 @@ def test_two_processes_creating_the_same_run_at_once_exactly_one_proceeds(worker
             assert outcomes == ["in use", "ok"], (i, results)
             winner = next(s for s, r in enumerate(results) if r["outcome"] == "ok")
             loser = results[1 - winner]
-            assert loser["message"] == (f"run directory {out / name} is in use by another shiftguard process "
-                                        f"(pid {workers[winner].proc.pid})")
+            assert loser["message"] == (
+                f"run directory {out / name} is in use by another shiftguard process (pid {workers[winner].proc.pid})"
+            )
             assert _stored_seed(out / name) == winner, "the refused process's config.json landed"
             for w in workers:
                 w.send("release")
@@ -159,8 +165,10 @@ def test_cli_run_and_resume_of_a_run_in_use_end_with_one_line_and_leave_its_conf
         for extra in ([], ["--resume"]):
             rc = cli(["run", "--quick", "--name", "q", "--out", str(out), "--seed", "7", "--no-progress", *extra])
             err = capsys.readouterr().err.splitlines()
-            assert rc == 2 and err == [f"shiftguard run: error: run directory {run_dir} is in use by another "
-                                       f"shiftguard process (pid {os.getpid()})"], err
+            assert rc == 2 and err == [
+                f"shiftguard run: error: run directory {run_dir} is in use by another "
+                f"shiftguard process (pid {os.getpid()})"
+            ], err
             assert (run_dir / "config.json").read_bytes() == before
     finally:
         lock.release()

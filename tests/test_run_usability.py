@@ -109,15 +109,18 @@ def test_user_model_without_activation_argument_is_converted_to_qact(user_module
     assert sum(p.numel() for p in model.parameters()) == n_params
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("{mod}", "arch: unknown model"),                       # no colon: not a registered name either
-    ("{mod}:", "arch '{mod}:': expected"),
-    (":plain", "arch ':plain': expected"),
-    ("no_such_module_xq:plain", "cannot import module 'no_such_module_xq'"),
-    ("{mod}:missing", "has no attribute 'missing'"),
-    ("{mod}:NOT_CALLABLE", "not a callable"),
-    ("{mod}:not_a_module", "returned a dict, expected a torch.nn.Module"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("{mod}", "arch: unknown model"),  # no colon: not a registered name either
+        ("{mod}:", "arch '{mod}:': expected"),
+        (":plain", "arch ':plain': expected"),
+        ("no_such_module_xq:plain", "cannot import module 'no_such_module_xq'"),
+        ("{mod}:missing", "has no attribute 'missing'"),
+        ("{mod}:NOT_CALLABLE", "not a callable"),
+        ("{mod}:not_a_module", "returned a dict, expected a torch.nn.Module"),
+    ],
+)
 def test_bad_factory_specs_are_errors_naming_arch(user_module, spec, message):
     spec, message = spec.format(mod=user_module), message.format(mod=user_module)
     with pytest.raises(ValueError, match="arch") as info:
@@ -148,7 +151,8 @@ def test_default_model_name_of_a_factory_is_a_valid_run_name(user_module):
 
 # --------------------------------------------------------------------------- the CLI with a user architecture
 def _tiny_config(path, arch, *, heads='["logistic"]', loss="cross_entropy", name="tiny"):
-    path.write_text(textwrap.dedent(f"""
+    path.write_text(
+        textwrap.dedent(f"""
         name = "{name}"
         [data]
         train_subset = 120
@@ -173,7 +177,8 @@ def _tiny_config(path, arch, *, heads='["logistic"]', loss="cross_entropy", name
         arch = "{arch}"
         loss = "{loss}"
         heads = ["knn"]
-    """))
+    """)
+    )
     return path
 
 
@@ -196,8 +201,15 @@ def user_run(tmp_path_factory):
     finally:
         sys.path.remove(str(tmp))
         sys.modules.pop("tiny_user_models", None)
-    return {"rc": rc, "dir": out / "tiny", "config": cfg, "out": out, "tmp": tmp,
-            "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
+    return {
+        "rc": rc,
+        "dir": out / "tiny",
+        "config": cfg,
+        "out": out,
+        "tmp": tmp,
+        "stdout": stdout.getvalue(),
+        "stderr": stderr.getvalue(),
+    }
 
 
 @pytest.fixture
@@ -244,8 +256,9 @@ def test_a_run_dir_with_a_checkpoint_is_refused(in_user_dir, tmp_path, capsys):
 
 def test_resume_with_a_changed_config_names_the_keys_that_differ(in_user_dir, tmp_path, capsys):
     user_run = in_user_dir
-    changed = _tiny_config(tmp_path / "changed.toml", "tiny_user_models:Small", heads='["logistic", "knn"]',
-                           loss="watershed")
+    changed = _tiny_config(
+        tmp_path / "changed.toml", "tiny_user_models:Small", heads='["logistic", "knn"]', loss="watershed"
+    )
     rc = cli(["run", "--config", str(changed), "--out", str(user_run["out"]), "--resume", "--epochs", "3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
@@ -349,8 +362,12 @@ def test_trainer_log_callable_receives_the_epoch_lines(capsys):
 
 # --------------------------------------------------------------------------- kernel compile step
 def _cfg(activation, source="auto", suite="mnist-c", loss="cross_entropy"):
-    return C.config_from_dict({"models": [{"arch": "lenet", "activation": activation, "loss": loss}],
-                               "data": {"corrupted_source": source, "suite": suite}})
+    return C.config_from_dict(
+        {
+            "models": [{"arch": "lenet", "activation": activation, "loss": loss}],
+            "data": {"corrupted_source": source, "suite": suite},
+        }
+    )
 
 
 def test_compile_step_is_announced_with_its_duration_when_slow(monkeypatch, capsys):
@@ -391,9 +408,11 @@ def test_compile_step_warms_what_the_run_calls_and_is_silent_when_fast(monkeypat
     monkeypatch.setattr(W, "warm_up", lambda: forest.append(1) or 0.001)
     assert R.compile_kernels(_cfg("qact", loss="watershed"), "cpu") == pytest.approx(0.0355)
     assert forest == [1] and qact == [1, 1]
-    assert corrupt == [{"dtypes": (torch.uint8,), "suites": ("mnist-c",)},
-                       {"dtypes": (torch.uint8,), "suites": ("cifar-c",)},
-                       {"dtypes": (torch.uint8,), "suites": ("mnist-c",)}]
+    assert corrupt == [
+        {"dtypes": (torch.uint8,), "suites": ("mnist-c",)},
+        {"dtypes": (torch.uint8,), "suites": ("cifar-c",)},
+        {"dtypes": (torch.uint8,), "suites": ("mnist-c",)},
+    ]
     assert capsys.readouterr().out == ""
 
 
@@ -413,8 +432,12 @@ def test_warm_up_compiles_what_a_qact_model_then_uses():
 
     def signatures():  # of every compiled kernel, in each stage module of the package
         stages = (_qact_cpu.sort, _qact_cpu.quantiles, _qact_cpu.output, _qact_cpu.kde, _qact_cpu.fused)
-        return {(m.__name__, n): set(getattr(m, n).signatures) for m in stages for n in dir(m)
-                if hasattr(getattr(m, n), "signatures")}
+        return {
+            (m.__name__, n): set(getattr(m, n).signatures)
+            for m in stages
+            for n in dir(m)
+            if hasattr(getattr(m, n), "signatures")
+        }
 
     before = signatures()
     model = build_model("lenet", activation="qact", num_classes=3, in_channels=1)

@@ -42,6 +42,7 @@ def test_sampler_rejects_impossible_configurations():
 
 def test_sampler_works_with_a_dataloader():
     from torch.utils.data import DataLoader, TensorDataset
+
     lab = _labels()
     ds = TensorDataset(torch.arange(len(lab)), lab)
     loader = DataLoader(ds, batch_sampler=ClassBalancedBatchSampler(lab, m=2, batch_size=4, num_batches=3))

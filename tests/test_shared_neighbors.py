@@ -37,8 +37,15 @@ def test_grid_results_equal_each_head_searching_alone(monkeypatch, backend):
     x, y = _data()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, 3))
-    kw = dict(support=(x, y), corruptions=["fog", "shot_noise"], severities=[2], heads=["ned", "knn", "wknn", "1nn"],
-              k=5, n_boot=10, knn_backend=backend)
+    kw = dict(
+        support=(x, y),
+        corruptions=["fog", "shot_noise"],
+        severities=[2],
+        heads=["ned", "knn", "wknn", "1nn"],
+        k=5,
+        n_boot=10,
+        knn_backend=backend,
+    )
     built, searched = [], []
     real_index = C.KNNIndex
 
@@ -67,18 +74,19 @@ def test_grid_results_equal_each_head_searching_alone(monkeypatch, backend):
 def test_auto_takes_the_pruned_search_for_large_cpu_searches_only():
     assert resolve_backend("auto", 48_000, 10_000) == "pruned"
     assert resolve_backend("auto", 48_000, 1_000) == "pruned"
-    assert resolve_backend("auto", 48_000, 500) == "torch"       # too few distances per search
-    assert resolve_backend("auto", 16_000, 100_000) == "torch"   # too small a support
+    assert resolve_backend("auto", 48_000, 500) == "torch"  # too few distances per search
+    assert resolve_backend("auto", 16_000, 100_000) == "torch"  # too small a support
     assert resolve_backend("auto", 0, 10_000) == "torch"
     assert resolve_backend("auto", 48_000, 10_000, device="meta") == "torch"  # pruning is CPU-only
     assert resolve_backend("auto", 100_000, 100_000) == "pruned"  # never faiss unless named
-    assert resolve_backend("faiss", 10, 10) == "faiss"           # a named back end is kept
+    assert resolve_backend("faiss", 10, 10) == "faiss"  # a named back end is kept
     with pytest.raises(ValueError, match="knn_backend"):
         resolve_backend("annoy", 10, 10, argument="knn_backend")
     x, y = _data()
     net = nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 8), nn.ReLU(), nn.Linear(8, 3))
-    res = shiftguard.evaluate(net, (x, y), support=(x, y), corruptions=["fog"], severities=[2], heads=["knn"],
-                              n_boot=10)
+    res = shiftguard.evaluate(
+        net, (x, y), support=(x, y), corruptions=["fog"], severities=[2], heads=["knn"], n_boot=10
+    )
     assert res.results["config"]["knn_backend"] == "auto" and res.results["knn_backend"] == "torch"
 
 
@@ -107,8 +115,9 @@ def test_ned_with_its_own_pruned_index_searches_like_the_shared_one():
     shared = ned.predict_proba(query)
     torch.testing.assert_close(shared, alone.predict_proba(query), rtol=0, atol=0)
     assert cache.search(query, support, 5, "pruned") is cache.search(query, support, 5, "pruned")
-    torch.testing.assert_close(knn.predict_proba(query), build_head("knn", 3, k=5).fit(support, labels)
-                               .predict_proba(query), rtol=0, atol=0)
+    torch.testing.assert_close(
+        knn.predict_proba(query), build_head("knn", 3, k=5).fit(support, labels).predict_proba(query), rtol=0, atol=0
+    )
 
 
 def test_build_head_sets_the_backend_and_the_cache_of_the_knn_family_only():
@@ -156,14 +165,14 @@ def test_a_new_or_modified_query_is_searched_again_and_the_index_is_kept(monkeyp
     a1 = cache.search(q1, support, 2)
     index = cache.index(support)
     a2 = cache.search(q2, support, 2)
-    assert cache.search(q1, support, 2) is not a1           # q2 came in between: q1's answer was dropped
-    assert cache.index(support) is index                    # the prepared support stays
+    assert cache.search(q1, support, 2) is not a1  # q2 came in between: q1's answer was dropped
+    assert cache.index(support) is index  # the prepared support stays
     assert torch.equal(a2[1], knn_search(q2, support, 2)[1])
     before = cache.search(q2, support, 2)
-    q2.mul_(-1)                                             # modified in place: searched again
+    q2.mul_(-1)  # modified in place: searched again
     after = cache.search(q2, support, 2)
     assert after is not before and torch.equal(after[1], knn_search(q2, support, 2)[1])
-    support.add_(1.0)                                       # a modified support is prepared again
+    support.add_(1.0)  # a modified support is prepared again
     assert cache.index(support) is not index
     assert torch.equal(cache.search(q2, support, 2)[1], knn_search(q2, support, 2)[1])
 

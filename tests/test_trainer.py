@@ -84,6 +84,7 @@ def test_cross_entropy_training_learns_a_separable_task():
 
 def test_embedding_loss_uses_nearest_class_mean_validation():
     from shiftguard.losses import watershed
+
     data = patch_images()
     torch.manual_seed(0)
     m = small_mlp()
@@ -171,6 +172,7 @@ def test_resume_gives_the_same_weights_as_an_uninterrupted_run(tmp_path):
 
 def test_resume_with_an_embedding_loss_matches_too(tmp_path):
     from shiftguard.losses import watershed
+
     data = patch_images(120)
     torch.manual_seed(0)
     full = small_mlp()
@@ -183,7 +185,8 @@ def test_resume_with_an_embedding_loss_matches_too(tmp_path):
     x, y = data
     tr, va = train_val_split(len(y))
     make_trainer(resumed, tmp_path / "b", loss=watershed.WatershedLoss(), early_stopping_patience=0).fit(
-        x[tr], y[tr], x[va], y[va], num_classes=4, resume=True)
+        x[tr], y[tr], x[va], y[va], num_classes=4, resume=True
+    )
     assert_same_weights(weights(full), weights(resumed))
 
 
@@ -240,8 +243,10 @@ def test_metrics_log_has_one_json_line_per_epoch(tmp_path):
 
 
 def test_non_main_process_writes_nothing(tmp_path):
-    fit(make_trainer(small_mlp(), tmp_path, epochs=1, metrics_log=tmp_path / "m.jsonl", is_main_process=False),
-        patch_images(60))
+    fit(
+        make_trainer(small_mlp(), tmp_path, epochs=1, metrics_log=tmp_path / "m.jsonl", is_main_process=False),
+        patch_images(60),
+    )
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "m.jsonl").exists()
 
 
@@ -417,8 +422,9 @@ def test_augmix_arguments_are_named():
     own = AugMix("mnist-c", severity=5, width=2)
     assert make_trainer(small_mlp(), augmix=own, augmix_suite="MNIST_C").augmix is own
     with pytest.raises(ValueError, match="^images:"):
-        Trainer(small_mlp(), progress=False, **MNIST_AUGMIX).fit(torch.rand(8, 784), torch.arange(8) % 2,
-                                                                 torch.rand(4, 784), torch.arange(4) % 2)
+        Trainer(small_mlp(), progress=False, **MNIST_AUGMIX).fit(
+            torch.rand(8, 784), torch.arange(8) % 2, torch.rand(4, 784), torch.arange(4) % 2
+        )
 
 
 @pytest.mark.parametrize("jsd_weight", [0.0, 1.0])

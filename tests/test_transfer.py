@@ -19,14 +19,15 @@ def _synthetic(n_per_class=12, classes=10, size=16, seed=0):
     x = (torch.rand(y.numel(), 1, size, size, generator=g) * 60).to(torch.uint8)
     for i, c in enumerate(y.tolist()):
         r, col = divmod(c, 4)
-        x[i, 0, 4 * r:4 * r + 4, 4 * col:4 * col + 4] = 255
+        x[i, 0, 4 * r : 4 * r + 4, 4 * col : 4 * col + 4] = 255
     return x, y
 
 
 def _pair_data(train_subset=None, up=range(5), down=range(5, 10), down_name="synthetic"):
     train, test = _synthetic(seed=0), _synthetic(seed=1)
-    return T.make_transfer_data(train, test, test, [("synthetic", k) for k in up],
-                                [(down_name, k) for k in down], train_subset=train_subset)
+    return T.make_transfer_data(
+        train, test, test, [("synthetic", k) for k in up], [(down_name, k) for k in down], train_subset=train_subset
+    )
 
 
 def test_synthetic_split_keeps_every_downstream_class_out_of_upstream():
@@ -108,9 +109,9 @@ def test_evaluate_transfer_hand_computed_problem():
     assert out["up_r1"] == 1.0
     assert out["top1"] == pytest.approx(0.75) and out["top5"] is None  # two classes: top-5 is trivial
     m = out["uncertainty"]["u"]
-    assert m["r_auroc"] == 1.0                 # both misses (0.9, 0.8) above both hits (0.5, 0.6)
-    assert m["ood_auroc"] == 1.0               # every downstream uncertainty above every upstream one
-    assert m["up_r_auroc"] is None             # no upstream miss: undefined, not invented
+    assert m["r_auroc"] == 1.0  # both misses (0.9, 0.8) above both hits (0.5, 0.6)
+    assert m["ood_auroc"] == 1.0  # every downstream uncertainty above every upstream one
+    assert m["up_r_auroc"] is None  # no upstream miss: undefined, not invented
     # Upstream error: only sample 1 (predicts class 1); u ranks it 2nd of 4 -> risks 0, 1/2, 1/3, 1/4.
     oracle = (0 + 0 + 0 + 1 / 4) / 4
     assert m["e_aurc"] == pytest.approx((0 + 1 / 2 + 1 / 3 + 1 / 4) / 4 - oracle)
@@ -166,9 +167,16 @@ def test_two_methods_one_split_smoke_run_is_deterministic(tmp_path, capsys):
 
 
 def test_summary_reports_mean_and_sample_std_over_seeds():
-    runs = [{"split": "s", "method": "m", "seed": i, "default_uncertainty": "u",
-             "metrics": {"r1": v, "top1": None, "uncertainty": {"u": {"r_auroc": v, "ood_auroc": None}}}}
-            for i, v in enumerate([0.5, 0.7, 0.9])]
+    runs = [
+        {
+            "split": "s",
+            "method": "m",
+            "seed": i,
+            "default_uncertainty": "u",
+            "metrics": {"r1": v, "top1": None, "uncertainty": {"u": {"r_auroc": v, "ood_auroc": None}}},
+        }
+        for i, v in enumerate([0.5, 0.7, 0.9])
+    ]
     cell = T.summarize(runs)["s"]["m"]["uncertainty"]["u"]
     assert cell["r1"]["mean"] == pytest.approx(0.7)
     assert cell["r1"]["std"] == pytest.approx(math.sqrt(((0.2) ** 2 * 2) / 2))

@@ -93,8 +93,9 @@ def test_twin_activation_maps_qact_to_its_twin():
 def test_twin_block_has_the_qact_blocks_batchnorm_layers(dim):
     q, t = QACTBlock(5, dim=dim), BNActBlock(5, dim=dim)
     assert batchnorm_layout(q) == batchnorm_layout(t) and set(batchnorm_layout(t)) == {"bn_in", "bn_out"}
-    assert {k: v.shape for k, v in q.state_dict().items() if not k.startswith("act.")} == \
-        {k: v.shape for k, v in t.state_dict().items()}
+    assert {k: v.shape for k, v in q.state_dict().items() if not k.startswith("act.")} == {
+        k: v.shape for k, v in t.state_dict().items()
+    }
     x = torch.randn(8, 5, 3, 3) if dim in (None, 2) else torch.randn(8, 5)
     assert t(x).shape == x.shape
 
@@ -207,16 +208,19 @@ def converted_layout(model: nn.Module) -> dict:
 
 
 @pytest.mark.parametrize("twin", TWINS)
-@pytest.mark.parametrize("build, sites", [(PlainCNN, {"features.1": [8], "features.4": [16]}),
-                                          (TwiceCalled, {"relu": [4, 4]})])
+@pytest.mark.parametrize(
+    "build, sites", [(PlainCNN, {"features.1": [8], "features.4": [16]}), (TwiceCalled, {"relu": [4, 4]})]
+)
 def test_converted_user_model_gets_one_twin_block_per_call_site(build, sites, twin):
     x = torch.randn(2, 3, 8, 8)
     q = convert_activations(build(), example_input=x, **QACT_KW)
     t = convert_activations(build(), to=twin.upper().replace("-", "_"), example_input=x)
     converted = {n: m for n, m in t.named_modules() if isinstance(m, ConvertedActivation)}
     assert {n: [s.num_features for s in m.sites] for n, m in converted.items()} == sites
-    assert all(m.to_name == twin and all(type(s) is BNActBlock and isinstance(s.act, BASE[twin]) for s in m.sites)
-               for m in converted.values())
+    assert all(
+        m.to_name == twin and all(type(s) is BNActBlock and isinstance(s.act, BASE[twin]) for s in m.sites)
+        for m in converted.values()
+    )
     assert not any(isinstance(m, QuantileActivation) for m in t.modules())
     assert [(n, type(m)) for n, m in t.named_modules()] == twin_structure(q, twin)
     assert batchnorm_layout(q) == batchnorm_layout(t)

@@ -70,8 +70,9 @@ def test_sngp_posterior_equals_an_explicit_inverse_and_the_mean_field_formula():
     torch.manual_seed(0)
     enc = Encoder(in_features=3, embedding_dim=5, num_classes=3).double()
     ridge, m_feat, ls = 0.7, 12, 1.5
-    model = SNGP(enc, num_features=m_feat, ridge=ridge, normalize_input=False, length_scale=ls,
-                 spectral_norm=False).double()
+    model = SNGP(
+        enc, num_features=m_feat, ridge=ridge, normalize_input=False, length_scale=ls, spectral_norm=False
+    ).double()
     x_train = torch.randn(40, 3, dtype=torch.float64)
     model.fit_covariance([x_train[:25], (x_train[25:], torch.zeros(15))])
     gp = model.classifier
@@ -113,7 +114,7 @@ def test_spectral_normalisation_bounds_large_weights_and_leaves_small_ones():
         net[2].weight.mul_(1e-3)
     small = net[2].weight.detach().clone()
     assert spectral_normalize(net, bound=0.9) == 3
-    for _ in range(30):                     # power iteration runs on training forwards
+    for _ in range(30):  # power iteration runs on training forwards
         _ = net[0].weight, net[1].weight
     assert float(torch.linalg.matrix_norm(net[0].weight.detach(), ord=2)) == pytest.approx(0.9, rel=1e-4)
     conv = net[1].weight.detach().reshape(3, -1)
@@ -131,7 +132,7 @@ def _zero_covariance(model: HETXL):
     with torch.no_grad():
         model.classifier.covariance.weight.zero_()
         model.classifier.covariance.bias.zero_()
-        model.classifier.covariance.bias[d * model.classifier.rank:] = -1e4   # softplus(-1e4) == 0 exactly
+        model.classifier.covariance.bias[d * model.classifier.rank :] = -1e4  # softplus(-1e4) == 0 exactly
 
 
 def test_hetxl_with_zero_covariance_is_exactly_the_deterministic_softmax():
@@ -142,7 +143,7 @@ def test_hetxl_with_zero_covariance_is_exactly_the_deterministic_softmax():
     expected = F.log_softmax(model.backbone.classifier(emb) / model.classifier.temperature, dim=1)
     assert torch.equal(model(x), expected)
     assert torch.equal(model.uncertainty(x)["entropy"], entropy_from_log_probs(expected.detach()))
-    assert bool((model.uncertainty(x)["log_det_cov"] == -math.inf).all())   # Sigma = 0 is singular
+    assert bool((model.uncertainty(x)["log_det_cov"] == -math.inf).all())  # Sigma = 0 is singular
 
 
 def test_hetxl_monte_carlo_average_and_log_det_against_literal_loops():
@@ -151,7 +152,7 @@ def test_hetxl_monte_carlo_average_and_log_det_against_literal_loops():
     model = HETXL(_mlp(), rank=2, num_samples=5, temperature=1.3).double().eval()
     head = model.classifier
     emb = model.embed(x.double()).detach()
-    eps = head.noise(emb)                                  # (N, S, D), the eval-mode draws of `seed`
+    eps = head.noise(emb)  # (N, S, D), the eval-mode draws of `seed`
     tau = head.temperature
     probs = torch.stack([F.softmax(head.linear(emb + eps[:, s]) / tau, dim=1) for s in range(5)]).mean(0)
     torch.testing.assert_close(model(x.double()).detach(), probs.log().detach(), rtol=1e-10, atol=1e-12)
@@ -193,14 +194,14 @@ def test_mc_dropout_samples_are_seeded():
     x, _ = _images()
     a = MCDropout(_mlp(), rate=0.3, seed=0).eval()
     b = MCDropout(_mlp(), rate=0.3, seed=1).eval()
-    assert torch.equal(a(x), a(x))                                  # the same seed repeats
-    assert not torch.equal(a(x), b(x))                              # two seeds differ
-    torch.testing.assert_close(a(x[3:7]), a(x)[3:7])                # masks shared across the batch
+    assert torch.equal(a(x), a(x))  # the same seed repeats
+    assert not torch.equal(a(x), b(x))  # two seeds differ
+    torch.testing.assert_close(a(x[3:7]), a(x)[3:7])  # masks shared across the batch
     assert float(a.uncertainty(x)["jsd"].min()) > 0
     a.train()
     torch.manual_seed(0)
     first = a(x)
-    assert not torch.equal(first, a(x))                             # training: fresh dropout per call
+    assert not torch.equal(first, a(x))  # training: fresh dropout per call
 
 
 def test_mc_dropout_sample_average_against_a_literal_loop():
@@ -259,7 +260,7 @@ def test_independent_ensemble_has_freshly_initialised_full_members():
     p_bar = torch.stack([F.softmax(m(x), dim=1) for m in model.members]).mean(0)
     torch.testing.assert_close(model(x), p_bar.log())
     again = DeepEnsemble(backbone, num_members=3, independent=True, seed=5)
-    assert torch.equal(again(x), model(x))                          # seeded initialisation
+    assert torch.equal(again(x), model(x))  # seeded initialisation
 
 
 def test_jensen_shannon_divergence_is_the_entropy_gap():
@@ -285,8 +286,8 @@ def test_l2_loss_prediction_loss_is_eq_8_with_a_detached_target():
     literal = ce.mean() + lam * ((u - ce.detach()) ** 2).mean()
     torch.testing.assert_close(loss, literal)
     g_logits, g_u = torch.autograd.grad(loss, [logits, u])
-    g_ce, = torch.autograd.grad(ce.mean(), [logits])
-    torch.testing.assert_close(g_logits, g_ce)                      # the L2 term never reaches the CE target
+    (g_ce,) = torch.autograd.grad(ce.mean(), [logits])
+    torch.testing.assert_close(g_logits, g_ce)  # the L2 term never reaches the CE target
     torch.testing.assert_close(g_u, 2 * lam * (u - ce).detach() / 10)
 
 
@@ -296,7 +297,7 @@ def test_l2_loss_prediction_estimator_trains_classifier_and_predictor_jointly():
     emb = model.embed(x)
     expected = loss_prediction_l2_loss(model.backbone.classifier(emb), y, model.predicted_loss(x), 0.4)
     torch.testing.assert_close(model.training_loss(x, y), expected)
-    assert float(model.predicted_loss(x).detach().min()) > 0                # softplus output
+    assert float(model.predicted_loss(x).detach().min()) > 0  # softplus output
     detached = LossPredictionL2(_mlp(), hidden=(8,), detach_embedding=True)
     detached.backbone.zero_grad()
     torch.autograd.backward(detached.predicted_loss(x).sum())
@@ -323,7 +324,7 @@ def test_every_estimator_outputs_log_probabilities_and_backpropagates(name):
     u = model.uncertainty(x)
     assert set(u) == set(model.uncertainty_names) and model.default_uncertainty in u
     assert all(v.shape == (len(x),) for v in u.values())
-    assert model.training and all(m.training for m in model.modules())   # mode restored
+    assert model.training and all(m.training for m in model.modules())  # mode restored
     assert model.embed(x).shape == (len(x), model.embedding_dim)
 
 
@@ -332,34 +333,42 @@ def test_every_estimator_works_with_shiftguard_evaluate(name):
     x, y = _images(30)
     pixels = (x * 255).to(torch.uint8)
     model = FACTORIES[name](_mlp()).eval()
-    res = shiftguard.evaluate(model, (pixels, y), heads=("softmax",), output="logits", corruptions=["fog"],
-                              severities=[1], n_boot=10)
+    res = shiftguard.evaluate(
+        model, (pixels, y), heads=("softmax",), output="logits", corruptions=["fog"], severities=[1], n_boot=10
+    )
     clean = [r for r in res.rows if r["severity"] == 0]
     accuracy = float((model(pixels.float() / 255).argmax(1) == y).float().mean())
     assert clean and clean[0]["accuracy"] == pytest.approx(accuracy)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: DeepEnsemble(_mlp(), num_members=0), "^num_members:"),
-    (lambda: DeepEnsemble(_mlp(), objective="vote"), "^objective:"),
-    (lambda: DeepEnsemble(Encoder(), num_classes=3, embedding_dim=16).training_loss(torch.randn(4, 2), [0, 1, 2, 3]),
-     "^y:"),
-    (lambda: DeepEnsemble("resnet"), "^backbone:"),
-    (lambda: DeepEnsemble(_mlp(), num_classes=5), "^num_classes:"),
-    (lambda: MCDropout(nn.Linear(2, 8), embedding_dim=8), "^num_classes:"),
-    (lambda: MCDropout(nn.Linear(2, 8), num_classes=3), "^embedding_dim:"),
-    (lambda: MCDropout(_mlp(), rate=1.0), "^rate:"),
-    (lambda: MCDropout(_mlp(), num_samples=0), "^num_samples:"),
-    (lambda: SNGP(_mlp(), num_features=0), "^num_features:"),
-    (lambda: SNGP(_mlp(), ridge=0.0), "^ridge:"),
-    (lambda: SNGP(_mlp()).update_covariance(torch.randn(3, 7)), "^embeddings:"),
-    (lambda: SNGP(_mlp()).fit_covariance([]), "^x_batches:"),
-    (lambda: HETXL(_mlp(), rank=0), "^rank:"),
-    (lambda: HETXL(_mlp(), temperature=-1.0), "^temperature:"),
-    (lambda: HETXL(_mlp()).uncertainty(torch.zeros(5)), "^x:"),
-    (lambda: LossPredictionL2(_mlp(), loss_weight=-0.1), "^loss_weight:"),
-    (lambda: loss_prediction_l2_loss(torch.randn(3, 2), [0, 1, 1], torch.rand(4)), "mismatched lengths"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: DeepEnsemble(_mlp(), num_members=0), "^num_members:"),
+        (lambda: DeepEnsemble(_mlp(), objective="vote"), "^objective:"),
+        (
+            lambda: DeepEnsemble(Encoder(), num_classes=3, embedding_dim=16).training_loss(
+                torch.randn(4, 2), [0, 1, 2, 3]
+            ),
+            "^y:",
+        ),
+        (lambda: DeepEnsemble("resnet"), "^backbone:"),
+        (lambda: DeepEnsemble(_mlp(), num_classes=5), "^num_classes:"),
+        (lambda: MCDropout(nn.Linear(2, 8), embedding_dim=8), "^num_classes:"),
+        (lambda: MCDropout(nn.Linear(2, 8), num_classes=3), "^embedding_dim:"),
+        (lambda: MCDropout(_mlp(), rate=1.0), "^rate:"),
+        (lambda: MCDropout(_mlp(), num_samples=0), "^num_samples:"),
+        (lambda: SNGP(_mlp(), num_features=0), "^num_features:"),
+        (lambda: SNGP(_mlp(), ridge=0.0), "^ridge:"),
+        (lambda: SNGP(_mlp()).update_covariance(torch.randn(3, 7)), "^embeddings:"),
+        (lambda: SNGP(_mlp()).fit_covariance([]), "^x_batches:"),
+        (lambda: HETXL(_mlp(), rank=0), "^rank:"),
+        (lambda: HETXL(_mlp(), temperature=-1.0), "^temperature:"),
+        (lambda: HETXL(_mlp()).uncertainty(torch.zeros(5)), "^x:"),
+        (lambda: LossPredictionL2(_mlp(), loss_weight=-0.1), "^loss_weight:"),
+        (lambda: loss_prediction_l2_loss(torch.randn(3, 2), [0, 1, 1], torch.rand(4)), "mismatched lengths"),
+    ],
+)
 def test_bad_arguments_raise_naming_the_argument(call, match):
     with pytest.raises((ValueError, TypeError), match=match):
         call()

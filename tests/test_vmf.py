@@ -19,8 +19,9 @@ def mp_log_c(kappa, m):
     with mpmath.workdps(60):
         v = mpmath.mpf(m) / 2 - 1
         k = mpmath.mpf(kappa)
-        return float(v * mpmath.log(k) - (mpmath.mpf(m) / 2) * mpmath.log(2 * mpmath.pi)
-                     - mpmath.log(mpmath.besseli(v, k)))
+        return float(
+            v * mpmath.log(k) - (mpmath.mpf(m) / 2) * mpmath.log(2 * mpmath.pi) - mpmath.log(mpmath.besseli(v, k))
+        )
 
 
 def mp_ratio(kappa, m):
@@ -43,8 +44,11 @@ def test_log_normalizer_matches_scipy_where_the_plain_bessel_function_is_finite(
 
     kappa = torch.tensor([0.5, 3.0, 20.0, 100.0], dtype=torch.float64)
     for m in (3, 16, 64):
-        ref = ((m / 2 - 1) * torch.log(kappa) - m / 2 * math.log(2 * math.pi)
-               - torch.log(torch.from_numpy(iv(m / 2 - 1, kappa.numpy()))))
+        ref = (
+            (m / 2 - 1) * torch.log(kappa)
+            - m / 2 * math.log(2 * math.pi)
+            - torch.log(torch.from_numpy(iv(m / 2 - 1, kappa.numpy())))
+        )
         torch.testing.assert_close(log_vmf_normalizer(kappa, m), ref, rtol=1e-10, atol=1e-10)
 
 
@@ -110,8 +114,9 @@ def test_sample_mean_resultant_length_matches_the_bessel_ratio(m, kappa):
     assert abs(float(cos.mean()) - expected) < 5 * stderr + 1e-12
     # the mean direction is mu: the component orthogonal to mu averages out
     resid = x.mean(0) - cos.mean() * mu / mu.norm()
-    assert float(resid.norm()) < (6 * math.sqrt(m / 20000) * float((1 - cos ** 2).mean().sqrt()) / math.sqrt(m - 1)
-                                  + 1e-9)
+    assert float(resid.norm()) < (
+        6 * math.sqrt(m / 20000) * float((1 - cos**2).mean().sqrt()) / math.sqrt(m - 1) + 1e-9
+    )
 
 
 def test_sampling_a_batch_of_directions_and_concentrations():

@@ -38,8 +38,12 @@ def _in_region(z, x, ref, self_index, eps, margin=0.0):
     d_other = torch.cdist(z64, r64, compute_mode="donot_use_mm_for_euclid_dist")
     d_other[torch.arange(len(z)), self_index] = math.inf
     d_self = (z64 - x64).norm(dim=1)
-    return (bool((d_self < d_other.min(1).values).all()) and float(d_self.max()) <= eps * (1 + 1e-6) + 1e-7
-            and float(z.min()) >= 0.0 and float(z.max()) <= 1.0)
+    return (
+        bool((d_self < d_other.min(1).values).all())
+        and float(d_self.max()) <= eps * (1 + 1e-6) + 1e-7
+        and float(z.min()) >= 0.0
+        and float(z.max()) <= 1.0
+    )
 
 
 def _mlp(x, y, seed=0):
@@ -55,6 +59,7 @@ def _mlp(x, y, seed=0):
 
 
 # ------------------------------------------------------------------------------- projection
+
 
 def test_inner_radius_is_half_the_distance_to_the_nearest_other_point():
     x, _ = _toy()
@@ -80,10 +85,21 @@ def test_projection_is_the_nearest_feasible_point():
         for j in range(15):
             a = ref[j].numpy() - xi
             if j != i:
-                cons.append({"type": "ineq",
-                             "fun": lambda v, a=a: np.linalg.norm(a) * (np.linalg.norm(a) / 2 - margin) - a @ (v - xi)})
-        best = optimize.minimize(lambda v: ((v - yi) ** 2).sum(), xi, jac=lambda v: 2 * (v - yi), bounds=[(0, 1)] * 2,
-                                 constraints=cons, method="SLSQP", options={"ftol": 1e-14, "maxiter": 500})
+                cons.append(
+                    {
+                        "type": "ineq",
+                        "fun": lambda v, a=a: np.linalg.norm(a) * (np.linalg.norm(a) / 2 - margin) - a @ (v - xi),
+                    }
+                )
+        best = optimize.minimize(
+            lambda v: ((v - yi) ** 2).sum(),
+            xi,
+            jac=lambda v: 2 * (v - yi),
+            bounds=[(0, 1)] * 2,
+            constraints=cons,
+            method="SLSQP",
+            options={"ftol": 1e-14, "maxiter": 500},
+        )
         np.testing.assert_allclose(z[i].numpy(), best.x, atol=1e-5)
 
 
@@ -107,6 +123,7 @@ def test_points_already_in_the_region_do_not_move():
 
 # ------------------------------------------------------------------------------- the attack
 
+
 def test_voronoi_pgd_never_leaves_the_cell_nor_the_ball():
     x, y = _toy(dim=3)
     model = _mlp(x, y)
@@ -124,7 +141,7 @@ def test_observation_1_vaa_equals_saa_below_half_the_minimum_distance():
     kw = dict(steps=5, step_size=0.5 * d_min, seed=1)
     vaa = voronoi_adversarial_accuracy(model, x, y, x, eps, **kw)
     assert vaa == standard_adversarial_accuracy(model, x, y, eps, **kw)
-    assert min(vaa.values()) < 1.0                    # the attack does something
+    assert min(vaa.values()) < 1.0  # the attack does something
 
 
 def test_theorem_1_a_1nn_classifier_keeps_vaa_one_at_every_eps():
@@ -140,6 +157,7 @@ def test_theorem_1_a_1nn_classifier_keeps_vaa_one_at_every_eps():
 
 
 # ------------------------------------------------------------------------------- errors
+
 
 def test_errors_name_the_argument():
     x, y = _toy()

@@ -62,5 +62,6 @@ def reuse_large_blocks(environ=None) -> bool:
         return False
     # int mallopt(int param, int value) returns 1 on success; the trim threshold is set only if the
     # mmap one was accepted
-    return (bool(mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD)))
-            and bool(mallopt(ctypes.c_int(_M_TRIM_THRESHOLD), ctypes.c_int(TRIM_THRESHOLD))))
+    return bool(mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(MMAP_THRESHOLD))) and bool(
+        mallopt(ctypes.c_int(_M_TRIM_THRESHOLD), ctypes.c_int(TRIM_THRESHOLD))
+    )

@@ -58,7 +58,9 @@ def _cached_or_not(fn, options):
                 "NUMBA_CACHE_DIR and the user cache directory all refuse writes); the compiled "
                 "kernels are not cached and every process compiles them again. Set NUMBA_CACHE_DIR "
                 f"to a writable folder to cache them. ({exc})",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return _numba_njit(**{**options, "cache": False})(fn)
 
 

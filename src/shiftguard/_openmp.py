@@ -82,8 +82,11 @@ def busy_cores(window_s: float = WINDOW_S, stat_path: str = "/proc/stat") -> Opt
     return len(cpus) * (after[0] - before[0]) / (after[1] - before[1])
 
 
-def choose_waiting(environ: Optional[MutableMapping[str, str]] = None,
-                   load: Optional[float] = None, modules: Optional[Mapping[str, object]] = None) -> str:
+def choose_waiting(
+    environ: Optional[MutableMapping[str, str]] = None,
+    load: Optional[float] = None,
+    modules: Optional[Mapping[str, object]] = None,
+) -> str:
     """Set how idle OpenMP workers wait for the process about to import torch (module docstring);
     returns what was decided: ``"spin"`` (``GOMP_SPINCOUNT=SPIN_COUNT``), ``"passive"``
     (``OMP_WAIT_POLICY=PASSIVE``), ``"user"`` (the user set either variable: unchanged) or

@@ -115,8 +115,10 @@ def _openmp() -> Optional[_OpenMP]:
     with _LOCK:
         if _STATE.get("pid") != pid:
             omp = None
-            if os.environ.get("SHIFTGUARD_THREADS", "").strip().lower() != "pool" and \
-                    "parallel backend: OpenMP" in torch.__config__.parallel_info():
+            if (
+                os.environ.get("SHIFTGUARD_THREADS", "").strip().lower() != "pool"
+                and "parallel backend: OpenMP" in torch.__config__.parallel_info()
+            ):
                 path = _mapped_openmp_runtime()
                 if path is not None:
                     try:

@@ -55,12 +55,22 @@ class Progress:
     """Counter of ``total`` steps; see :func:`progress`. ``update(n, info)`` after each step,
     ``close()`` at the end (or use it as a context manager)."""
 
-    def __init__(self, total: int, desc: str = "", enabled: bool = True, unit: str = "it", *,
-                 line_every: Optional[int] = None, lines: bool = True, stream: Optional[IO] = None):
+    def __init__(
+        self,
+        total: int,
+        desc: str = "",
+        enabled: bool = True,
+        unit: str = "it",
+        *,
+        line_every: Optional[int] = None,
+        lines: bool = True,
+        stream: Optional[IO] = None,
+    ):
         if isinstance(total, bool) or not isinstance(total, int) or total < 0:
             raise ValueError(f"total: expected a non-negative integer, got {total!r}")
-        if line_every is not None and (isinstance(line_every, bool) or not isinstance(line_every, int)
-                                       or line_every < 1):
+        if line_every is not None and (
+            isinstance(line_every, bool) or not isinstance(line_every, int) or line_every < 1
+        ):
             raise ValueError(f"line_every: expected a positive integer, got {line_every!r}")
         self.total, self.desc, self.unit = total, desc, unit
         self.n = 0
@@ -101,8 +111,10 @@ class Progress:
         self._last_line_n = self.n
         pct = f" ({100 * self.n / self.total:.0f}%)" if self.total else ""
         info = _format_info(self._info)
-        text = (f"{self.desc + ': ' if self.desc else ''}{self.n}/{self.total} {self.unit}{pct}, "
-                f"{time.perf_counter() - self._t0:.1f} s{', ' + info if info else ''}")
+        text = (
+            f"{self.desc + ': ' if self.desc else ''}{self.n}/{self.total} {self.unit}{pct}, "
+            f"{time.perf_counter() - self._t0:.1f} s{', ' + info if info else ''}"
+        )
         print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
@@ -122,8 +134,16 @@ class Progress:
         self.close()
 
 
-def progress(total: int, desc: str = "", enabled: bool = True, unit: str = "it", *,
-             line_every: Optional[int] = None, lines: bool = True, stream: Optional[IO] = None) -> Progress:
+def progress(
+    total: int,
+    desc: str = "",
+    enabled: bool = True,
+    unit: str = "it",
+    *,
+    line_every: Optional[int] = None,
+    lines: bool = True,
+    stream: Optional[IO] = None,
+) -> Progress:
     """A progress counter of ``total`` steps.
 
     Args:

@@ -81,8 +81,9 @@ def check_finite(t: torch.Tensor, name: str) -> torch.Tensor:
     return t
 
 
-def check_labels(y, name: str, num_classes: Optional[int] = None, n: Optional[int] = None, *,
-                 check_values: bool = True) -> torch.Tensor:
+def check_labels(
+    y, name: str, num_classes: Optional[int] = None, n: Optional[int] = None, *, check_values: bool = True
+) -> torch.Tensor:
     """Validate integer class labels ``(N,)`` in ``[0, num_classes)``; return them as int64.
 
     ``check_values=False`` skips what reads the values (the range, and whether float labels are whole
@@ -134,8 +135,9 @@ def check_positive(value, name: str, *, strict: bool = True, integer: bool = Fal
     return value
 
 
-def check_probabilities(p, name: str, *, atol: float = 1e-4, simplex: bool = True,
-                        check_values: bool = True) -> torch.Tensor:
+def check_probabilities(
+    p, name: str, *, atol: float = 1e-4, simplex: bool = True, check_values: bool = True
+) -> torch.Tensor:
     """Validate an ``(N, C)`` probability matrix: finite, in [0, 1], rows summing to 1.
 
     ``simplex=False`` drops the row-sum check (one-vs-rest probabilities, one per class);

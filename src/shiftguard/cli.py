@@ -30,17 +30,47 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # Errors a user can cause (bad names, missing files, bad configs, a run directory another process
 # is using, a training that diverges with the learning rate given). Anything else is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, NotADirectoryError, PermissionError, KeyError,
-               DirectoryInUseError, FloatingPointError)
+USER_ERRORS = (
+    ValueError,
+    TypeError,
+    FileNotFoundError,
+    NotADirectoryError,
+    PermissionError,
+    KeyError,
+    DirectoryInUseError,
+    FloatingPointError,
+)
 
 # OSErrors that the environment causes, not the program: a full disk or quota, a read-only or
 # forbidden place, a file where a folder should be (or the reverse), a path that cannot resolve, a
 # failing device, a file system without locks. Each is one line naming the file and the cause; any
 # other OSError (EBADF, EINVAL, ...) points at a bug and keeps its traceback.
 ENVIRONMENT_ERRNOS = frozenset(
-    e for e in (getattr(errno, n, None) for n in (
-        "ENOSPC", "EDQUOT", "EFBIG", "EROFS", "EACCES", "EPERM", "ENOTDIR", "EISDIR", "ENOENT", "EEXIST",
-        "ENAMETOOLONG", "ELOOP", "EIO", "ENXIO", "ENODEV", "ETXTBSY", "EMLINK", "ESTALE", "ENOLCK"))
+    e
+    for e in (
+        getattr(errno, n, None)
+        for n in (
+            "ENOSPC",
+            "EDQUOT",
+            "EFBIG",
+            "EROFS",
+            "EACCES",
+            "EPERM",
+            "ENOTDIR",
+            "EISDIR",
+            "ENOENT",
+            "EEXIST",
+            "ENAMETOOLONG",
+            "ELOOP",
+            "EIO",
+            "ENXIO",
+            "ENODEV",
+            "ETXTBSY",
+            "EMLINK",
+            "ESTALE",
+            "ENOLCK",
+        )
+    )
     if e is not None
 )
 _FULL = frozenset(e for e in (getattr(errno, n, None) for n in ("ENOSPC", "EDQUOT", "EFBIG")) if e is not None)
@@ -62,8 +92,11 @@ def describe_error(exc: BaseException, command: str) -> str:
         where = f"{exc.filename}: " if exc.filename is not None else ""
         text = f"{where}{exc.strerror} (errno {errno.errorcode.get(exc.errno, exc.errno)})"
         if exc.errno in _FULL:
-            text += ("; free space, then run the same command with --resume to continue: finished steps are kept"
-                     if command == "run" else "; free space, then run the same command again")
+            text += (
+                "; free space, then run the same command with --resume to continue: finished steps are kept"
+                if command == "run"
+                else "; free space, then run the same command again"
+            )
     else:
         text = str(exc)
     return " ".join(text.splitlines())

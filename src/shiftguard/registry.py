@@ -125,8 +125,10 @@ class Registry(Generic[T]):
         """The normalised keys of ``name`` and ``aliases``, all free and distinct, or an error."""
         keys = [self._new_key(name, "name")] + [self._new_key(a, "aliases") for a in aliases]
         if len(set(keys)) != len(keys):
-            raise ValueError(f"aliases: {aliases!r} repeat the {self.kind} name {name!r} or each other "
-                             "(names are compared ignoring case, '-' and '_')")
+            raise ValueError(
+                f"aliases: {aliases!r} repeat the {self.kind} name {name!r} or each other "
+                "(names are compared ignoring case, '-' and '_')"
+            )
         return keys
 
     def _new_key(self, name, what: str) -> str:
@@ -136,8 +138,10 @@ class Registry(Generic[T]):
         if not key:
             raise ValueError(f"{what}: {name!r} is empty once whitespace, '-' and '_' are removed")
         if key in self._keys:
-            raise ValueError(f"{what}: {name!r} is already registered as the {self.kind} {self._keys[key]!r} "
-                             "(names are compared ignoring case, '-' and '_')")
+            raise ValueError(
+                f"{what}: {name!r} is already registered as the {self.kind} {self._keys[key]!r} "
+                "(names are compared ignoring case, '-' and '_')"
+            )
         return key
 
     # ------------------------------------------------------------------ lookup

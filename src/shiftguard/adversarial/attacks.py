@@ -56,6 +56,7 @@ _BISECTION_STEPS = 60
 
 # ---------------------------------------------------------------------------------------- validation
 
+
 def check_norm(norm) -> str:
     """``norm`` as one of :data:`NORMS` (``"inf"`` / ``"Linf"`` / ``"L2"`` / ``2`` accepted); ``ValueError`` else."""
     key = str(norm).strip().lower().replace("-", "").replace("_", "")
@@ -102,8 +103,10 @@ def check_pixels(images, name: str, bounds: Optional[tuple[float, float]]) -> tu
     if bounds is not None:
         lo, hi = float(work.min()), float(work.max())
         if lo < bounds[0] or hi > bounds[1]:
-            raise ValueError(f"{name}: pixels must lie in bounds [{bounds[0]}, {bounds[1]}] "
-                             f"(uint8 is read as v / 255), got values in [{lo:.4g}, {hi:.4g}]")
+            raise ValueError(
+                f"{name}: pixels must lie in bounds [{bounds[0]}, {bounds[1]}] "
+                f"(uint8 is read as v / 255), got values in [{lo:.4g}, {hi:.4g}]"
+            )
     return work, dtype
 
 
@@ -125,6 +128,7 @@ def default_device(model: nn.Module, images: torch.Tensor) -> torch.device:
 
 
 # ----------------------------------------------------------------------------------------- internals
+
 
 @contextlib.contextmanager
 def eval_mode(*modules) -> Iterator[None]:
@@ -149,13 +153,16 @@ def cross_entropy_sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     gradient is its own loss's gradient whatever the batch size)."""
     if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2:
         shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs).__name__
-        raise ValueError(f"model: the default loss_fn (cross-entropy) needs logits (N, C), got {shape}; "
-                         "pass loss_fn for other outputs")
+        raise ValueError(
+            f"model: the default loss_fn (cross-entropy) needs logits (N, C), got {shape}; "
+            "pass loss_fn for other outputs"
+        )
     return F.cross_entropy(outputs, labels, reduction="sum")
 
 
-def input_gradient(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, loss_fn: Callable,
-                   preprocess: Preprocess) -> torch.Tensor:
+def input_gradient(
+    model: nn.Module, x: torch.Tensor, labels: torch.Tensor, loss_fn: Callable, preprocess: Preprocess
+) -> torch.Tensor:
     """``d loss_fn(model(preprocess(x)), labels) / d x``; nothing accumulates in any ``.grad``."""
     with torch.enable_grad():
         xr = x.detach().requires_grad_(True)
@@ -165,8 +172,10 @@ def input_gradient(model: nn.Module, x: torch.Tensor, labels: torch.Tensor, loss
             if isinstance(loss, torch.Tensor) and loss.dim() == 1 and loss.shape[0] == x.shape[0]:
                 loss = loss.sum()  # per-image losses: each image ascends its own
             else:
-                raise ValueError("loss_fn: expected a scalar loss (or one per image), got "
-                                 f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}")
+                raise ValueError(
+                    "loss_fn: expected a scalar loss (or one per image), got "
+                    f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__}"
+                )
         (grad,) = torch.autograd.grad(loss.reshape(()), xr, allow_unused=True)
     if grad is None:
         raise ValueError("model: the loss does not depend on the images through a differentiable path")
@@ -184,8 +193,9 @@ def steepest_direction(grad: torch.Tensor, norm: str) -> torch.Tensor:
     return unit.view_as(grad)
 
 
-def project_ball_box(y: torch.Tensor, x: torch.Tensor, eps: float, norm: str,
-                     bounds: Optional[tuple[float, float]]) -> torch.Tensor:
+def project_ball_box(
+    y: torch.Tensor, x: torch.Tensor, eps: float, norm: str, bounds: Optional[tuple[float, float]]
+) -> torch.Tensor:
     """Euclidean projection of ``y`` onto ``B(x, eps) ∩ [lo, hi]^D`` (per image; ``x`` feasible).
 
     L-inf: a clamp to the intersection box. L2: ``x + clamp(t d, lo - x, hi - x)`` with ``d = y - x`` and
@@ -231,8 +241,9 @@ def project_ball_box(y: torch.Tensor, x: torch.Tensor, eps: float, norm: str,
     return (xf + v).view_as(y)
 
 
-def random_start_noise(shape: Sequence[int], eps: float, norm: str, dtype: torch.dtype,
-                       generator: Optional[torch.Generator]) -> torch.Tensor:
+def random_start_noise(
+    shape: Sequence[int], eps: float, norm: str, dtype: torch.dtype, generator: Optional[torch.Generator]
+) -> torch.Tensor:
     """Noise uniform in the budget's ball for ``shape[0]`` images, drawn at once so that the start of an
     image does not depend on the batch size: L-inf ``U(-eps, eps)`` per pixel; L2 a Gaussian direction
     with radius ``eps * U^(1 / D)`` (uniform in the ball's volume; ``D`` pixels per image)."""
@@ -263,11 +274,26 @@ def quantise_like(adv: torch.Tensor, clean: torch.Tensor, dtype: torch.dtype, ep
     return (clean * 255.0).round().add(k).clamp(0, 255).to(torch.uint8)
 
 
-def run_attack(model: nn.Module, images, labels, eps: float, *, norm: str, steps: int, step_size: float,
-               random_start: bool, targeted: bool, loss_fn: LossFn, preprocess: Preprocess,
-               bounds: Optional[tuple[float, float]], batch_size: int, generator: Optional[torch.Generator],
-               device, make_projector: Optional[ProjectorFactory] = None,
-               quantise: bool = True) -> torch.Tensor:
+def run_attack(
+    model: nn.Module,
+    images,
+    labels,
+    eps: float,
+    *,
+    norm: str,
+    steps: int,
+    step_size: float,
+    random_start: bool,
+    targeted: bool,
+    loss_fn: LossFn,
+    preprocess: Preprocess,
+    bounds: Optional[tuple[float, float]],
+    batch_size: int,
+    generator: Optional[torch.Generator],
+    device,
+    make_projector: Optional[ProjectorFactory] = None,
+    quantise: bool = True,
+) -> torch.Tensor:
     """The shared loop of every attack here (validated arguments): ``steps`` projected steepest-ascent
     steps of ``step_size`` from ``x`` or a random start, per batch of ``batch_size`` images."""
     work, dtype = check_pixels(images, "images", bounds)
@@ -278,6 +304,7 @@ def run_attack(model: nn.Module, images, labels, eps: float, *, norm: str, steps
     check_callable(preprocess, "preprocess")
     loss = loss_fn if loss_fn is not None else cross_entropy_sum
     dev = torch.device(device) if device is not None else default_device(model, work)
+
     def ball_projector(xb: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda v: project_ball_box(v, xb, eps, norm, bounds)
 
@@ -310,9 +337,21 @@ def _check_attack_args(eps, steps, step_size, norm) -> tuple[float, int, Optiona
 
 # -------------------------------------------------------------------------------------------- public
 
-def fgsm(model: nn.Module, images, labels, eps: float, *, norm: str = "linf", targeted: bool = False,
-         loss_fn: LossFn = None, preprocess: Preprocess = None, bounds: Bounds = (0.0, 1.0),
-         batch_size: int = 256, device=None) -> torch.Tensor:
+
+def fgsm(
+    model: nn.Module,
+    images,
+    labels,
+    eps: float,
+    *,
+    norm: str = "linf",
+    targeted: bool = False,
+    loss_fn: LossFn = None,
+    preprocess: Preprocess = None,
+    bounds: Bounds = (0.0, 1.0),
+    batch_size: int = 256,
+    device=None,
+) -> torch.Tensor:
     """Fast gradient sign method (Goodfellow et al. 2015): ``x + eps * sign(grad_x L)``, projected.
 
     Args:
@@ -346,9 +385,23 @@ def fgsm(model: nn.Module, images, labels, eps: float, *, norm: str = "linf", ta
             ``labels`` not ``(N,)`` non-negative ints; a loss without a gradient path to the images.
     """
     eps, _, _, norm = _check_attack_args(eps, 1, None, norm)
-    return run_attack(model, images, labels, eps, norm=norm, steps=1, step_size=eps, random_start=False,
-                      targeted=bool(targeted), loss_fn=loss_fn, preprocess=preprocess, bounds=check_bounds(bounds),
-                      batch_size=check_batch_size(batch_size), generator=None, device=device)
+    return run_attack(
+        model,
+        images,
+        labels,
+        eps,
+        norm=norm,
+        steps=1,
+        step_size=eps,
+        random_start=False,
+        targeted=bool(targeted),
+        loss_fn=loss_fn,
+        preprocess=preprocess,
+        bounds=check_bounds(bounds),
+        batch_size=check_batch_size(batch_size),
+        generator=None,
+        device=device,
+    )
 
 
 def default_step_size(attack: str, eps: float, steps: int) -> float:
@@ -358,9 +411,22 @@ def default_step_size(attack: str, eps: float, steps: int) -> float:
     return (2.5 if attack == "pgd" else 1.25) * eps / steps
 
 
-def bim(model: nn.Module, images, labels, eps: float, *, steps: int = 10, step_size: Optional[float] = None,
-        norm: str = "linf", targeted: bool = False, loss_fn: LossFn = None, preprocess: Preprocess = None,
-        bounds: Bounds = (0.0, 1.0), batch_size: int = 256, device=None) -> torch.Tensor:
+def bim(
+    model: nn.Module,
+    images,
+    labels,
+    eps: float,
+    *,
+    steps: int = 10,
+    step_size: Optional[float] = None,
+    norm: str = "linf",
+    targeted: bool = False,
+    loss_fn: LossFn = None,
+    preprocess: Preprocess = None,
+    bounds: Bounds = (0.0, 1.0),
+    batch_size: int = 256,
+    device=None,
+) -> torch.Tensor:
     """Basic iterative method (Kurakin et al. 2017): ``steps`` FGSM steps of ``step_size`` from the clean
     images, each projected onto ``B(x, eps) ∩ [lo, hi]^D``.
 
@@ -370,15 +436,43 @@ def bim(model: nn.Module, images, labels, eps: float, *, steps: int = 10, step_s
     """
     eps, steps, step_size, norm = _check_attack_args(eps, steps, step_size, norm)
     alpha = step_size if step_size is not None else default_step_size("bim", eps, steps)
-    return run_attack(model, images, labels, eps, norm=norm, steps=steps, step_size=alpha, random_start=False,
-                      targeted=bool(targeted), loss_fn=loss_fn, preprocess=preprocess, bounds=check_bounds(bounds),
-                      batch_size=check_batch_size(batch_size), generator=None, device=device)
+    return run_attack(
+        model,
+        images,
+        labels,
+        eps,
+        norm=norm,
+        steps=steps,
+        step_size=alpha,
+        random_start=False,
+        targeted=bool(targeted),
+        loss_fn=loss_fn,
+        preprocess=preprocess,
+        bounds=check_bounds(bounds),
+        batch_size=check_batch_size(batch_size),
+        generator=None,
+        device=device,
+    )
 
 
-def pgd(model: nn.Module, images, labels, eps: float, *, steps: int = 10, step_size: Optional[float] = None,
-        random_start: bool = True, norm: str = "linf", targeted: bool = False, loss_fn: LossFn = None,
-        preprocess: Preprocess = None, bounds: Bounds = (0.0, 1.0), batch_size: int = 256,
-        generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
+def pgd(
+    model: nn.Module,
+    images,
+    labels,
+    eps: float,
+    *,
+    steps: int = 10,
+    step_size: Optional[float] = None,
+    random_start: bool = True,
+    norm: str = "linf",
+    targeted: bool = False,
+    loss_fn: LossFn = None,
+    preprocess: Preprocess = None,
+    bounds: Bounds = (0.0, 1.0),
+    batch_size: int = 256,
+    generator: Optional[torch.Generator] = None,
+    device=None,
+) -> torch.Tensor:
     """Projected gradient descent (Madry et al. 2018): BIM from a random start uniform in the ball.
 
     The start is drawn for all images at once from ``generator`` (default: torch's global generator),
@@ -391,10 +485,23 @@ def pgd(model: nn.Module, images, labels, eps: float, *, steps: int = 10, step_s
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}")
     alpha = step_size if step_size is not None else default_step_size("pgd", eps, steps)
-    return run_attack(model, images, labels, eps, norm=norm, steps=steps, step_size=alpha,
-                      random_start=bool(random_start), targeted=bool(targeted), loss_fn=loss_fn,
-                      preprocess=preprocess, bounds=check_bounds(bounds), batch_size=check_batch_size(batch_size),
-                      generator=generator, device=device)
+    return run_attack(
+        model,
+        images,
+        labels,
+        eps,
+        norm=norm,
+        steps=steps,
+        step_size=alpha,
+        random_start=bool(random_start),
+        targeted=bool(targeted),
+        loss_fn=loss_fn,
+        preprocess=preprocess,
+        bounds=check_bounds(bounds),
+        batch_size=check_batch_size(batch_size),
+        generator=generator,
+        device=device,
+    )
 
 
 @dataclass(frozen=True)
@@ -436,9 +543,15 @@ class AttackSpec:
             random_start = attack == "pgd"
         elif attack != "pgd" and random_start:
             raise ValueError(f"random_start: only pgd has a random start, got random_start=True for {attack!r}")
-        for key, value in (("attack", attack), ("norm", norm), ("eps", eps), ("steps", steps),
-                           ("step_size", step_size), ("random_start", bool(random_start)),
-                           ("targeted", bool(self.targeted))):
+        for key, value in (
+            ("attack", attack),
+            ("norm", norm),
+            ("eps", eps),
+            ("steps", steps),
+            ("step_size", step_size),
+            ("random_start", bool(random_start)),
+            ("targeted", bool(self.targeted)),
+        ):
             object.__setattr__(self, key, value)
 
     @property
@@ -463,8 +576,10 @@ class AttackSpec:
         if targeted:
             parts = parts[:-1]
         if not parts or len(parts) > 2 or parts[0] not in ATTACK_NAMES:
-            raise ValueError(f"name: expected '<attack>[-<norm>][-targeted]' with attack in "
-                             f"{', '.join(ATTACK_NAMES)} and norm in {', '.join(NORMS)}, got {name!r}")
+            raise ValueError(
+                f"name: expected '<attack>[-<norm>][-targeted]' with attack in "
+                f"{', '.join(ATTACK_NAMES)} and norm in {', '.join(NORMS)}, got {name!r}"
+            )
         fields: dict[str, Any] = {"attack": parts[0], "norm": check_norm(parts[1]) if len(parts) == 2 else "linf"}
         if targeted:
             fields["targeted"] = True
@@ -477,8 +592,19 @@ class AttackSpec:
         """The same attack with budget ``eps``."""
         return replace(self, eps=eps)
 
-    def run(self, model: nn.Module, images, labels, *, preprocess: Preprocess = None, loss_fn: LossFn = None,
-            seed: int = 0, batch_size: int = 256, bounds: Bounds = (0.0, 1.0), device=None) -> torch.Tensor:
+    def run(
+        self,
+        model: nn.Module,
+        images,
+        labels,
+        *,
+        preprocess: Preprocess = None,
+        loss_fn: LossFn = None,
+        seed: int = 0,
+        batch_size: int = 256,
+        bounds: Bounds = (0.0, 1.0),
+        device=None,
+    ) -> torch.Tensor:
         """Attack ``images`` (see :func:`fgsm` for the arguments, the return value and the errors).
 
         ``seed`` seeds a CPU generator for PGD's random start: the same spec, seed and images give the
@@ -486,13 +612,50 @@ class AttackSpec:
         """
         seed = check_positive(seed, "seed", strict=False, integer=True)
         if self.attack == "fgsm":
-            return fgsm(model, images, labels, self.eps, norm=self.norm, targeted=self.targeted, loss_fn=loss_fn,
-                        preprocess=preprocess, bounds=bounds, batch_size=batch_size, device=device)
+            return fgsm(
+                model,
+                images,
+                labels,
+                self.eps,
+                norm=self.norm,
+                targeted=self.targeted,
+                loss_fn=loss_fn,
+                preprocess=preprocess,
+                bounds=bounds,
+                batch_size=batch_size,
+                device=device,
+            )
         if self.attack == "bim":
-            return bim(model, images, labels, self.eps, steps=self.steps, step_size=self.step_size, norm=self.norm,
-                       targeted=self.targeted, loss_fn=loss_fn, preprocess=preprocess, bounds=bounds,
-                       batch_size=batch_size, device=device)
+            return bim(
+                model,
+                images,
+                labels,
+                self.eps,
+                steps=self.steps,
+                step_size=self.step_size,
+                norm=self.norm,
+                targeted=self.targeted,
+                loss_fn=loss_fn,
+                preprocess=preprocess,
+                bounds=bounds,
+                batch_size=batch_size,
+                device=device,
+            )
         gen = torch.Generator().manual_seed(seed) if self.random_start else None
-        return pgd(model, images, labels, self.eps, steps=self.steps, step_size=self.step_size,
-                   random_start=bool(self.random_start), norm=self.norm, targeted=self.targeted, loss_fn=loss_fn,
-                   preprocess=preprocess, bounds=bounds, batch_size=batch_size, generator=gen, device=device)
+        return pgd(
+            model,
+            images,
+            labels,
+            self.eps,
+            steps=self.steps,
+            step_size=self.step_size,
+            random_start=bool(self.random_start),
+            norm=self.norm,
+            targeted=self.targeted,
+            loss_fn=loss_fn,
+            preprocess=preprocess,
+            bounds=bounds,
+            batch_size=batch_size,
+            generator=gen,
+            device=device,
+        )

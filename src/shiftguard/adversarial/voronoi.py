@@ -98,7 +98,7 @@ def _sq_distances(x: torch.Tensor, ref: torch.Tensor, ref_sq: torch.Tensor) -> t
     x_sq = (x * x).sum(1, keepdim=True)
     parts, selves = [], []
     for s in range(0, ref.shape[0], _CHUNK):
-        r, rs = ref[s:s + _CHUNK], ref_sq[s:s + _CHUNK].unsqueeze(0)
+        r, rs = ref[s : s + _CHUNK], ref_sq[s : s + _CHUNK].unsqueeze(0)
         sq = (x_sq + rs - 2.0 * x @ r.t()).clamp_min(0.0)
         parts.append(sq)
         selves.append(sq <= _SELF_RTOL * (x_sq + rs))
@@ -108,16 +108,27 @@ def _sq_distances(x: torch.Tensor, ref: torch.Tensor, ref_sq: torch.Tensor) -> t
 class _CellProjector:
     """Projection onto ``Vor_m(x) ∩ B(x, eps) ∩ [lo, hi]^D`` for one batch of clean points ``x``."""
 
-    def __init__(self, x: torch.Tensor, ref: torch.Tensor, ref_sq: torch.Tensor, eps: float, norm: str,
-                 bounds: Optional[tuple[float, float]], margin: float, tol: float, max_iter: int):
+    def __init__(
+        self,
+        x: torch.Tensor,
+        ref: torch.Tensor,
+        ref_sq: torch.Tensor,
+        eps: float,
+        norm: str,
+        bounds: Optional[tuple[float, float]],
+        margin: float,
+        tol: float,
+        max_iter: int,
+    ):
         self.shape, self.dtype = x.shape, x.dtype
         self.x = x.detach()
         self.x64 = x.detach().flatten(1).double()
         self.eps, self.norm, self.bounds = eps, norm, bounds
         self.margin, self.tol, self.max_iter = margin, tol, max_iter
         dim = self.x64.shape[1]
-        reach = torch.full((x.shape[0],), eps * (math.sqrt(dim) if norm == "linf" else 1.0),
-                           dtype=torch.float64, device=x.device)
+        reach = torch.full(
+            (x.shape[0],), eps * (math.sqrt(dim) if norm == "linf" else 1.0), dtype=torch.float64, device=x.device
+        )
         if bounds is not None:
             corner = torch.maximum(self.x64 - bounds[0], bounds[1] - self.x64).norm(dim=1)
             reach = torch.minimum(reach, corner)
@@ -125,9 +136,11 @@ class _CellProjector:
         dist = sq.sqrt()
         too_close = (~is_self) & (dist <= 2.0 * margin)
         if bool(too_close.any()):
-            raise ValueError(f"margin: a reference point lies within 2 * margin = {2 * margin:.3g} of a point x "
-                             f"(nearest {float(dist[too_close].min()):.3g}); its cell is thinner than the "
-                             "margin: pass a smaller margin")
+            raise ValueError(
+                f"margin: a reference point lies within 2 * margin = {2 * margin:.3g} of a point x "
+                f"(nearest {float(dist[too_close].min()):.3g}); its cell is thinner than the "
+                "margin: pass a smaller margin"
+            )
         cand = (~is_self) & (dist <= 2.0 * (reach.unsqueeze(1) + margin))
         cols = cand.any(0).nonzero().flatten()
         self.ref = ref[cols]
@@ -183,11 +196,18 @@ class _CellProjector:
             z = self._dykstra(z, x64, rows, work_idx, work_ok, incr)
         return self._pull_inside(z, x64, rows)
 
-    def _dykstra(self, z: torch.Tensor, x64: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor,
-                 ok: torch.Tensor, incr: torch.Tensor) -> torch.Tensor:
+    def _dykstra(
+        self,
+        z: torch.Tensor,
+        x64: torch.Tensor,
+        rows: torch.Tensor,
+        idx: torch.Tensor,
+        ok: torch.Tensor,
+        incr: torch.Tensor,
+    ) -> torch.Tensor:
         """Dykstra's projection onto the ball-and-box set ∩ the half-spaces ``idx`` (where ``ok``), from the
         iterate ``z`` and corrections ``incr`` (``[ball-and-box, half-space 1, ...]``, updated in place)."""
-        a = self.ref[idx] - x64.unsqueeze(1)                 # (b, K, D): a_j = x_j - x
+        a = self.ref[idx] - x64.unsqueeze(1)  # (b, K, D): a_j = x_j - x
         aa = (a * a).sum(-1).clamp_min(1e-300)
         c = self.c[rows].gather(1, idx)
         for _ in range(self.max_iter):
@@ -233,15 +253,19 @@ class _CellProjector:
 def _reference(reference, like: torch.Tensor, bounds) -> tuple[torch.Tensor, torch.Tensor]:
     ref, _ = check_pixels(reference, "reference", bounds)
     if ref.shape[1:] != like.shape[1:]:
-        raise ValueError(f"reference: expected points of shape {tuple(like.shape[1:])} like x, "
-                         f"got shape {tuple(ref.shape)}")
+        raise ValueError(
+            f"reference: expected points of shape {tuple(like.shape[1:])} like x, got shape {tuple(ref.shape)}"
+        )
     ref64 = ref.flatten(1).double()
     return ref64, (ref64 * ref64).sum(1)
 
 
 def _check_margin_tol(margin, tol, max_iter) -> tuple[float, float, int]:
-    return (float(check_positive(margin, "margin")), float(check_positive(tol, "tol")),
-            check_positive(max_iter, "max_iter", integer=True))
+    return (
+        float(check_positive(margin, "margin")),
+        float(check_positive(tol, "tol")),
+        check_positive(max_iter, "max_iter", integer=True),
+    )
 
 
 def _effective_eps(eps, norm: str, bounds, dim: int) -> float:
@@ -274,9 +298,19 @@ def voronoi_inner_radius(x, reference) -> torch.Tensor:
     return sq.min(1).values.sqrt() / 2.0
 
 
-def voronoi_project(x_adv, x, reference, eps: float, *, norm: str = "l2", bounds: Bounds = (0.0, 1.0),
-                    margin: float = DEFAULT_MARGIN, tol: float = 1e-9, max_iter: int = 500,
-                    batch_size: int = 128) -> torch.Tensor:
+def voronoi_project(
+    x_adv,
+    x,
+    reference,
+    eps: float,
+    *,
+    norm: str = "l2",
+    bounds: Bounds = (0.0, 1.0),
+    margin: float = DEFAULT_MARGIN,
+    tol: float = 1e-9,
+    max_iter: int = 500,
+    batch_size: int = 128,
+) -> torch.Tensor:
     """Euclidean projection of ``x_adv`` onto ``Vor_m(x) ∩ B(x, eps) ∩ [lo, hi]^D`` [Kim, Art. III, Def. 3].
 
     Args:
@@ -314,17 +348,34 @@ def voronoi_project(x_adv, x, reference, eps: float, *, norm: str = "l2", bounds
     ref64, ref_sq = ref64.to(xs.device), ref_sq.to(xs.device)
     out = torch.empty_like(ya, device=xs.device)
     for s in range(0, xs.shape[0], batch_size):
-        xb = xs[s:s + batch_size].to(ya.dtype)
+        xb = xs[s : s + batch_size].to(ya.dtype)
         proj = _CellProjector(xb, ref64, ref_sq, eps_eff, norm, bnds, margin, tol, max_iter)
-        out[s:s + batch_size] = proj(ya[s:s + batch_size].to(xs.device))
+        out[s : s + batch_size] = proj(ya[s : s + batch_size].to(xs.device))
     return out
 
 
-def voronoi_pgd(model: nn.Module, x, y, reference, eps: float, *, norm: str = "l2", steps: int = 10,
-                step_size: Optional[float] = None, random_start: bool = True, targeted: bool = False,
-                loss_fn: LossFn = None, preprocess: Preprocess = None, bounds: Bounds = (0.0, 1.0),
-                margin: float = DEFAULT_MARGIN, tol: float = 1e-9, max_iter: int = 500, batch_size: int = 128,
-                generator: Optional[torch.Generator] = None, device=None) -> torch.Tensor:
+def voronoi_pgd(
+    model: nn.Module,
+    x,
+    y,
+    reference,
+    eps: float,
+    *,
+    norm: str = "l2",
+    steps: int = 10,
+    step_size: Optional[float] = None,
+    random_start: bool = True,
+    targeted: bool = False,
+    loss_fn: LossFn = None,
+    preprocess: Preprocess = None,
+    bounds: Bounds = (0.0, 1.0),
+    margin: float = DEFAULT_MARGIN,
+    tol: float = 1e-9,
+    max_iter: int = 500,
+    batch_size: int = 128,
+    generator: Optional[torch.Generator] = None,
+    device=None,
+) -> torch.Tensor:
     """PGD of the Voronoi-epsilon adversary [Kim, Art. III, Def. 3]: every iterate, the random start
     included, is projected onto ``Vor_m(x) ∩ B(x, eps) ∩ [lo, hi]^D`` (:func:`voronoi_project`).
 
@@ -344,14 +395,51 @@ def voronoi_pgd(model: nn.Module, x, y, reference, eps: float, *, norm: str = "l
     """
     if reference is None:
         raise TypeError("reference: expected the reference set (training points), got None")
-    return _region_pgd(model, x, y, reference, eps, norm=norm, steps=steps, step_size=step_size,
-                       random_start=random_start, targeted=targeted, loss_fn=loss_fn, preprocess=preprocess,
-                       bounds=bounds, margin=margin, tol=tol, max_iter=max_iter, batch_size=batch_size,
-                       generator=generator, device=device)
+    return _region_pgd(
+        model,
+        x,
+        y,
+        reference,
+        eps,
+        norm=norm,
+        steps=steps,
+        step_size=step_size,
+        random_start=random_start,
+        targeted=targeted,
+        loss_fn=loss_fn,
+        preprocess=preprocess,
+        bounds=bounds,
+        margin=margin,
+        tol=tol,
+        max_iter=max_iter,
+        batch_size=batch_size,
+        generator=generator,
+        device=device,
+    )
 
 
-def _region_pgd(model, x, y, reference, eps, *, norm, steps, step_size, random_start, targeted, loss_fn, preprocess,
-                bounds, margin, tol, max_iter, batch_size, generator, device) -> torch.Tensor:
+def _region_pgd(
+    model,
+    x,
+    y,
+    reference,
+    eps,
+    *,
+    norm,
+    steps,
+    step_size,
+    random_start,
+    targeted,
+    loss_fn,
+    preprocess,
+    bounds,
+    margin,
+    tol,
+    max_iter,
+    batch_size,
+    generator,
+    device,
+) -> torch.Tensor:
     """PGD in ``Vor_m(x) ∩ B(x, eps) ∩ box``, or in ``B(x, eps) ∩ box`` when ``reference`` is None."""
     bnds = check_bounds(bounds)
     norm = check_norm(norm)
@@ -382,22 +470,44 @@ def _region_pgd(model, x, y, reference, eps, *, norm, steps, step_size, random_s
         def make_projector(xb: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
             return _CellProjector(xb, ref64, ref_sq, eps_eff, norm, bnds, margin, tol, max_iter)
 
-    return run_attack(model, xs, y, eps_eff, norm=norm, steps=steps, step_size=alpha,
-                      random_start=bool(random_start), targeted=bool(targeted), loss_fn=loss_fn,
-                      preprocess=preprocess, bounds=bnds, batch_size=check_batch_size(batch_size),
-                      generator=generator, device=dev, make_projector=make_projector, quantise=False)
+    return run_attack(
+        model,
+        xs,
+        y,
+        eps_eff,
+        norm=norm,
+        steps=steps,
+        step_size=alpha,
+        random_start=bool(random_start),
+        targeted=bool(targeted),
+        loss_fn=loss_fn,
+        preprocess=preprocess,
+        bounds=bnds,
+        batch_size=check_batch_size(batch_size),
+        generator=generator,
+        device=dev,
+        make_projector=make_projector,
+        quantise=False,
+    )
 
 
-def _accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, preprocess: Preprocess,
-              predict: Optional[Callable[[torch.Tensor], torch.Tensor]], batch_size: int, device) -> float:
+def _accuracy(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    preprocess: Preprocess,
+    predict: Optional[Callable[[torch.Tensor], torch.Tensor]],
+    batch_size: int,
+    device,
+) -> float:
     """Fraction of ``images`` whose prediction (``argmax`` of the logits, or ``predict(outputs)``) is the label."""
     correct = 0
     with eval_mode(model), torch.no_grad():
         for s in range(0, images.shape[0], batch_size):
-            xb = images[s:s + batch_size].to(device)
+            xb = images[s : s + batch_size].to(device)
             out = model(preprocess(xb) if preprocess is not None else xb)
             pred = predict(out) if predict is not None else out.argmax(1)
-            correct += int((pred.to(labels.device).long() == labels[s:s + batch_size]).sum())
+            correct += int((pred.to(labels.device).long() == labels[s : s + batch_size]).sum())
     return correct / images.shape[0]
 
 
@@ -416,8 +526,26 @@ def _eps_list(eps_values) -> list[float]:
     return [float(e) for e in values]
 
 
-def _adversarial_accuracy(model, x, y, reference, eps_values, *, norm, steps, step_size, random_start,
-                          loss_fn, preprocess, predict, bounds, margin, seed, batch_size, device) -> dict[float, float]:
+def _adversarial_accuracy(
+    model,
+    x,
+    y,
+    reference,
+    eps_values,
+    *,
+    norm,
+    steps,
+    step_size,
+    random_start,
+    loss_fn,
+    preprocess,
+    predict,
+    bounds,
+    margin,
+    seed,
+    batch_size,
+    device,
+) -> dict[float, float]:
     xs, _ = check_pixels(x, "x", check_bounds(bounds))
     labels = check_labels(y, "y", n=xs.shape[0])
     check_callable(predict, "predict")
@@ -428,20 +556,51 @@ def _adversarial_accuracy(model, x, y, reference, eps_values, *, norm, steps, st
     dev = torch.device(device) if device is not None else default_device(model, xs)
     result: dict[float, float] = {}
     for eps in _eps_list(eps_values):
-        adv = _region_pgd(model, xs, labels, reference, eps, norm=norm, steps=steps, step_size=step_size,
-                          random_start=random_start, targeted=False, loss_fn=loss_fn, preprocess=preprocess,
-                          bounds=bounds, margin=margin, tol=1e-9, max_iter=500, batch_size=batch_size,
-                          generator=torch.Generator().manual_seed(seed), device=dev)
+        adv = _region_pgd(
+            model,
+            xs,
+            labels,
+            reference,
+            eps,
+            norm=norm,
+            steps=steps,
+            step_size=step_size,
+            random_start=random_start,
+            targeted=False,
+            loss_fn=loss_fn,
+            preprocess=preprocess,
+            bounds=bounds,
+            margin=margin,
+            tol=1e-9,
+            max_iter=500,
+            batch_size=batch_size,
+            generator=torch.Generator().manual_seed(seed),
+            device=dev,
+        )
         result[eps] = _accuracy(model, adv, labels, preprocess, predict, batch_size, dev)
     return result
 
 
-def voronoi_adversarial_accuracy(model: nn.Module, x, y, reference, eps_values: Sequence[float] | float, *,
-                                 norm: str = "l2", steps: int = 10, step_size: Optional[float] = None,
-                                 random_start: bool = True, loss_fn: LossFn = None, preprocess: Preprocess = None,
-                                 predict: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                                 bounds: Bounds = (0.0, 1.0), margin: float = DEFAULT_MARGIN, seed: int = 0,
-                                 batch_size: int = 128, device=None) -> dict[float, float]:
+def voronoi_adversarial_accuracy(
+    model: nn.Module,
+    x,
+    y,
+    reference,
+    eps_values: Sequence[float] | float,
+    *,
+    norm: str = "l2",
+    steps: int = 10,
+    step_size: Optional[float] = None,
+    random_start: bool = True,
+    loss_fn: LossFn = None,
+    preprocess: Preprocess = None,
+    predict: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    bounds: Bounds = (0.0, 1.0),
+    margin: float = DEFAULT_MARGIN,
+    seed: int = 0,
+    batch_size: int = 128,
+    device=None,
+) -> dict[float, float]:
     """Voronoi-epsilon adversarial accuracy ``a_Vor(eps)`` for each ``eps`` [Kim, Art. III, Def. 3].
 
     The fraction of ``(x, y)`` still classified ``y`` after :func:`voronoi_pgd` (untargeted, on
@@ -463,24 +622,68 @@ def voronoi_adversarial_accuracy(model: nn.Module, x, y, reference, eps_values: 
     """
     if reference is None:
         raise TypeError("reference: expected the reference set (training points), got None")
-    return _adversarial_accuracy(model, x, y, reference, eps_values, norm=norm, steps=steps, step_size=step_size,
-                                 random_start=random_start, loss_fn=loss_fn, preprocess=preprocess, predict=predict,
-                                 bounds=bounds, margin=margin, seed=seed, batch_size=batch_size, device=device)
+    return _adversarial_accuracy(
+        model,
+        x,
+        y,
+        reference,
+        eps_values,
+        norm=norm,
+        steps=steps,
+        step_size=step_size,
+        random_start=random_start,
+        loss_fn=loss_fn,
+        preprocess=preprocess,
+        predict=predict,
+        bounds=bounds,
+        margin=margin,
+        seed=seed,
+        batch_size=batch_size,
+        device=device,
+    )
 
 
-def standard_adversarial_accuracy(model: nn.Module, x, y, eps_values: Sequence[float] | float, *,
-                                  norm: str = "l2", steps: int = 10, step_size: Optional[float] = None,
-                                  random_start: bool = True, loss_fn: LossFn = None, preprocess: Preprocess = None,
-                                  predict: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                                  bounds: Bounds = (0.0, 1.0), seed: int = 0, batch_size: int = 128,
-                                  device=None) -> dict[float, float]:
+def standard_adversarial_accuracy(
+    model: nn.Module,
+    x,
+    y,
+    eps_values: Sequence[float] | float,
+    *,
+    norm: str = "l2",
+    steps: int = 10,
+    step_size: Optional[float] = None,
+    random_start: bool = True,
+    loss_fn: LossFn = None,
+    preprocess: Preprocess = None,
+    predict: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    bounds: Bounds = (0.0, 1.0),
+    seed: int = 0,
+    batch_size: int = 128,
+    device=None,
+) -> dict[float, float]:
     """Standard adversarial accuracy ``a_std(eps)`` [Kim, Art. III, Def. 2]: the attack of
     :func:`voronoi_adversarial_accuracy` in ``B(x, eps) ∩ [lo, hi]^D`` alone (PGD with the same seed,
     steps and step sizes; ``eps = inf`` with bounds is the whole box). Arguments, return value and
     errors as :func:`voronoi_adversarial_accuracy`."""
-    return _adversarial_accuracy(model, x, y, None, eps_values, norm=norm, steps=steps, step_size=step_size,
-                                 random_start=random_start, loss_fn=loss_fn, preprocess=preprocess, predict=predict,
-                                 bounds=bounds, margin=DEFAULT_MARGIN, seed=seed, batch_size=batch_size, device=device)
+    return _adversarial_accuracy(
+        model,
+        x,
+        y,
+        None,
+        eps_values,
+        norm=norm,
+        steps=steps,
+        step_size=step_size,
+        random_start=random_start,
+        loss_fn=loss_fn,
+        preprocess=preprocess,
+        predict=predict,
+        bounds=bounds,
+        margin=DEFAULT_MARGIN,
+        seed=seed,
+        batch_size=batch_size,
+        device=device,
+    )
 
 
 def global_voronoi_robustness(model: nn.Module, x, y, reference, **kwargs) -> float:

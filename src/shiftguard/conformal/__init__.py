@@ -9,6 +9,13 @@ from .split import LAMBDA_GRID, METHODS, TOLERANCE, SplitConformal, conformal_qu
 from .weighted import WeightedSplitConformal, likelihood_ratio_weights, weighted_thresholds
 
 __all__ = [
-    "METHODS", "LAMBDA_GRID", "TOLERANCE", "SplitConformal", "WeightedSplitConformal", "conformal_quantile",
-    "likelihood_ratio_weights", "score_matrix", "weighted_thresholds",
+    "METHODS",
+    "LAMBDA_GRID",
+    "TOLERANCE",
+    "SplitConformal",
+    "WeightedSplitConformal",
+    "conformal_quantile",
+    "likelihood_ratio_weights",
+    "score_matrix",
+    "weighted_thresholds",
 ]

@@ -116,9 +116,18 @@ class SplitConformal:
     generator seeded with ``seed`` (calibration) and ``seed + 1`` (prediction).
     """
 
-    def __init__(self, method: str = "lac", alpha: float = 0.1, *, randomized: bool = True,
-                 k_reg: Optional[int] = None, lam: Optional[float] = None, tune_fraction: float = 0.2,
-                 mondrian: bool = False, seed: int = 0):
+    def __init__(
+        self,
+        method: str = "lac",
+        alpha: float = 0.1,
+        *,
+        randomized: bool = True,
+        k_reg: Optional[int] = None,
+        lam: Optional[float] = None,
+        tune_fraction: float = 0.2,
+        mondrian: bool = False,
+        seed: int = 0,
+    ):
         if method not in METHODS:
             raise ValueError(f"method: expected one of {', '.join(METHODS)}, got {method!r}")
         if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < float(alpha) < 1.0:
@@ -127,8 +136,9 @@ class SplitConformal:
             raise TypeError(f"randomized: expected a bool, got {type(randomized).__name__}")
         if k_reg is not None and (isinstance(k_reg, bool) or not isinstance(k_reg, int) or k_reg < 0):
             raise ValueError(f"k_reg: expected an integer >= 0 or None, got {k_reg!r}")
-        if lam is not None and (isinstance(lam, bool) or not isinstance(lam, (int, float))
-                                or not (math.isfinite(lam) and lam >= 0)):
+        if lam is not None and (
+            isinstance(lam, bool) or not isinstance(lam, (int, float)) or not (math.isfinite(lam) and lam >= 0)
+        ):
             raise ValueError(f"lam: expected a finite number >= 0 or None, got {lam!r}")
         if method != "raps" and (k_reg is not None or lam is not None):
             raise ValueError(f"k_reg, lam: RAPS's regularisation, not used by method {method!r}")
@@ -144,8 +154,10 @@ class SplitConformal:
         self.seed = int(seed)
 
     def __repr__(self) -> str:
-        return (f"SplitConformal(method={self.method!r}, alpha={self.alpha}, randomized={self.randomized}, "
-                f"k_reg={self.k_reg}, lam={self.lam}, mondrian={self.mondrian})")
+        return (
+            f"SplitConformal(method={self.method!r}, alpha={self.alpha}, randomized={self.randomized}, "
+            f"k_reg={self.k_reg}, lam={self.lam}, mondrian={self.mondrian})"
+        )
 
     # -- fitting ----------------------------------------------------------------------------------
     def _draws(self, n: int, seed: int, device) -> torch.Tensor:
@@ -175,8 +187,9 @@ class SplitConformal:
         for lam in LAMBDA_GRID:  # deterministic scores: the size comparison does not depend on draws
             s = score_matrix(p, "raps", ones, k_reg, lam)[torch.arange(p.shape[0], device=p.device), y]
             q = conformal_quantile(s, self.alpha)
-            size = float((score_matrix(p, "raps", torch.zeros_like(ones), k_reg, lam) <= q + TOLERANCE)
-                         .sum(1).double().mean())
+            size = float(
+                (score_matrix(p, "raps", torch.zeros_like(ones), k_reg, lam) <= q + TOLERANCE).sum(1).double().mean()
+            )
             if size < best_size - TOLERANCE:
                 best, best_size = lam, size
         return k_reg, float(best)
@@ -197,8 +210,10 @@ class SplitConformal:
                 perm = torch.randperm(p.shape[0], generator=torch.Generator().manual_seed(self.seed + 2))
                 n_tune = max(1, int(round(self.tune_fraction * p.shape[0])))
                 if n_tune >= p.shape[0]:
-                    raise ValueError(f"cal_probs: {p.shape[0]} calibration examples leave none after RAPS's tuning "
-                                     "split; give more, or k_reg and lam")
+                    raise ValueError(
+                        f"cal_probs: {p.shape[0]} calibration examples leave none after RAPS's tuning "
+                        "split; give more, or k_reg and lam"
+                    )
                 tune, keep = perm[:n_tune].to(p.device), perm[n_tune:].to(p.device)
                 self.k_reg_, self.lam_ = self._tune(p[tune], y[tune])
                 p, y, u = p[keep], y[keep], u[keep]
@@ -209,8 +224,9 @@ class SplitConformal:
         self.scores_ = scores
         self.threshold_: float | torch.Tensor
         if self.mondrian:
-            self.threshold_ = torch.tensor([conformal_quantile(scores[y == c], self.alpha) for c in range(p.shape[1])],
-                                           dtype=torch.float64)
+            self.threshold_ = torch.tensor(
+                [conformal_quantile(scores[y == c], self.alpha) for c in range(p.shape[1])], dtype=torch.float64
+            )
         else:
             self.threshold_ = conformal_quantile(scores, self.alpha)
         self.n_calibration_ = int(p.shape[0])

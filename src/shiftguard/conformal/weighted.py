@@ -49,12 +49,13 @@ def likelihood_ratio_weights(cal_features, test_features, seed: int = 0) -> tupl
     logit = clf.decision_function(x)  # log P(1 | x) / P(0 | x)
     w = np.exp(logit + math.log(a.shape[0] / b.shape[0]))
     w_cal = torch.as_tensor(w[: a.shape[0]], dtype=torch.float64)
-    w_test = torch.as_tensor(w[a.shape[0]:], dtype=torch.float64)
+    w_test = torch.as_tensor(w[a.shape[0] :], dtype=torch.float64)
     return w_cal, w_test
 
 
-def weighted_thresholds(cal_scores: torch.Tensor, cal_weights: torch.Tensor, test_weights: torch.Tensor,
-                        alpha: float) -> torch.Tensor:
+def weighted_thresholds(
+    cal_scores: torch.Tensor, cal_weights: torch.Tensor, test_weights: torch.Tensor, alpha: float
+) -> torch.Tensor:
     """``(m,)`` thresholds: for each test weight ``w``, the smallest calibration score at which the
     normalised cumulative weight (with ``w`` on ``+inf``) reaches ``1 - alpha``; ``+inf`` when the
     calibration scores never reach it."""
@@ -85,26 +86,33 @@ class WeightedSplitConformal(SplitConformal):
             raise ValueError("mondrian: the weighted variant has one threshold per test input, not per class")
         super().__init__(method, alpha, **kwargs)
 
-    def predict_sets(self, probs, uniform=None, *, cal_weights=None, test_weights=None,
-                     cal_features=None, test_features=None) -> torch.Tensor:
+    def predict_sets(
+        self, probs, uniform=None, *, cal_weights=None, test_weights=None, cal_features=None, test_features=None
+    ) -> torch.Tensor:
         s = self.test_scores(probs, uniform)
         if (cal_weights is None) != (test_weights is None):
             raise ValueError("cal_weights, test_weights: give both or neither")
         if cal_weights is None:
             if cal_features is None or test_features is None:
-                raise ValueError("cal_features, test_features: needed to estimate the likelihood ratio when no "
-                                 "weights are given")
+                raise ValueError(
+                    "cal_features, test_features: needed to estimate the likelihood ratio when no weights are given"
+                )
             cal = check_tensor(cal_features, "cal_features", ndim=2)
             if cal.shape[0] != self.n_fit_:
-                raise ValueError(f"cal_features: {cal.shape[0]} rows; expected the features of the {self.n_fit_} "
-                                 "calibration examples given to fit")
-            cal_weights, test_weights = likelihood_ratio_weights(cal[self.kept_.to(cal.device)], test_features,
-                                                                 seed=self.seed)
+                raise ValueError(
+                    f"cal_features: {cal.shape[0]} rows; expected the features of the {self.n_fit_} "
+                    "calibration examples given to fit"
+                )
+            cal_weights, test_weights = likelihood_ratio_weights(
+                cal[self.kept_.to(cal.device)], test_features, seed=self.seed
+            )
         cw = check_tensor(cal_weights, "cal_weights", ndim=1, finite=True).double()
         tw = check_tensor(test_weights, "test_weights", ndim=1, finite=True).double()
         if cw.shape[0] != self.n_calibration_:
-            raise ValueError(f"cal_weights: {cw.shape[0]} weights for {self.n_calibration_} calibration examples "
-                             "(RAPS's tuning rows are not calibration examples)")
+            raise ValueError(
+                f"cal_weights: {cw.shape[0]} weights for {self.n_calibration_} calibration examples "
+                "(RAPS's tuning rows are not calibration examples)"
+            )
         if tw.shape[0] != s.shape[0]:
             raise ValueError(f"test_weights: {tw.shape[0]} weights for {s.shape[0]} test inputs")
         if bool((cw < 0).any()) or bool((tw < 0).any()):
@@ -112,4 +120,3 @@ class WeightedSplitConformal(SplitConformal):
         q = weighted_thresholds(self.scores_, cw, tw, self.alpha)
         self.last_thresholds_ = q
         return s <= q.to(s.device)[:, None] + TOLERANCE
-

@@ -49,9 +49,23 @@ from shiftguard.corruptions.engine import (
     warm_up,
 )
 
-__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "canonical_name",
-           "canonical_suite", "corrupt", "warm_up", "gallery", "CHUNK", "AugMix", "augmix_ops",
-           "jensen_shannon_consistency"]
+__all__ = [
+    "SUITES",
+    "SUITE_REGISTRY",
+    "CORRUPTION_REGISTRIES",
+    "CorruptionSpec",
+    "names",
+    "get",
+    "canonical_name",
+    "canonical_suite",
+    "corrupt",
+    "warm_up",
+    "gallery",
+    "CHUNK",
+    "AugMix",
+    "augmix_ops",
+    "jensen_shannon_consistency",
+]
 
 
 def gallery(images, suite: Optional[str] = None, **kwargs):

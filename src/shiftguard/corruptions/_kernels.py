@@ -51,8 +51,19 @@ def serves(x: torch.Tensor, floating: bool = False) -> bool:
 
 
 __all__ = [
-    "AVAILABLE", "serves", "motion_blur_taps", "sample_levels", "canny_nms_hysteresis", "edge_distance",
-    "pil_box_resample", "pil_box_pairs", "spatter_water", "jpeg_rgb_to_ycc", "contrast_u8", "uniform", "sampling_grid",
+    "AVAILABLE",
+    "serves",
+    "motion_blur_taps",
+    "sample_levels",
+    "canny_nms_hysteresis",
+    "edge_distance",
+    "pil_box_resample",
+    "pil_box_pairs",
+    "spatter_water",
+    "jpeg_rgb_to_ycc",
+    "contrast_u8",
+    "uniform",
+    "sampling_grid",
 ]
 
 if AVAILABLE:
@@ -60,7 +71,6 @@ if AVAILABLE:
     _B8 = np.uint64(0xFF)
     _B32 = np.uint64(0xFFFFFFFF)
     _H32 = np.int64(1 << 31)
-
 
     @njit(inline="always")
     def _axpy(dst, d, src, s, n, a):
@@ -277,7 +287,6 @@ if AVAILABLE:
                     dst[j] = np.uint8((a[j] + b[j] + 1) >> 1)
         return out
 
-
     @njit(inline="always")
     def _pad_mirror(src, P, H, W):
         """``P`` (H + 2, W + 2) = ``src`` (H, W) padded by one pixel, BORDER_REFLECT_101."""
@@ -370,7 +379,6 @@ if AVAILABLE:
                         out[n, c, i, j] = min(max(m * colour[c], zero), one)
         return out
 
-
     @njit(nogil=True, cache=True, error_model="numpy")
     def jpeg_rgb_to_ycc(v, m):
         """``v`` (B, 3, P) 8-bit values (any real dtype) -> ``y`` (B, P) = round(m[0] . rgb - 128)
@@ -415,7 +423,7 @@ if AVAILABLE:
         out = np.empty(n, dtype=dtype_probe.dtype)
         base = np.uint64(seed)
         shift = np.uint64(64 - bits)
-        scale, span, lo = t(2.0 ** -bits), t(high - low), t(low)
+        scale, span, lo = t(2.0**-bits), t(high - low), t(low)
         for i in range(n):
             b = splitmix64(base + np.uint64(i))
             out[i] = t(np.float64(b >> shift)) * scale * span + lo

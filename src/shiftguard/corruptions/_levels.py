@@ -166,8 +166,9 @@ def _normal_bins(lo_z: np.ndarray, hi_z: np.ndarray) -> np.ndarray:
     hi = torch.from_numpy(np.ascontiguousarray(hi_z, dtype=np.float64))
     # P = Phi(hi) - Phi(lo), or Phi(-lo) - Phi(-hi) when both are in the upper tail
     upper = lo > 0
-    a = torch.where(upper, torch.special.ndtr(-lo) - torch.special.ndtr(-hi),
-                    torch.special.ndtr(hi) - torch.special.ndtr(lo))
+    a = torch.where(
+        upper, torch.special.ndtr(-lo) - torch.special.ndtr(-hi), torch.special.ndtr(hi) - torch.special.ndtr(lo)
+    )
     return a.clamp_min(0).numpy()
 
 

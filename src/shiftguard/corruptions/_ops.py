@@ -223,8 +223,16 @@ def _cached_filter_matrix(n: int, kernel: Tensor, mode: str, like: Tensor) -> Te
 
 
 def _cached_dense_filter(H: int, W: int, kernel: Tensor, mode: str, like: Tensor) -> Tensor:
-    key = ("dense", H, W, tuple(kernel.detach().cpu().double().flatten().tolist()), kernel.shape, mode, like.dtype,
-           str(like.device))
+    key = (
+        "dense",
+        H,
+        W,
+        tuple(kernel.detach().cpu().double().flatten().tolist()),
+        kernel.shape,
+        mode,
+        like.dtype,
+        str(like.device),
+    )
     M = _MATRIX_CACHE.get(key)
     if M is None:
         kh, kw = kernel.shape
@@ -453,8 +461,12 @@ def pixel_grid(H: int, W: int, like: Tensor) -> tuple[Tensor, Tensor]:
 
 #: padding name -> (grid_sample padding_mode, align_corners). ``reflect`` needs align_corners=False:
 #: grid_sample's reflection then reflects about -0.5 and n - 0.5 (scipy's half-sample symmetric).
-_PADDING = {"zeros": ("zeros", True), "border": ("border", True), "mirror": ("reflection", True),
-            "reflect": ("reflection", False)}
+_PADDING = {
+    "zeros": ("zeros", True),
+    "border": ("border", True),
+    "mirror": ("reflection", True),
+    "reflect": ("reflection", False),
+}
 
 
 def _grid_sample(x: Tensor, grid: Tensor, padding: str) -> Tensor:
@@ -462,8 +474,9 @@ def _grid_sample(x: Tensor, grid: Tensor, padding: str) -> Tensor:
     return F.grid_sample(x, grid, mode="bilinear", padding_mode=mode, align_corners=align)
 
 
-def _sample_compiled(x: Tensor, matrix: Optional[Tensor], dx: Optional[Tensor], dy: Optional[Tensor],
-                     padding: str) -> Tensor:
+def _sample_compiled(
+    x: Tensor, matrix: Optional[Tensor], dx: Optional[Tensor], dy: Optional[Tensor], padding: str
+) -> Tensor:
     """:func:`sample_at` at source coordinates ``matrix @ (col, row, 1)`` (identity if None) plus
     ``(dx, dy)`` (N, H, W) if given, its grid written by :func:`._kernels.sampling_grid` (CPU)."""
     N, C, H, W = x.shape

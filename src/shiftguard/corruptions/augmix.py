@@ -57,8 +57,7 @@ from .mnist_c import _centred
 
 Tensor = torch.Tensor
 
-__all__ = ["AugMix", "OPS", "AUGMENTATIONS", "augmix_ops", "jensen_shannon_consistency", "JSD_WEIGHT",
-           "MIXTURE_CLAMP"]
+__all__ = ["AugMix", "OPS", "AUGMENTATIONS", "augmix_ops", "jensen_shannon_consistency", "JSD_WEIGHT", "MIXTURE_CLAMP"]
 
 #: An operation: ``op(x (n, C, H, W) float in [0, 1], level (n,) float64 in [0.1, severity),
 #: sign (n,) float64 in {-1, +1}) -> (n, C, H, W)`` in [0, 1].
@@ -310,8 +309,10 @@ class AugMix:
         self.suite = SUITE_REGISTRY.canonical(suite) if suite is not None else None
         if ops is None:
             if self.suite is None:
-                raise ValueError("suite: AugMix's operations depend on the corruption suite the model is tested "
-                                 "on; pass suite ('mnist-c', 'cifar-c', ...) or ops")
+                raise ValueError(
+                    "suite: AugMix's operations depend on the corruption suite the model is tested "
+                    "on; pass suite ('mnist-c', 'cifar-c', ...) or ops"
+                )
             ops = augmix_ops(self.suite)
         if isinstance(ops, str) or not isinstance(ops, Sequence) or len(ops) == 0:
             raise ValueError(f"ops: expected a non-empty sequence of operation names or callables, got {ops!r}")
@@ -335,12 +336,21 @@ class AugMix:
     @property
     def config(self) -> dict:
         """The settings (for logs and run records): suite, severity, width, depth, alpha, ops, excluded."""
-        return {"suite": self.suite, "severity": self.severity, "width": self.width, "depth": self.depth,
-                "alpha": self.alpha, "ops": list(self.ops), "excluded": list(self.excluded)}
+        return {
+            "suite": self.suite,
+            "severity": self.severity,
+            "width": self.width,
+            "depth": self.depth,
+            "alpha": self.alpha,
+            "ops": list(self.ops),
+            "excluded": list(self.excluded),
+        }
 
     def __repr__(self) -> str:
-        return (f"AugMix(suite={self.suite!r}, severity={self.severity}, width={self.width}, depth={self.depth}, "
-                f"alpha={self.alpha}, ops={list(self.ops)})")
+        return (
+            f"AugMix(suite={self.suite!r}, severity={self.severity}, width={self.width}, depth={self.depth}, "
+            f"alpha={self.alpha}, ops={list(self.ops)})"
+        )
 
     def _draw(self, n: int, gen: Optional[torch.Generator], device) -> dict:
         """Every random number of one call, in a fixed order: chain weights (n, width), skip
@@ -427,8 +437,9 @@ def jensen_shannon_consistency(logits_clean: Tensor, logits_aug1: Tensor, logits
         if t.dim() != 2:
             raise ValueError(f"{name}: expected 2 dimensions (N, K), got shape {tuple(t.shape)}")
         if t.shape != logits_clean.shape:
-            raise ValueError(f"{name}: expected the shape of logits_clean {tuple(logits_clean.shape)}, "
-                             f"got {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: expected the shape of logits_clean {tuple(logits_clean.shape)}, got {tuple(t.shape)}"
+            )
     p = [F.softmax(t, dim=1) for _, t in args]
     log_m = ((p[0] + p[1] + p[2]) / 3.0).clamp(MIXTURE_CLAMP, 1.0).log()
     kl = [F.kl_div(log_m, q, reduction="batchmean") for q in p]  # sum_k q_k (log q_k - log M_k) / N

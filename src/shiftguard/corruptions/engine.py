@@ -15,8 +15,19 @@ from shiftguard.corruptions.mnist_c import MNIST_C
 from shiftguard.corruptions.registry import CorruptionSpec
 from shiftguard.registry import Registry
 
-__all__ = ["SUITES", "SUITE_REGISTRY", "CORRUPTION_REGISTRIES", "CorruptionSpec", "names", "get", "canonical_name",
-           "canonical_suite", "corrupt", "warm_up", "CHUNK"]
+__all__ = [
+    "SUITES",
+    "SUITE_REGISTRY",
+    "CORRUPTION_REGISTRIES",
+    "CorruptionSpec",
+    "names",
+    "get",
+    "canonical_name",
+    "canonical_suite",
+    "corrupt",
+    "warm_up",
+    "CHUNK",
+]
 
 #: The suites by name: ``suite -> {corruption name -> CorruptionSpec}`` (benchmark order). Suite
 #: and corruption names are matched ignoring case, ``-``, ``_`` and spaces (:func:`canonical_name`).
@@ -44,6 +55,7 @@ for _suite, _table in SUITES.items():
             _ANY_SUITE.register(_name, [_suite])
 del _suite, _table, _name, _spec
 
+
 def _canonical(registry: Registry, name, argument: Optional[str] = None) -> str:
     """``registry``'s canonical name for ``name``, whitespace between words a separator like ``-``
     and ``_`` (``"motion blur"`` is ``"motion_blur"``)."""
@@ -60,8 +72,9 @@ def canonical_suite(suite: str, *, argument: str = "suite") -> str:
     return _canonical(SUITE_REGISTRY, suite, argument)
 
 
-def canonical_name(name: str, suite: Optional[str] = None, *, channels: Optional[int] = None,
-                   argument: str = "name") -> str:
+def canonical_name(
+    name: str, suite: Optional[str] = None, *, channels: Optional[int] = None, argument: str = "name"
+) -> str:
     """The registered name of corruption ``name``: case, ``-``, ``_`` and spaces do not matter
     (``"Motion-Blur"``, ``"motion blur"``, ``"MOTION_BLUR"`` -> ``"motion_blur"``). Every entry point
     that takes corruption names (:func:`corrupt`, ``shiftguard.evaluate(corruptions=)``, the run
@@ -98,8 +111,9 @@ def names(suite: str = "cifar-c", *, extra: bool = False) -> list[str]:
     return out
 
 
-def get(name: str, suite: Optional[str] = None, channels: Optional[int] = None, *,
-        argument: str = "name") -> CorruptionSpec:
+def get(
+    name: str, suite: Optional[str] = None, channels: Optional[int] = None, *, argument: str = "name"
+) -> CorruptionSpec:
     """The :class:`CorruptionSpec` for ``name``.
 
     ``suite`` may be given, or a qualified name ``"mnist-c/fog"`` used. Otherwise the suite is

@@ -42,9 +42,10 @@ def synthetic_scene(n: int = 1, size: int = 32, seed: int = 0) -> torch.Tensor:
         img = img * (1 - sun) + torch.tensor([1.0, 0.9, 0.4]).view(3, 1, 1) * sun
         ox, oy = 0.3 + 0.4 * r[6], 0.6 + 0.2 * r[7]
         box = ((u - ox).abs() < 0.12) & ((v - oy).abs() < 0.1)
-        stripe = ((xx.long() // max(1, size // 16)) % 2 == 0)
-        col = torch.where(stripe, torch.tensor([0.85, 0.1, 0.1]).view(3, 1, 1),
-                          torch.tensor([0.1, 0.2, 0.8]).view(3, 1, 1))
+        stripe = (xx.long() // max(1, size // 16)) % 2 == 0
+        col = torch.where(
+            stripe, torch.tensor([0.85, 0.1, 0.1]).view(3, 1, 1), torch.tensor([0.1, 0.2, 0.8]).view(3, 1, 1)
+        )
         img = torch.where(box, col, img)
         out[i] = img
     return (out.clamp(0, 1) * 255).round().to(torch.uint8)
@@ -98,12 +99,15 @@ def gallery(
     for k, y in enumerate(cells):
         i, j = divmod(k, len(severities))
         top, left = gap + i * (h + gap), gap + j * (w + gap)
-        mosaic[:, top - 1:top + h + 1, left - 1:left + w + 1] = 0.6
-        mosaic[:, top:top + h, left:left + w] = y.expand(3, h, w) if c == 1 else y[:3]
+        mosaic[:, top - 1 : top + h + 1, left - 1 : left + w + 1] = 0.6
+        mosaic[:, top : top + h, left : left + w] = y.expand(3, h, w) if c == 1 else y[:3]
     fig, ax = plt.subplots(figsize=(cell * len(severities) + 1.2, cell * len(rows) + 0.4))
     ax.imshow(mosaic.permute(1, 2, 0).numpy(), interpolation="nearest")
-    ax.set_xticks([gap + j * (w + gap) + (w - 1) / 2 for j in range(len(severities))],
-                  ["clean" if sev == 0 else f"severity {sev}" for sev in severities], fontsize=8)
+    ax.set_xticks(
+        [gap + j * (w + gap) + (w - 1) / 2 for j in range(len(severities))],
+        ["clean" if sev == 0 else f"severity {sev}" for sev in severities],
+        fontsize=8,
+    )
     ax.xaxis.tick_top()
     ax.set_yticks([gap + i * (h + gap) + (h - 1) / 2 for i in range(len(rows))], list(rows), fontsize=7)
     ax.tick_params(length=0)

@@ -147,8 +147,17 @@ def spatter(x, c, gen, s):
 
 
 def line_layer(
-    c0: Tensor, r0: Tensor, c1: Tensor, r1: Tensor, H: int, W: int, width: float, like: Tensor,
-    *, out: Tensor | None = None, weight: Tensor | None = None,
+    c0: Tensor,
+    r0: Tensor,
+    c1: Tensor,
+    r1: Tensor,
+    H: int,
+    W: int,
+    width: float,
+    like: Tensor,
+    *,
+    out: Tensor | None = None,
+    weight: Tensor | None = None,
 ) -> Tensor:
     """MNIST-C ``line_from_points`` for a batch of segments (each argument (N,)): intensity
     ``clip(log(1 - d / width) + 1, 0, 1)`` of the vertical distance ``d`` to the line through the
@@ -245,8 +254,9 @@ def zigzag(x, c, gen, s):
         pts, valid = zigzag_points(N, H, W, s, gen, x)
         for k in range(pts.shape[1] - 1):
             ok = (valid[:, k] & valid[:, k + 1]).to(x.dtype)[:, None, None]
-            line_layer(pts[:, k, 0], pts[:, k, 1], pts[:, k + 1, 0], pts[:, k + 1, 1], H, W, width, x,
-                       out=total, weight=ok)
+            line_layer(
+                pts[:, k, 0], pts[:, k, 1], pts[:, k + 1, 0], pts[:, k + 1, 1], H, W, width, x, out=total, weight=ok
+            )
     return x + amp * total[:, None]
 
 

@@ -174,8 +174,9 @@ def _check_npy_size(path: Path) -> None:
     expected = header_end + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if size != expected:
         kind = "truncated" if size < expected else "has trailing bytes"
-        raise file_error(path, f"{kind}: header declares {dtype} {tuple(shape)} ({expected} bytes in all), "
-                               f"file holds {size}")
+        raise file_error(
+            path, f"{kind}: header declares {dtype} {tuple(shape)} ({expected} bytes in all), file holds {size}"
+        )
 
 
 def check_split(name: str, split: str, allowed: Sequence[str]) -> str:

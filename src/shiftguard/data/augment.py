@@ -180,8 +180,12 @@ def _jitter(x: torch.Tensor, brightness: float, contrast: float, generator) -> t
 # ------------------------------------------------------------------------------------------------ public API
 
 
-def random_resized_crop(images, scale: Sequence[float] = (0.08, 1.0), ratio: Sequence[float] = (3 / 4, 4 / 3),
-                        generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def random_resized_crop(
+    images,
+    scale: Sequence[float] = (0.08, 1.0),
+    ratio: Sequence[float] = (3 / 4, 4 / 3),
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
     """Crop a random box from each image and resize it back to ``(H, W)`` (bilinear).
 
     ``images``: float ``(N, C, H, W)`` in ``[0, 1]``. The box covers a fraction ``U(scale)`` of the area
@@ -214,8 +218,9 @@ def random_horizontal_flip(images, p: float = 0.5, generator: Optional[torch.Gen
     return _flip(x, p_, gen)
 
 
-def brightness_contrast_jitter(images, brightness: float = 0.4, contrast: float = 0.4,
-                               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def brightness_contrast_jitter(
+    images, brightness: float = 0.4, contrast: float = 0.4, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """torchvision's ``ColorJitter`` brightness then contrast, one factor pair per image.
 
     Brightness: ``clamp(b x, 0, 1)`` with ``b ~ U[max(0, 1 - brightness), 1 + brightness]``. Contrast:
@@ -263,8 +268,15 @@ class Augment:
         (True, torch.Size([4, 1, 28, 28]))
     """
 
-    def __init__(self, crop_scale: Sequence[float] = (0.2, 1.0), crop_ratio: Sequence[float] = (3 / 4, 4 / 3),
-                 hflip: bool = False, flip_p: float = 0.5, brightness: float = 0.4, contrast: float = 0.4):
+    def __init__(
+        self,
+        crop_scale: Sequence[float] = (0.2, 1.0),
+        crop_ratio: Sequence[float] = (3 / 4, 4 / 3),
+        hflip: bool = False,
+        flip_p: float = 0.5,
+        brightness: float = 0.4,
+        contrast: float = 0.4,
+    ):
         self.crop_scale = _check_range(crop_scale, "crop_scale", upper=1.0)
         self.crop_ratio = _check_range(crop_ratio, "crop_ratio")
         if not isinstance(hflip, bool):
@@ -275,8 +287,10 @@ class Augment:
         self.contrast = _check_strength(contrast, "contrast")
 
     def __repr__(self) -> str:
-        return (f"Augment(crop_scale={self.crop_scale}, crop_ratio={self.crop_ratio}, hflip={self.hflip}, "
-                f"flip_p={self.flip_p}, brightness={self.brightness}, contrast={self.contrast})")
+        return (
+            f"Augment(crop_scale={self.crop_scale}, crop_ratio={self.crop_ratio}, hflip={self.hflip}, "
+            f"flip_p={self.flip_p}, brightness={self.brightness}, contrast={self.contrast})"
+        )
 
     def __call__(self, images, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         x = _check_images(images)
@@ -289,8 +303,9 @@ class Augment:
         return _jitter(out, self.brightness, self.contrast, gen).to(x.dtype)
 
 
-def two_views(images, generator: Optional[torch.Generator] = None,
-              augment: Optional[Augment] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def two_views(
+    images, generator: Optional[torch.Generator] = None, augment: Optional[Augment] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Two independent augmentations of a batch, stacked, with their instance ids.
 
     ``images``: float ``(N, C, H, W)`` in ``[0, 1]``. Returns ``(views, ids)``: ``views`` float
@@ -303,8 +318,9 @@ def two_views(images, generator: Optional[torch.Generator] = None,
     if augment is None:
         augment = Augment()
     elif not callable(augment):
-        raise TypeError(f"augment: expected an Augment (or a callable (images, generator) -> images), "
-                        f"got {type(augment).__name__}")
+        raise TypeError(
+            f"augment: expected an Augment (or a callable (images, generator) -> images), got {type(augment).__name__}"
+        )
     x = _check_images(images)
     gen = _check_generator(generator)
     first, second = augment(x, gen), augment(x, gen)

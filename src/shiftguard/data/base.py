@@ -100,8 +100,9 @@ class ImageDataset(Dataset):
                 raise ValueError(f"indices: boolean mask must have shape ({len(self)},), got {tuple(idx.shape)}")
             idx = idx.nonzero().flatten()
         elif idx.is_floating_point() or idx.dim() != 1:
-            raise ValueError(f"indices: expected a 1-D integer index or boolean mask, "
-                             f"got {idx.dtype} {tuple(idx.shape)}")
+            raise ValueError(
+                f"indices: expected a 1-D integer index or boolean mask, got {idx.dtype} {tuple(idx.shape)}"
+            )
         idx = idx.long()
         if idx.numel() and (int(idx.min()) < -len(self) or int(idx.max()) >= len(self)):
             raise ValueError(f"indices: out of range for a dataset of {len(self)} samples")

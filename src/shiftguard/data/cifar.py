@@ -262,9 +262,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         obj = _ALLOWED.get((module, name))
         if obj is None:
-            raise ForbiddenPickleGlobal(
-                f"refused global {module}.{name} (only numpy array reconstruction is allowed)"
-            )
+            raise ForbiddenPickleGlobal(f"refused global {module}.{name} (only numpy array reconstruction is allowed)")
         return obj
 
     def load(self):
@@ -387,8 +385,9 @@ _LAYOUT: dict[str, dict[str, Any]] = {
 }
 
 
-def load_cifar(name: str, split: str = "train", root=None, download: bool = False,
-               label_mode: str = "fine") -> ImageDataset:
+def load_cifar(
+    name: str, split: str = "train", root=None, download: bool = False, label_mode: str = "fine"
+) -> ImageDataset:
     """``cifar10`` or ``cifar100`` (``label_mode`` ``"fine"`` (100 classes) or ``"coarse"`` (20))."""
     check_split(name, split, ("train", "test"))
     layout = _LAYOUT[name]

@@ -226,12 +226,10 @@ def _to_nchw(t: torch.Tensor, layout: str, name: str, what: str) -> torch.Tensor
         raise ValueError(f"{name}: expected {what} of shape {want} or (N, H, W), got shape {shape}")
     if layout == "nchw":
         if shape[1] not in (1, 3) and shape[3] in (1, 3):
-            raise ValueError(
-                f"{name}: {what} of shape {shape} look channels-last (N, H, W, C): pass layout=\"nhwc\""
-            )
+            raise ValueError(f'{name}: {what} of shape {shape} look channels-last (N, H, W, C): pass layout="nhwc"')
         return t
     if shape[3] not in (1, 3) and shape[1] in (1, 3):
-        raise ValueError(f"{name}: {what} of shape {shape} look channels-first (N, C, H, W): pass layout=\"nchw\"")
+        raise ValueError(f'{name}: {what} of shape {shape} look channels-first (N, C, H, W): pass layout="nchw"')
     return t.permute(0, 3, 1, 2).contiguous()
 
 
@@ -336,9 +334,11 @@ def _check_fits_in_memory(n: int, shape: tuple, itemsize: int, name: str) -> Non
     need = n * itemsize * int(np.prod(shape))
     have = _physical_memory()
     if have is not None and need > have:
-        raise ValueError(f"{name}: len(dataset) is {n:,}: {n:,} images of shape {shape} take {need / 1e9:,.1f} GB, "
-                         f"more than this machine's {have / 1e9:.1f} GB of memory; pass fewer images (e.g. a "
-                         "torch.utils.data.Subset)")
+        raise ValueError(
+            f"{name}: len(dataset) is {n:,}: {n:,} images of shape {shape} take {need / 1e9:,.1f} GB, "
+            f"more than this machine's {have / 1e9:.1f} GB of memory; pass fewer images (e.g. a "
+            "torch.utils.data.Subset)"
+        )
 
 
 @torch.no_grad()

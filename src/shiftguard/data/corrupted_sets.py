@@ -49,16 +49,44 @@ __all__ = [
 
 #: The 15 benchmark corruptions of Hendrycks & Dietterich (2019), then the 4 "extra" ones.
 CIFAR_C_CORRUPTIONS = (
-    "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur", "motion_blur",
-    "zoom_blur", "snow", "frost", "fog", "brightness", "contrast", "elastic_transform", "pixelate",
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "frost",
+    "fog",
+    "brightness",
+    "contrast",
+    "elastic_transform",
+    "pixelate",
     "jpeg_compression",
-    "speckle_noise", "gaussian_blur", "spatter", "saturate",
+    "speckle_noise",
+    "gaussian_blur",
+    "spatter",
+    "saturate",
 )
 TINYIMAGENET_C_CORRUPTIONS = CIFAR_C_CORRUPTIONS  # the last 4 ship in Tiny-ImageNet-C-extra.tar
 #: MNIST-C's 15 corruptions (Mu & Gilmer 2019, Table 1) plus the uncorrupted ``identity`` copy.
 MNIST_C_CORRUPTIONS = (
-    "shot_noise", "impulse_noise", "glass_blur", "motion_blur", "shear", "scale", "rotate",
-    "brightness", "translate", "stripe", "fog", "spatter", "dotted_line", "zigzag", "canny_edges",
+    "shot_noise",
+    "impulse_noise",
+    "glass_blur",
+    "motion_blur",
+    "shear",
+    "scale",
+    "rotate",
+    "brightness",
+    "translate",
+    "stripe",
+    "fog",
+    "spatter",
+    "dotted_line",
+    "zigzag",
+    "canny_edges",
     "identity",
 )
 
@@ -172,8 +200,12 @@ def _stacked_severities(folder: Path) -> list[int]:
         raise file_error(path, f"corrupt manifest ({exc})") from None
     if sev is None:
         return [1, 2, 3, 4, 5]
-    if (not isinstance(sev, list) or not sev or not all(isinstance(v, int) and 1 <= v <= 5 for v in sev)
-            or len(set(sev)) != len(sev)):
+    if (
+        not isinstance(sev, list)
+        or not sev
+        or not all(isinstance(v, int) and 1 <= v <= 5 for v in sev)
+        or len(set(sev)) != len(sev)
+    ):
         raise file_error(path, f"'severities' must be a list of distinct ints in 1..5, got {sev!r}")
     return sev
 
@@ -191,8 +223,9 @@ def _load_stacked(name: str, folder: Path, corruption: str, severity: int, class
             img_path, f"expected {n_blocks} severity blocks of images ({n_blocks}n, H, W, C), got shape {arr.shape}"
         )
     if severity not in severities:
-        raise ValueError(f"severity: {folder} holds severities {severities} only (see its manifest.json), "
-                         f"got {severity}")
+        raise ValueError(
+            f"severity: {folder} holds severities {severities} only (see its manifest.json), got {severity}"
+        )
     n = arr.shape[0] // n_blocks
     block = severities.index(severity)
     rows = slice(block * n, (block + 1) * n)
@@ -209,22 +242,27 @@ def _load_stacked(name: str, folder: Path, corruption: str, severity: int, class
     return _to_dataset(images, labels, classes, name, split, meta)
 
 
-def load_cifar_c(name: str, split: str = "test", root=None, download: bool = False, *, corruption=None,
-                 severity=None) -> ImageDataset:
+def load_cifar_c(
+    name: str, split: str = "test", root=None, download: bool = False, *, corruption=None, severity=None
+) -> ImageDataset:
     """``cifar10-c`` / ``cifar100-c``: one corruption at one severity (10,000 test images)."""
     check_split(name, split, ("test",))
     corruption = _check_corruption(name, corruption, root)
     severity = _check_severity(name, severity)
     classes = CIFAR10_CLASSES if name == "cifar10-c" else CIFAR100_CLASSES
     folder = locate(
-        name, root, lambda d: (d / "labels.npy").is_file() and (d / f"{corruption}.npy").is_file(),
-        [f"{corruption}.npy", "labels.npy"], download,
+        name,
+        root,
+        lambda d: (d / "labels.npy").is_file() and (d / f"{corruption}.npy").is_file(),
+        [f"{corruption}.npy", "labels.npy"],
+        download,
     )
     return _load_stacked(name, folder, corruption, severity, classes, split)
 
 
-def load_mnist_c(name: str = "mnist-c", split: str = "test", root=None, download: bool = False, *, corruption=None,
-                 severity=None) -> ImageDataset:
+def load_mnist_c(
+    name: str = "mnist-c", split: str = "test", root=None, download: bool = False, *, corruption=None, severity=None
+) -> ImageDataset:
     """``mnist-c``: one corruption (official: no severity; see the module docstring for extensions)."""
     check_split(name, split, ("train", "test"))
     corruption = _check_corruption(name, corruption, root)
@@ -262,7 +300,8 @@ def load_mnist_c(name: str = "mnist-c", split: str = "test", root=None, download
                     f"(found {corruption}/ without per-severity sub-folders)"
                 )
             expected = [f"severity-{severity}/{corruption}/{f}" for f in files] + [
-                f"or {corruption}/{severity}/{{{','.join(files)}}}", f"or {corruption}.npy + labels.npy"
+                f"or {corruption}/{severity}/{{{','.join(files)}}}",
+                f"or {corruption}.npy + labels.npy",
             ]
             from shiftguard.data._files import missing_files_error
 
@@ -275,8 +314,15 @@ def load_mnist_c(name: str = "mnist-c", split: str = "test", root=None, download
     return _to_dataset(images, labels, MNIST_CLASSES, name, split, meta)
 
 
-def load_tinyimagenet_c(name: str = "tinyimagenet-c", split: str = "test", root=None, download: bool = False, *,
-                        corruption=None, severity=None) -> ImageDataset:
+def load_tinyimagenet_c(
+    name: str = "tinyimagenet-c",
+    split: str = "test",
+    root=None,
+    download: bool = False,
+    *,
+    corruption=None,
+    severity=None,
+) -> ImageDataset:
     """``tinyimagenet-c``: one corruption at one severity (10,000 JPEGs, 64x64 RGB)."""
     from shiftguard.data.imagefolder import decode_images, read_wnids, read_words
 
@@ -284,8 +330,11 @@ def load_tinyimagenet_c(name: str = "tinyimagenet-c", split: str = "test", root=
     corruption = _check_corruption(name, corruption, root)
     severity = _check_severity(name, severity)
     folder = locate(
-        name, root, lambda d: (d / corruption / str(severity)).is_dir(),
-        [f"{corruption}/{severity}/<wnid>/*.JPEG"], download,
+        name,
+        root,
+        lambda d: (d / corruption / str(severity)).is_dir(),
+        [f"{corruption}/{severity}/<wnid>/*.JPEG"],
+        download,
     )
     tree = folder / corruption / str(severity)
     present = sorted(p.name for p in tree.iterdir() if p.is_dir() and not p.name.startswith("."))

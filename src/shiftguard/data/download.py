@@ -155,7 +155,7 @@ RESOURCES: dict[str, tuple[Resource, ...]] = {
             "f9c9a9dbdc11469f0b850190f7ad8be1",
             extract=True,
             checksum_source="Zenodo record 8206060 (Hendrycks & Dietterich 2019); "
-                            "the 4 extra corruptions are in Tiny-ImageNet-C-extra.tar",
+            "the 4 extra corruptions are in Tiny-ImageNet-C-extra.tar",
         ),
     ),
 }
@@ -287,7 +287,8 @@ def fetch_file(resource: Resource, dest: Path, timeout: float = DOWNLOAD_TIMEOUT
     if mismatch is not None:
         raise ValueError("; ".join(errors)) from None
     raise DownloadError(
-        f"could not download {resource.filename}: " + "; ".join(errors)
+        f"could not download {resource.filename}: "
+        + "; ".join(errors)
         + f". Put the file (or its extracted content) in {dest.parent} by hand."
     )
 
@@ -295,9 +296,7 @@ def fetch_file(resource: Resource, dest: Path, timeout: float = DOWNLOAD_TIMEOUT
 def fetch_dataset(name: str, base: Path, timeout: float = DOWNLOAD_TIMEOUT_S) -> Path:
     """Fetch (and extract) every official file of ``name`` into ``base``; skip verified files."""
     if name not in RESOURCES:
-        raise DownloadError(
-            f"{name}: no official download is known; put the files in {base} or pass root="
-        )
+        raise DownloadError(f"{name}: no official download is known; put the files in {base} or pass root=")
     base.mkdir(parents=True, exist_ok=True)
     for res in RESOURCES[name]:
         target = base / res.filename

@@ -138,8 +138,9 @@ class ClassHierarchy:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_nested(cls, tree: Mapping[str, Any], classes: Optional[Sequence[str]] = None,
-                    root_name: str = "root") -> "ClassHierarchy":
+    def from_nested(
+        cls, tree: Mapping[str, Any], classes: Optional[Sequence[str]] = None, root_name: str = "root"
+    ) -> "ClassHierarchy":
         """Build from a nested mapping: keys are node names, values are sub-mappings (inner nodes), a
         sequence of class names (an inner node whose children are those classes) or ``None`` / an
         empty mapping (a class). The outer mapping holds the root's children.
@@ -171,8 +172,10 @@ class ClassHierarchy:
                 for k in sub:
                     visit(k, None, name)
             else:
-                raise ValueError(f"tree: node {name!r} maps to a {type(sub).__name__}; expected a mapping, "
-                                 "a list of class names or None")
+                raise ValueError(
+                    f"tree: node {name!r} maps to a {type(sub).__name__}; expected a mapping, "
+                    "a list of class names or None"
+                )
 
         for k, v in tree.items():
             visit(k, v, root_name)
@@ -182,8 +185,9 @@ class ClassHierarchy:
         if sorted(classes) != sorted(leaves) or len(set(classes)) != len(classes):
             missing = sorted(set(leaves) - set(classes))
             extra = sorted(set(classes) - set(leaves))
-            raise ValueError(f"classes: must list every leaf of tree exactly once; missing {missing[:10]}, "
-                             f"not leaves {extra[:10]}")
+            raise ValueError(
+                f"classes: must list every leaf of tree exactly once; missing {missing[:10]}, not leaves {extra[:10]}"
+            )
         inner = [root_name] + [c for c, _ in edges if c not in set(leaves)]
         order = classes + inner
         index = {name: i for i, name in enumerate(order)}
@@ -252,8 +256,9 @@ class ClassHierarchy:
         return node
 
     # ------------------------------------------------------------------ matrices
-    def distance_matrix(self, kind: str = "path", height: str = "shortest",
-                        dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    def distance_matrix(
+        self, kind: str = "path", height: str = "shortest", dtype: torch.dtype = torch.float64
+    ) -> torch.Tensor:
         """Class distances ``(C, C)``, zero on the diagonal, symmetric.
 
         ``kind``: ``"path"`` -- ``d_{H;path}``, the ``d_H`` of [Kim, Art. IV]; ``"lca"`` -- the LCA
@@ -276,8 +281,9 @@ class ClassHierarchy:
             out = out / max(heights)
         return out
 
-    def similarity_matrix(self, kind: str = "lcs", beta: float = 1.0, height: str = "shortest",
-                          dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    def similarity_matrix(
+        self, kind: str = "lcs", beta: float = 1.0, height: str = "shortest", dtype: torch.dtype = torch.float64
+    ) -> torch.Tensor:
         """Class similarities ``(C, C)`` with ones on the diagonal.
 
         ``kind="lcs"``: ``s_H = 1 - d_{H;LCS}`` (Barz & Denzler 2019) [Kim, Ch. 4.2];
@@ -292,8 +298,10 @@ class ClassHierarchy:
         raise ValueError(f"kind: expected 'lcs' or 'transformed', got {kind!r}")
 
     def __repr__(self) -> str:
-        return (f"ClassHierarchy(num_classes={self.num_classes}, num_nodes={self.num_nodes}, "
-                f"root={self.names[self.root]!r})")
+        return (
+            f"ClassHierarchy(num_classes={self.num_classes}, num_nodes={self.num_nodes}, "
+            f"root={self.names[self.root]!r})"
+        )
 
 
 # ---------------------------------------------------------------------- shipped hierarchies
@@ -307,8 +315,18 @@ FASHION_MNIST_GROUPS: dict[str, tuple[int, ...]] = {
     "footwear": (5, 7, 9),
     "bags": (8,),
 }
-_FASHION_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                    "Ankle boot")
+_FASHION_CLASSES = (
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 
 #: CIFAR-10 labels 0 airplane, 1 automobile, 2 bird, 3 cat, 4 deer, 5 dog, 6 frog, 7 horse, 8 ship,
 #: 9 truck, split into vehicles and animals.
@@ -319,16 +337,106 @@ _CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "fro
 #: the dataset's ``fine_label_names`` / ``coarse_label_names`` (Krizhevsky 2009). Fixed by the dataset:
 #: each training and test image carries both labels, and every superclass holds five classes.
 CIFAR100_COARSE_OF_FINE: tuple[int, ...] = (
-    4, 1, 14, 8, 0, 6, 7, 7, 18, 3,
-    3, 14, 9, 18, 7, 11, 3, 9, 7, 11,
-    6, 11, 5, 10, 7, 6, 13, 15, 3, 15,
-    0, 11, 1, 10, 12, 14, 16, 9, 11, 5,
-    5, 19, 8, 8, 15, 13, 14, 17, 18, 10,
-    16, 4, 17, 4, 2, 0, 17, 4, 18, 17,
-    10, 3, 2, 12, 12, 16, 12, 1, 9, 19,
-    2, 10, 0, 1, 16, 12, 9, 13, 15, 13,
-    16, 19, 2, 4, 6, 19, 5, 5, 8, 19,
-    18, 1, 2, 15, 6, 0, 17, 8, 14, 13,
+    4,
+    1,
+    14,
+    8,
+    0,
+    6,
+    7,
+    7,
+    18,
+    3,
+    3,
+    14,
+    9,
+    18,
+    7,
+    11,
+    3,
+    9,
+    7,
+    11,
+    6,
+    11,
+    5,
+    10,
+    7,
+    6,
+    13,
+    15,
+    3,
+    15,
+    0,
+    11,
+    1,
+    10,
+    12,
+    14,
+    16,
+    9,
+    11,
+    5,
+    5,
+    19,
+    8,
+    8,
+    15,
+    13,
+    14,
+    17,
+    18,
+    10,
+    16,
+    4,
+    17,
+    4,
+    2,
+    0,
+    17,
+    4,
+    18,
+    17,
+    10,
+    3,
+    2,
+    12,
+    12,
+    16,
+    12,
+    1,
+    9,
+    19,
+    2,
+    10,
+    0,
+    1,
+    16,
+    12,
+    9,
+    13,
+    15,
+    13,
+    16,
+    19,
+    2,
+    4,
+    6,
+    19,
+    5,
+    5,
+    8,
+    19,
+    18,
+    1,
+    2,
+    15,
+    6,
+    0,
+    17,
+    8,
+    14,
+    13,
 )
 
 
@@ -361,6 +469,8 @@ def cifar100_hierarchy() -> ClassHierarchy:
 
     Node names are the dataset's ``fine_label_names`` then ``"root"`` then its ``coarse_label_names``.
     """
-    groups = {name: tuple(f for f, g in enumerate(CIFAR100_COARSE_OF_FINE) if g == k)
-              for k, name in enumerate(CIFAR100_COARSE_CLASSES)}
+    groups = {
+        name: tuple(f for f, g in enumerate(CIFAR100_COARSE_OF_FINE) if g == k)
+        for k, name in enumerate(CIFAR100_COARSE_CLASSES)
+    }
     return _two_level(groups, CIFAR100_CLASSES)

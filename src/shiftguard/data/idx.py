@@ -46,13 +46,27 @@ __all__ = [
 
 MNIST_CLASSES = [str(d) for d in range(10)]
 FASHION_MNIST_CLASSES = [
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
-    "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
 ]
 
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-_CODE_OF = {np.dtype(np.uint8): 0x08, np.dtype(np.int8): 0x09, np.dtype(np.int16): 0x0B,
-            np.dtype(np.int32): 0x0C, np.dtype(np.float32): 0x0D, np.dtype(np.float64): 0x0E}
+_CODE_OF = {
+    np.dtype(np.uint8): 0x08,
+    np.dtype(np.int8): 0x09,
+    np.dtype(np.int16): 0x0B,
+    np.dtype(np.int32): 0x0C,
+    np.dtype(np.float32): 0x0D,
+    np.dtype(np.float64): 0x0E,
+}
 
 _SPLIT_PREFIX = {"train": "train", "test": "t10k"}
 
@@ -83,7 +97,7 @@ def _read_idx_stream(
     head += fh.read(4 * head[3])
     if len(head) < 4 + 4 * head[3]:
         raise file_error(path, f"truncated IDX header ({len(head)} bytes, need {4 + 4 * head[3]})")
-    dims = tuple(int.from_bytes(head[4 + 4 * i: 8 + 4 * i], "big") for i in range(head[3]))
+    dims = tuple(int.from_bytes(head[4 + 4 * i : 8 + 4 * i], "big") for i in range(head[3]))
     dtype = np.dtype(_IDX_DTYPES[head[2]])
     nbytes = math.prod(dims) * dtype.itemsize  # Python ints: no overflow
     expected = len(head) + nbytes
@@ -104,7 +118,7 @@ def _read_idx_stream(
     view = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     got = 0
     while got < nbytes:
-        n = fh.readinto(view[got: got + CHUNK_BYTES])
+        n = fh.readinto(view[got : got + CHUNK_BYTES])
         if not n:
             raise file_error(path, f"truncated: {what}, file holds {len(head) + got} bytes")
         got += n

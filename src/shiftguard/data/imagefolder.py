@@ -160,8 +160,9 @@ def scan_class_tree(folder: Path) -> tuple[list[Path], list[int], list[str]]:
                     continue
                 p = Path(dirpath) / fn
                 if p.suffix.lower() not in IMAGE_EXTENSIONS:
-                    raise file_error(p, f"not an image file (extensions {', '.join(IMAGE_EXTENSIONS)}); "
-                                        f"remove it or hide it")
+                    raise file_error(
+                        p, f"not an image file (extensions {', '.join(IMAGE_EXTENSIONS)}); remove it or hide it"
+                    )
                 found.append(p)
         if not found:
             raise FileNotFoundError(f"{folder / cls}: class folder holds no images")

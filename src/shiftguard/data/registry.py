@@ -90,30 +90,82 @@ DATASET_REGISTRY: Registry[DatasetInfo] = Registry("dataset", argument="name")
 # "mnistc", "tiny-imagenet" and "tiny-imagenet-c" need no alias: they normalise to a name
 _ALIASES = {"fashion-mnist": ("fmnist",), "mnist-embedded": ("default",)}
 for _info in (
-        DatasetInfo("mnist", "MNIST, official IDX gzip files (60k/10k, 1x28x28)", ("train", "test"), False, (),
-                    _mnist("mnist")),
-        DatasetInfo("fashion-mnist", "Fashion-MNIST, IDX gzip files (60k/10k, 1x28x28)", ("train", "test"), False, (),
-                    _mnist("fashion-mnist")),
-        DatasetInfo("mnist-embedded", "class-balanced real MNIST subset shipped in the package (10k/2k)",
-                    ("train", "test"), False, (), _embedded),
-        DatasetInfo("cifar10", "CIFAR-10 python-version pickles (50k/10k, 3x32x32)", ("train", "test"), False, (),
-                    _cifar("cifar10")),
-        DatasetInfo("cifar100", "CIFAR-100 python-version pickles (50k/10k, 3x32x32)", ("train", "test"), False,
-                    ("label_mode",), _cifar("cifar100")),
-        DatasetInfo("cifar10-c", "CIFAR-10-C .npy arrays (10k per corruption x severity)", ("test",), True, (),
-                    _cifar_c("cifar10-c")),
-        DatasetInfo("cifar100-c", "CIFAR-100-C .npy arrays (10k per corruption x severity)", ("test",), True, (),
-                    _cifar_c("cifar100-c")),
-        DatasetInfo("mnist-c", "MNIST-C .npy arrays per corruption (60k/10k, one severity)", ("train", "test"), True,
-                    (), _mnist_c),
-        DatasetInfo("tinyimagenet", "Tiny-ImageNet-200 JPEG tree (100k train / 10k val as test, 3x64x64)",
-                    ("train", "test"), False, (), _tiny),
-        DatasetInfo("tinyimagenet-c", "Tiny-ImageNet-C JPEG tree (10k per corruption x severity)", ("test",), True,
-                    (), _tiny_c),
-        DatasetInfo("imagefolder", "any <class>/<image> tree decoded with Pillow", ("train", "val", "test"), False,
-                    ("image_size", "mode"), _imagefolder),
-        DatasetInfo("digits", "scikit-learn's bundled 8x8 digits (1442/355, deterministic split)", ("train", "test"),
-                    False, (), _digits),
+    DatasetInfo(
+        "mnist", "MNIST, official IDX gzip files (60k/10k, 1x28x28)", ("train", "test"), False, (), _mnist("mnist")
+    ),
+    DatasetInfo(
+        "fashion-mnist",
+        "Fashion-MNIST, IDX gzip files (60k/10k, 1x28x28)",
+        ("train", "test"),
+        False,
+        (),
+        _mnist("fashion-mnist"),
+    ),
+    DatasetInfo(
+        "mnist-embedded",
+        "class-balanced real MNIST subset shipped in the package (10k/2k)",
+        ("train", "test"),
+        False,
+        (),
+        _embedded,
+    ),
+    DatasetInfo(
+        "cifar10", "CIFAR-10 python-version pickles (50k/10k, 3x32x32)", ("train", "test"), False, (), _cifar("cifar10")
+    ),
+    DatasetInfo(
+        "cifar100",
+        "CIFAR-100 python-version pickles (50k/10k, 3x32x32)",
+        ("train", "test"),
+        False,
+        ("label_mode",),
+        _cifar("cifar100"),
+    ),
+    DatasetInfo(
+        "cifar10-c",
+        "CIFAR-10-C .npy arrays (10k per corruption x severity)",
+        ("test",),
+        True,
+        (),
+        _cifar_c("cifar10-c"),
+    ),
+    DatasetInfo(
+        "cifar100-c",
+        "CIFAR-100-C .npy arrays (10k per corruption x severity)",
+        ("test",),
+        True,
+        (),
+        _cifar_c("cifar100-c"),
+    ),
+    DatasetInfo(
+        "mnist-c", "MNIST-C .npy arrays per corruption (60k/10k, one severity)", ("train", "test"), True, (), _mnist_c
+    ),
+    DatasetInfo(
+        "tinyimagenet",
+        "Tiny-ImageNet-200 JPEG tree (100k train / 10k val as test, 3x64x64)",
+        ("train", "test"),
+        False,
+        (),
+        _tiny,
+    ),
+    DatasetInfo(
+        "tinyimagenet-c", "Tiny-ImageNet-C JPEG tree (10k per corruption x severity)", ("test",), True, (), _tiny_c
+    ),
+    DatasetInfo(
+        "imagefolder",
+        "any <class>/<image> tree decoded with Pillow",
+        ("train", "val", "test"),
+        False,
+        ("image_size", "mode"),
+        _imagefolder,
+    ),
+    DatasetInfo(
+        "digits",
+        "scikit-learn's bundled 8x8 digits (1442/355, deterministic split)",
+        ("train", "test"),
+        False,
+        (),
+        _digits,
+    ),
 ):
     DATASET_REGISTRY.register(_info.name, _info, aliases=_ALIASES.get(_info.name, ()))
 del _info

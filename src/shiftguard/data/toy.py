@@ -31,9 +31,16 @@ class ToyContexts(NamedTuple):
     mu2: torch.Tensor
 
 
-def two_gaussians(n_contexts: int, batch_size: int, *, angle_deg: float = 30.0, std: float = 0.1,
-                  radius: float = 1.0, generator: Optional[torch.Generator] = None,
-                  dtype: torch.dtype = torch.float32) -> ToyContexts:
+def two_gaussians(
+    n_contexts: int,
+    batch_size: int,
+    *,
+    angle_deg: float = 30.0,
+    std: float = 0.1,
+    radius: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+    dtype: torch.dtype = torch.float32,
+) -> ToyContexts:
     """Draw ``n_contexts`` independent contexts of ``batch_size`` points [QACT, eq. (1)].
 
     Args:

@@ -56,8 +56,16 @@ from shiftguard.registry import Registry
 
 from .outputs import ModelOutputs, batch_order, compute_outputs
 
-__all__ = ["ARMS", "AdaptSpec", "AdaptedModel", "adapt_specs", "arm_contexts", "batchnorm_layers", "skip_reason",
-           "softmax_entropy"]
+__all__ = [
+    "ARMS",
+    "AdaptSpec",
+    "AdaptedModel",
+    "adapt_specs",
+    "arm_contexts",
+    "batchnorm_layers",
+    "skip_reason",
+    "softmax_entropy",
+]
 
 #: The adaptation arms, in the order reports list them.
 ARMS = ("none", "bn-batch", "bn", "tent", "refresh")
@@ -75,11 +83,17 @@ def _canonical_arm(name) -> str:
         raise TypeError(f"adapt: expected an arm name (str), got {type(name).__name__}")
     return _ARM_REGISTRY.canonical(name, words=True)
 
+
 _BatchNorm = nn.modules.batchnorm._BatchNorm
 
 #: Per arm, the options it takes (others are refused by name).
-_OPTIONS = {"none": (), "bn-batch": (), "bn": ("prior",), "tent": ("lr", "steps", "optimizer", "batch_size"),
-            "refresh": ("passes", "batch_size")}
+_OPTIONS = {
+    "none": (),
+    "bn-batch": (),
+    "bn": ("prior",),
+    "tent": ("lr", "steps", "optimizer", "batch_size"),
+    "refresh": ("passes", "batch_size"),
+}
 
 
 @dataclass(frozen=True)
@@ -110,20 +124,29 @@ class AdaptSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "name", _canonical_arm(self.name))  # frozen: the one spelling, set once
-        if isinstance(self.prior, bool) or not isinstance(self.prior, (int, float)) or not (
-                math.isfinite(self.prior) and self.prior >= 0):
+        if (
+            isinstance(self.prior, bool)
+            or not isinstance(self.prior, (int, float))
+            or not (math.isfinite(self.prior) and self.prior >= 0)
+        ):
             raise ValueError(f"adapt: {self.name}: prior must be a finite number >= 0, got {self.prior!r}")
-        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not (
-                math.isfinite(self.lr) and self.lr > 0):
+        if (
+            isinstance(self.lr, bool)
+            or not isinstance(self.lr, (int, float))
+            or not (math.isfinite(self.lr) and self.lr > 0)
+        ):
             raise ValueError(f"adapt: {self.name}: lr must be a finite number > 0, got {self.lr!r}")
         for key in ("steps", "passes"):
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"adapt: {self.name}: {key} must be an integer >= 1, got {v!r}")
-        if self.batch_size is not None and (isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int)
-                                            or self.batch_size < 2):
-            raise ValueError(f"adapt: {self.name}: batch_size must be an integer >= 2 (BatchNorm needs a batch of 2), "
-                             f"got {self.batch_size!r}")
+        if self.batch_size is not None and (
+            isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 2
+        ):
+            raise ValueError(
+                f"adapt: {self.name}: batch_size must be an integer >= 2 (BatchNorm needs a batch of 2), "
+                f"got {self.batch_size!r}"
+            )
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"adapt: {self.name}: optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         changed = [f.name for f in fields(self) if f.name != "name" and getattr(self, f.name) != f.default]
@@ -145,12 +168,19 @@ class AdaptSpec:
             key, eq, value = part.partition("=")
             key = key.strip()
             if not eq or key not in types or key == "name":
-                raise ValueError(f"adapt: {text!r}: expected 'key=value' options of {name} "
-                                 f"({', '.join(_OPTIONS[name]) or 'none'}), got {part!r}")
+                raise ValueError(
+                    f"adapt: {text!r}: expected 'key=value' options of {name} "
+                    f"({', '.join(_OPTIONS[name]) or 'none'}), got {part!r}"
+                )
             value = value.strip()
             try:
-                kwargs[key] = (int(value) if types[key] in ("int", int, "Optional[int]") else
-                               float(value) if types[key] in ("float", float) else value)
+                kwargs[key] = (
+                    int(value)
+                    if types[key] in ("int", int, "Optional[int]")
+                    else float(value)
+                    if types[key] in ("float", float)
+                    else value
+                )
             except ValueError:
                 raise ValueError(f"adapt: {text!r}: {key} = {value!r} is not a number") from None
         return cls(name, **kwargs)
@@ -158,9 +188,13 @@ class AdaptSpec:
     @property
     def label(self) -> str:
         """The arm's name in results: the name, with the options that differ from the defaults."""
-        opts = [f"{f.name}={getattr(self, f.name):g}" if isinstance(getattr(self, f.name), float)
-                else f"{f.name}={getattr(self, f.name)}"
-                for f in fields(self) if f.name != "name" and getattr(self, f.name) != f.default]
+        opts = [
+            f"{f.name}={getattr(self, f.name):g}"
+            if isinstance(getattr(self, f.name), float)
+            else f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.name != "name" and getattr(self, f.name) != f.default
+        ]
         return self.name + (":" + ",".join(opts) if opts else "")
 
     @property
@@ -175,16 +209,23 @@ class AdaptSpec:
             "none": "static model: BatchNorm on its training statistics",
             "bn-batch": "every BatchNorm on the statistics of the evaluated batch (Nado et al. 2020)",
             "bn": "BatchNorm statistics re-estimated on each whole cell before scoring (Schneider et al. 2020)"
-                  + (f", source prior N = {self.prior:g}" if self.prior else ""),
+            + (f", source prior N = {self.prior:g}" if self.prior else ""),
             "tent": f"TENT (Wang et al. 2021): entropy minimisation of the BatchNorm affine parameters, "
-                    f"{self.optimizer} lr {self.lr:g}, {self.steps} step(s) per batch"
-                    + (f" of {self.batch_size}" if self.batch_size else "") + ", online through each cell",
+            f"{self.optimizer} lr {self.lr:g}, {self.steps} step(s) per batch"
+            + (f" of {self.batch_size}" if self.batch_size else "")
+            + ", online through each cell",
             "refresh": f"QACT reference protocol: {self.passes} training-mode passes over each cell"
-                       + (f" in batches of {self.batch_size}" if self.batch_size else "")
-                       + ", then scored with QACT in the frozen context",
+            + (f" in batches of {self.batch_size}" if self.batch_size else "")
+            + ", then scored with QACT in the frozen context",
         }[self.name]
-        return {"name": self.label, "arm": self.name, "transductive": self.transductive,
-                "passes": passes, "images": n_images if self.transductive else 0, "description": what}
+        return {
+            "name": self.label,
+            "arm": self.name,
+            "transductive": self.transductive,
+            "passes": passes,
+            "images": n_images if self.transductive else 0,
+            "description": what,
+        }
 
 
 def adapt_specs(adapt: Union[str, AdaptSpec, Sequence[Union[str, AdaptSpec]]]) -> list[AdaptSpec]:
@@ -192,7 +233,7 @@ def adapt_specs(adapt: Union[str, AdaptSpec, Sequence[Union[str, AdaptSpec]]]) -
     same label) is an error naming ``adapt``."""
     items = [adapt] if isinstance(adapt, (str, AdaptSpec)) else list(adapt)
     if not items:
-        raise ValueError("adapt: expected at least one arm (\"none\" is the static evaluation)")
+        raise ValueError('adapt: expected at least one arm ("none" is the static evaluation)')
     specs = [a if isinstance(a, AdaptSpec) else AdaptSpec.parse(a) for a in items]
     labels = [s.label for s in specs]
     dup = sorted({x for x in labels if labels.count(x) > 1})
@@ -395,8 +436,10 @@ class AdaptedModel:
                 p.requires_grad_(f)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(n)
-        return {"embeddings": torch.cat(embs)[inv] if self.outputs.has_embeddings else None,
-                "logits": torch.cat(logits)[inv]}
+        return {
+            "embeddings": torch.cat(embs)[inv] if self.outputs.has_embeddings else None,
+            "logits": torch.cat(logits)[inv],
+        }
 
 
 def softmax_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -122,9 +122,17 @@ class AttackSuite:
             cells ``"<attack>@<source>"`` (module docstring).
     """
 
-    def __init__(self, specs: Sequence[AttackSpec], eps: Sequence[float], test: tuple[torch.Tensor, torch.Tensor],
-                 losses: Optional[Mapping[str, Optional[LossFn]]] = None, seed: int = 0, batch_size: int = 500,
-                 device: Union[str, torch.device] = "cpu", transfer_from: Sequence[str] = ()):
+    def __init__(
+        self,
+        specs: Sequence[AttackSpec],
+        eps: Sequence[float],
+        test: tuple[torch.Tensor, torch.Tensor],
+        losses: Optional[Mapping[str, Optional[LossFn]]] = None,
+        seed: int = 0,
+        batch_size: int = 500,
+        device: Union[str, torch.device] = "cpu",
+        transfer_from: Sequence[str] = (),
+    ):
         self.specs = {s.name: s for s in specs}
         self.eps = _check_eps(eps)
         self.test_x, self.test_y = test
@@ -154,8 +162,10 @@ class AttackSuite:
         cell, also the source model's weights and buffers)."""
         base, source = self._split(name)
         s = self.specs[base].with_eps(self.eps[index - 1])
-        key = (f"{base}-eps{s.eps:.6g}-steps{s.steps}-step{s.step_size if s.step_size is not None else 'auto'}"
-               f"-start{int(bool(s.random_start))}-seed{self.seed}")
+        key = (
+            f"{base}-eps{s.eps:.6g}-steps{s.steps}-step{s.step_size if s.step_size is not None else 'auto'}"
+            f"-start{int(bool(s.random_start))}-seed{self.seed}"
+        )
         if source is not None:
             key += f"-from-{source}-{self._digests[source][:16]}"
         return key
@@ -163,9 +173,18 @@ class AttackSuite:
     def describe(self) -> dict:
         """The protocol of each attack, for ``results["data"]["attacks"]``; a transfer cell's entry
         names its ``source`` model."""
-        out = {name: {"attack": s.attack, "norm": s.norm, "eps": list(self.eps), "steps": s.steps,
-                      "step_size": s.step_size, "random_start": bool(s.random_start), "seed": self.seed}
-               for name, s in self.specs.items()}
+        out = {
+            name: {
+                "attack": s.attack,
+                "norm": s.norm,
+                "eps": list(self.eps),
+                "steps": s.steps,
+                "step_size": s.step_size,
+                "random_start": bool(s.random_start),
+                "seed": self.seed,
+            }
+            for name, s in self.specs.items()
+        }
         for src in self.sources:
             for name in self.specs:
                 out[f"{name}@{src}"] = {**out[name], "source": src, "transfer": True}
@@ -179,16 +198,22 @@ class AttackSuite:
         self._entries = {m["name"]: m for m in entries}
         unknown = [s for s in self.sources if s not in self._entries]
         if unknown:
-            raise ValueError(f"transfer_from: no model named {', '.join(map(repr, unknown))}; models: "
-                             f"{', '.join(map(repr, self._entries))}")
+            raise ValueError(
+                f"transfer_from: no model named {', '.join(map(repr, unknown))}; models: "
+                f"{', '.join(map(repr, self._entries))}"
+            )
         self._digests = {s: _state_digest(self._entries[s]["model"]) for s in self.sources}
         for m in entries:
             if any(p.is_inference() for p in m["model"].parameters()):
-                raise ValueError(f"attacks: model {m['name']!r} has parameters created under torch.inference_mode(), "
-                                 "which autograd cannot differentiate; build the model outside inference mode")
+                raise ValueError(
+                    f"attacks: model {m['name']!r} has parameters created under torch.inference_mode(), "
+                    "which autograd cannot differentiate; build the model outside inference mode"
+                )
             if self.losses.get(m["name"]) is None and not m["outputs"].has_logits:
-                raise ValueError(f"attack_loss: model {m['name']!r} returns embeddings; attacking it needs a loss on "
-                                 "its embeddings (e.g. its training loss), none was given")
+                raise ValueError(
+                    f"attack_loss: model {m['name']!r} returns embeddings; attacking it needs a loss on "
+                    "its embeddings (e.g. its training loss), none was given"
+                )
 
     def __call__(self, entry: dict, context: str, name: str, index: int) -> torch.Tensor:
         """Adversarial test images of cell ``(name, index)`` for model ``entry`` (same dtype as the
@@ -201,7 +226,7 @@ class AttackSuite:
             from shiftguard.nn import has_qact, qact_context
 
             src = self._entries[source]
-            ctx = (list(src.get("contexts") or ["batch"])[0] if has_qact(src["model"]) else "batch")
+            ctx = list(src.get("contexts") or ["batch"])[0] if has_qact(src["model"]) else "batch"
             with qact_context(src["model"], "batch" if ctx == "none" else ctx):
                 self._last = (name, index, self._craft(src, base, index))
         return self._last[2]
@@ -222,5 +247,13 @@ class AttackSuite:
         with torch.inference_mode(False), torch.enable_grad():
             x = self.test_x.clone() if self.test_x.is_inference() else self.test_x
             y = self.test_y.clone() if self.test_y.is_inference() else self.test_y
-            return spec.run(model, x, y, preprocess=outs.model_input, loss_fn=loss, seed=self.seed,
-                            batch_size=self.batch_size, device=self.device)
+            return spec.run(
+                model,
+                x,
+                y,
+                preprocess=outs.model_input,
+                loss_fn=loss,
+                seed=self.seed,
+                batch_size=self.batch_size,
+                device=self.device,
+            )

@@ -20,8 +20,19 @@ import numpy as np
 
 from shiftguard import metrics as M
 
-__all__ = ["CLEAN", "SERIES", "aggregate", "accuracy_drops", "robustness_table", "intervals", "INTERVAL_METRICS",
-           "series_key", "series_text", "parse_series", "primary_head"]
+__all__ = [
+    "CLEAN",
+    "SERIES",
+    "aggregate",
+    "accuracy_drops",
+    "robustness_table",
+    "intervals",
+    "INTERVAL_METRICS",
+    "series_key",
+    "series_text",
+    "parse_series",
+    "primary_head",
+]
 
 CLEAN = "clean"
 
@@ -30,7 +41,7 @@ INTERVAL_METRICS = {
     "accuracy_clean": "accuracy on the clean test set",
     "accuracy_corrupted": "mean accuracy over the benchmark corruptions x severities",
     "ece_clean": "top-label ECE on the clean test set (the binned ECE is biased upward, so the interval of its "
-                 "resamples can lie above the estimate; Kumar et al. 2019)",
+    "resamples can lie above the estimate; Kumar et al. 2019)",
     "ece_corrupted": "top-label ECE of the benchmark corrupted cells pooled (biased upward like the clean ECE)",
 }
 
@@ -68,8 +79,7 @@ def parse_series(text: str, argument: str) -> tuple:
     if len(parts) == 3:
         parts.insert(2, "none")
     if len(parts) != 4 or not all(parts):
-        raise ValueError(f"{argument}: expected 'model/context/head' or 'model/context/adaptation/head', "
-                         f"got {text!r}")
+        raise ValueError(f"{argument}: expected 'model/context/head' or 'model/context/adaptation/head', got {text!r}")
     return tuple(parts)
 
 
@@ -141,12 +151,16 @@ def accuracy_drops(rows: list[dict], pairs: Optional[list[tuple[int, int]]] = No
                     per[c] = 100.0 * (a_i - acc[j][c])
             mean_i = float(np.mean(list(acc[i].values())))
             mean_j = float(np.mean(list(acc[j].values())))
-            out.append({
-                **series_fields(key), "from": i, "to": j,
-                "drop_mean": 100.0 * (mean_i - mean_j),
-                "drop_std": float(np.std(list(per.values()))) if per else None,
-                "per_corruption": per,
-            })
+            out.append(
+                {
+                    **series_fields(key),
+                    "from": i,
+                    "to": j,
+                    "drop_mean": 100.0 * (mean_i - mean_j),
+                    "drop_std": float(np.std(list(per.values()))) if per else None,
+                    "per_corruption": per,
+                }
+            )
     return out
 
 
@@ -155,8 +169,9 @@ def _mean(values: list) -> Optional[float]:
     return float(np.mean(v)) if v else None
 
 
-def robustness_table(rows: list[dict], baseline: Optional[Callable[[str], tuple[list[dict], str]]] = None
-                     ) -> list[dict]:
+def robustness_table(
+    rows: list[dict], baseline: Optional[Callable[[str], tuple[list[dict], str]]] = None
+) -> list[dict]:
     """Per (model, context, adaptation, head): ``mca`` (mean corruption accuracy), ``mca_extra``,
     ``corrupted_accuracy`` / ``corrupted_nll`` / ``corrupted_ece`` (means over the benchmark
     corrupted cells), and with ``baseline`` (``baseline(head) -> (the cells of one baseline series,
@@ -169,8 +184,11 @@ def robustness_table(rows: list[dict], baseline: Optional[Callable[[str], tuple[
         baseline_name = None
         if baseline is not None:
             baseline_rows, baseline_name = baseline(key[3])
-            base_err = {(r["corruption"], r["severity"]): 1.0 - r["accuracy"] for r in _benchmark(baseline_rows)
-                        if r["severity"] > 0}
+            base_err = {
+                (r["corruption"], r["severity"]): 1.0 - r["accuracy"]
+                for r in _benchmark(baseline_rows)
+                if r["severity"] > 0
+            }
             base_clean_rows = [r for r in baseline_rows if r["severity"] == 0]
             base_clean = 1.0 - base_clean_rows[0]["accuracy"] if base_clean_rows else None
         bench = [r for r in _benchmark(rs) if r["severity"] > 0]
@@ -179,21 +197,35 @@ def robustness_table(rows: list[dict], baseline: Optional[Callable[[str], tuple[
         entry = {
             **series_fields(key),
             "mca": M.mean_corruption_accuracy({(r["corruption"], r["severity"]): r["accuracy"] for r in bench})
-            if bench else None,
+            if bench
+            else None,
             "mca_extra": _mean([r["accuracy"] for r in extra]) if extra else None,
             "corrupted_accuracy": _mean([r["accuracy"] for r in bench]),
             "corrupted_nll": _mean([r["nll"] for r in bench]),
             "corrupted_ece": _mean([r["ece_top_label"] for r in bench]),
-            "mce": None, "relative_mce": None, "ce": {}, "relative_ce": {}, "baseline": None,
+            "mce": None,
+            "relative_mce": None,
+            "ce": {},
+            "relative_ce": {},
+            "baseline": None,
         }
         if base_err is not None and bench:
             errors = {(r["corruption"], r["severity"]): 1.0 - r["accuracy"] for r in bench}
             ce = M.corruption_errors(
-                errors, base_err,
+                errors,
+                base_err,
                 clean_error=1.0 - clean[0]["accuracy"] if clean and base_clean is not None else None,
-                baseline_clean_error=base_clean if clean else None)
-            entry.update({"mce": ce.get("mce"), "ce": ce.get("ce", {}), "relative_mce": ce.get("relative_mce"),
-                          "relative_ce": ce.get("relative_ce") or {}, "baseline": baseline_name})
+                baseline_clean_error=base_clean if clean else None,
+            )
+            entry.update(
+                {
+                    "mce": ce.get("mce"),
+                    "ce": ce.get("ce", {}),
+                    "relative_mce": ce.get("relative_mce"),
+                    "relative_ce": ce.get("relative_ce") or {},
+                    "baseline": baseline_name,
+                }
+            )
         out.append(entry)
     return out
 
@@ -211,16 +243,19 @@ def intervals(per_image: dict, n_bins: int, n_boot: int = 1000, level: float = 0
     for key, d in per_image.items():
         found = {
             "accuracy_clean": M.bootstrap_mean_ci(d["clean_correct"].double(), n_boot=n_boot, level=level, seed=seed),
-            "ece_clean": M.bootstrap_ece_ci(d["clean_conf"], d["clean_hit"], n_bins=n_bins, n_boot=n_boot,
-                                            level=level, seed=seed),
+            "ece_clean": M.bootstrap_ece_ci(
+                d["clean_conf"], d["clean_hit"], n_bins=n_bins, n_boot=n_boot, level=level, seed=seed
+            ),
         }
         if d.get("corrupted_correct") is not None and d["corrupted_correct"].numel():
-            found["accuracy_corrupted"] = M.bootstrap_mean_ci(d["corrupted_correct"].double(), n_boot=n_boot,
-                                                              level=level, seed=seed)
-            found["ece_corrupted"] = M.bootstrap_ece_ci(d["corrupted_conf"], d["corrupted_hit"], n_bins=n_bins,
-                                                        n_boot=n_boot, level=level, seed=seed)
+            found["accuracy_corrupted"] = M.bootstrap_mean_ci(
+                d["corrupted_correct"].double(), n_boot=n_boot, level=level, seed=seed
+            )
+            found["ece_corrupted"] = M.bootstrap_ece_ci(
+                d["corrupted_conf"], d["corrupted_hit"], n_bins=n_bins, n_boot=n_boot, level=level, seed=seed
+            )
         for metric, (est, lo, hi) in found.items():
-            out.append({**series_fields(key), "metric": metric,
-                        "estimate": float(est), "lo": float(lo), "hi": float(hi)})
+            out.append(
+                {**series_fields(key), "metric": metric, "estimate": float(est), "lo": float(lo), "hi": float(hi)}
+            )
     return out
-

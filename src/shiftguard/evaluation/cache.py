@@ -56,9 +56,21 @@ def _callable_name(fn) -> Optional[str]:
     return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
-def fingerprint(model: torch.nn.Module, *, test: tuple, support: Optional[tuple], validation: Optional[tuple],
-                preprocess: Optional[Callable], probe: torch.Tensor, batch_size: int, output: str, embed: Any,
-                corruption_source: str, seed: int, calibration: Optional[tuple] = None) -> dict:
+def fingerprint(
+    model: torch.nn.Module,
+    *,
+    test: tuple,
+    support: Optional[tuple],
+    validation: Optional[tuple],
+    preprocess: Optional[Callable],
+    probe: torch.Tensor,
+    batch_size: int,
+    output: str,
+    embed: Any,
+    corruption_source: str,
+    seed: int,
+    calibration: Optional[tuple] = None,
+) -> dict:
     """What determines one model's cached outputs, as a JSON-able dict (module docstring).
     ``probe``: a fixed float batch shaped like the images, passed through ``preprocess``."""
     from shiftguard._version import __version__
@@ -73,8 +85,10 @@ def fingerprint(model: torch.nn.Module, *, test: tuple, support: Optional[tuple]
         "support": tensor_digest(*support) if support is not None else None,
         "validation": tensor_digest(*validation) if validation is not None else None,
         "calibration": tensor_digest(*calibration) if calibration is not None else None,
-        "preprocess": {"name": _callable_name(preprocess),
-                       "probe": tensor_digest(probed) if isinstance(probed, torch.Tensor) else repr(probed)},
+        "preprocess": {
+            "name": _callable_name(preprocess),
+            "probe": tensor_digest(probed) if isinstance(probed, torch.Tensor) else repr(probed),
+        },
         "batch_size": int(batch_size),
         "output": output,
         "embed": embed if embed is None or isinstance(embed, (bool, str)) else _callable_name(embed),
@@ -95,17 +109,23 @@ def check_fingerprint(folder: Path, expected: dict, write: bool = True) -> None:
         try:
             found = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cache_dir: {path} cannot be read ({type(exc).__name__}); delete the folder "
-                             f"{folder} or use another cache_dir") from None
+            raise ValueError(
+                f"cache_dir: {path} cannot be read ({type(exc).__name__}); delete the folder "
+                f"{folder} or use another cache_dir"
+            ) from None
         expected = json.loads(json.dumps(expected))
         if found != expected:
             keys = [k for k in sorted(set(found) | set(expected)) if found.get(k) != expected.get(k)]
-            raise ValueError(f"cache_dir: {folder} holds the outputs of another evaluation ({', '.join(keys)} "
-                             "differ); use another cache_dir, or delete that folder to recompute")
+            raise ValueError(
+                f"cache_dir: {folder} holds the outputs of another evaluation ({', '.join(keys)} "
+                "differ); use another cache_dir, or delete that folder to recompute"
+            )
         return
     if any(p.suffix == ".pt" for p in Path(folder).rglob("*.pt")) if Path(folder).is_dir() else False:
-        raise ValueError(f"cache_dir: {folder} holds outputs without a {FINGERPRINT_FILE} (of another evaluation, or "
-                         "of an older shiftguard); use another cache_dir, or delete that folder to recompute")
+        raise ValueError(
+            f"cache_dir: {folder} holds outputs without a {FINGERPRINT_FILE} (of another evaluation, or "
+            "of an older shiftguard); use another cache_dir, or delete that folder to recompute"
+        )
     if write:
         atomic_write_json(path, expected)
 

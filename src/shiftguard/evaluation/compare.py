@@ -59,10 +59,16 @@ def encode_per_image(per_image: Mapping[tuple, Mapping[str, Any]], cells: Sequen
         corrupted = d.get("corrupted_correct")
         if corrupted is not None and tuple(corrupted.shape) != (len(bench), n):
             corrupted = None  # not one row per benchmark cell: not stored rather than stored misaligned
-        series.append({**series_fields(key), "clean": _pack(clean),
-                       "corrupted": None if corrupted is None else _pack(corrupted)})
-    return {"format": _BITS, "meaning": "1 = the head's prediction is right on that test image",
-            "n_test": n, "cells": bench, "series": series}
+        series.append(
+            {**series_fields(key), "clean": _pack(clean), "corrupted": None if corrupted is None else _pack(corrupted)}
+        )
+    return {
+        "format": _BITS,
+        "meaning": "1 = the head's prediction is right on that test image",
+        "n_test": n,
+        "cells": bench,
+        "series": series,
+    }
 
 
 def _correct_of(results: dict, key: tuple) -> Optional[tuple[np.ndarray, Optional[np.ndarray], list]]:
@@ -76,8 +82,11 @@ def _correct_of(results: dict, key: tuple) -> Optional[tuple[np.ndarray, Optiona
         if isinstance(entry, dict) and series_key(entry) == tuple(key):
             what = series_text(series_key(entry))
             clean = _unpack(str(entry.get("clean")), (n,), f"the clean entry of {what}")
-            corrupted = (_unpack(entry["corrupted"], (len(cells), n), f"the corrupted entry of {what}")
-                         if entry.get("corrupted") else None)
+            corrupted = (
+                _unpack(entry["corrupted"], (len(cells), n), f"the corrupted entry of {what}")
+                if entry.get("corrupted")
+                else None
+            )
             return clean, corrupted, cells
     return None
 
@@ -85,8 +94,13 @@ def _correct_of(results: dict, key: tuple) -> Optional[tuple[np.ndarray, Optiona
 def _stored(results: dict) -> bool:
     """Whether ``results`` holds per-image correctness in the one format this version reads."""
     store = results.get("per_image_correct")
-    return (isinstance(store, dict) and store.get("format") == _BITS and isinstance(store.get("n_test"), int)
-            and not isinstance(store.get("n_test"), bool) and isinstance(store.get("series"), list))
+    return (
+        isinstance(store, dict)
+        and store.get("format") == _BITS
+        and isinstance(store.get("n_test"), int)
+        and not isinstance(store.get("n_test"), bool)
+        and isinstance(store.get("series"), list)
+    )
 
 
 def _corruption_seed(results: dict):
@@ -97,8 +111,9 @@ def _corruption_seed(results: dict):
     return seed
 
 
-def pairing_problems(a: dict, b: dict, names: Sequence[str] = ("the first", "the second")
-                     ) -> tuple[Optional[str], Optional[str]]:
+def pairing_problems(
+    a: dict, b: dict, names: Sequence[str] = ("the first", "the second")
+) -> tuple[Optional[str], Optional[str]]:
     """``(clean, corrupted)``: why the accuracies of two results dicts cannot be compared image by
     image, clean and on the corrupted cells; ``None`` where they can.
 
@@ -122,8 +137,10 @@ def pairing_problems(a: dict, b: dict, names: Sequence[str] = ("the first", "the
     src = (da.get("corruption_source"), db.get("corruption_source"))
     cells = [sorted(map(tuple, (r.get("per_image_correct") or {}).get("cells") or [])) for r in (a, b)]
     if src[0] != src[1] or src[0] not in ("engine", "official"):
-        return None, (f"the corrupted images may differ (corruption sources {src[0]!r} and {src[1]!r}; only the "
-                      "engine's or the official files are known to be the same)")
+        return None, (
+            f"the corrupted images may differ (corruption sources {src[0]!r} and {src[1]!r}; only the "
+            "engine's or the official files are known to be the same)"
+        )
     if cells[0] != cells[1] or not cells[0]:
         return None, "the two score different corruption x severity cells"
     if da.get("suite") != db.get("suite"):
@@ -134,8 +151,9 @@ def pairing_problems(a: dict, b: dict, names: Sequence[str] = ("the first", "the
             return None, f"the corruption seeds differ or are not recorded ({seeds[0]!r}, {seeds[1]!r})"
         versions = [(r.get("versions") or {}).get("shiftguard") for r in (a, b)]
         if versions[0] is None or versions[0] != versions[1]:
-            return None, (f"the corruption engine's versions differ or are not recorded ({versions[0]!r}, "
-                          f"{versions[1]!r})")
+            return None, (
+                f"the corruption engine's versions differ or are not recorded ({versions[0]!r}, {versions[1]!r})"
+            )
     return None, None
 
 
@@ -150,13 +168,24 @@ def bootstrap_settings(results: dict) -> dict:
         return None if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) else v
 
     n, level, seed = number("n_boot"), number("level"), number("seed")
-    return {"n_boot": int(n) if n is not None and 1 <= n <= 10**7 else 1000,
-            "level": float(level) if level is not None and 0 < level < 1 else 0.95,
-            "seed": int(seed) if seed is not None and 0 <= seed < 2**63 else 0}
+    return {
+        "n_boot": int(n) if n is not None and 1 <= n <= 10**7 else 1000,
+        "level": float(level) if level is not None and 0 < level < 1 else 0.95,
+        "seed": int(seed) if seed is not None and 0 <= seed < 2**63 else 0,
+    }
 
 
-def paired_accuracy_intervals(a: dict, a_key: tuple, b: dict, b_key: tuple, *, corrupted: bool = True,
-                              n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> dict[str, tuple]:
+def paired_accuracy_intervals(
+    a: dict,
+    a_key: tuple,
+    b: dict,
+    b_key: tuple,
+    *,
+    corrupted: bool = True,
+    n_boot: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> dict[str, tuple]:
     """Paired percentile-bootstrap intervals of accuracy differences, series ``a_key`` of ``a`` minus
     series ``b_key`` of ``b``, on the same test images: ``{"accuracy_clean": (delta, lo, hi),
     "mca": (delta, lo, hi)}`` (``mca``, the mean accuracy over the benchmark corrupted cells, only
@@ -170,13 +199,17 @@ def paired_accuracy_intervals(a: dict, a_key: tuple, b: dict, b_key: tuple, *, c
     sa, sb = _correct_of(a, a_key), _correct_of(b, b_key)
     if sa is None or sb is None or sa[0].shape != sb[0].shape:
         return {}
-    out = {"accuracy_clean": bootstrap_mean_ci(torch.from_numpy(sa[0].astype(np.float64) - sb[0]),
-                                               n_boot=n_boot, level=level, seed=seed)}
+    out = {
+        "accuracy_clean": bootstrap_mean_ci(
+            torch.from_numpy(sa[0].astype(np.float64) - sb[0]), n_boot=n_boot, level=level, seed=seed
+        )
+    }
     if corrupted and sa[1] is not None and sb[1] is not None and sorted(sa[2]) == sorted(sb[2]):
         rows = {c: i for i, c in enumerate(sb[2])}
         other = sb[1][[rows[c] for c in sa[2]]]  # b's cells in a's order
-        out["mca"] = bootstrap_mean_ci(torch.from_numpy(sa[1].astype(np.float64) - other), n_boot=n_boot,
-                                       level=level, seed=seed)
+        out["mca"] = bootstrap_mean_ci(
+            torch.from_numpy(sa[1].astype(np.float64) - other), n_boot=n_boot, level=level, seed=seed
+        )
     return out
 
 
@@ -190,9 +223,14 @@ def _models_of(keys: Iterable[tuple]) -> list:
     return list(dict.fromkeys(k[0] for k in keys))
 
 
-def match_series(left: Iterable[tuple], right: Iterable[tuple], pairs: Optional[Mapping[str, str]] = None, *,
-                 names: Sequence[str] = ("this result", "the other"), argument: str = "pairs"
-                 ) -> tuple[list[tuple[tuple, tuple]], str]:
+def match_series(
+    left: Iterable[tuple],
+    right: Iterable[tuple],
+    pairs: Optional[Mapping[str, str]] = None,
+    *,
+    names: Sequence[str] = ("this result", "the other"),
+    argument: str = "pairs",
+) -> tuple[list[tuple[tuple, tuple]], str]:
     """Which series of two results are compared: ``([(left key, right key)], rule)``; keys are
     ``(model, context, adaptation, head)``.
 
@@ -215,9 +253,14 @@ def match_series(left: Iterable[tuple], right: Iterable[tuple], pairs: Optional[
     lm, rm = _models_of(lk), _models_of(rk)
 
     def matched(model_map: Mapping[str, str], any_context: bool) -> list[tuple[tuple, tuple]]:
-        return [(a, b) for a in lk for b in rk
-                if b[0] == model_map.get(a[0], a[0]) and a[2:] == b[2:]
-                and (a[1] == b[1] or (any_context and "none" in (a[1], b[1])))]
+        return [
+            (a, b)
+            for a in lk
+            for b in rk
+            if b[0] == model_map.get(a[0], a[0])
+            and a[2:] == b[2:]
+            and (a[1] == b[1] or (any_context and "none" in (a[1], b[1])))
+        ]
 
     if pairs is not None:
         if not isinstance(pairs, Mapping):
@@ -237,6 +280,8 @@ def match_series(left: Iterable[tuple], right: Iterable[tuple], pairs: Optional[
     if not found:
         a, b = (lm or ["A"])[0], (rm or ["B"])[0]
         example = f"{argument} {a}={b}" if argument.startswith("--") else f"{argument}={{{a!r}: {b!r}}}"
-        raise ValueError(f"{argument}: no series of {names[0]} matches one of {names[1]} by {rule}; {names[0]} has "
-                         f"{_listing(lk)}; {names[1]} has {_listing(rk)}; pair models by name, e.g. {example}")
+        raise ValueError(
+            f"{argument}: no series of {names[0]} matches one of {names[1]} by {rule}; {names[0]} has "
+            f"{_listing(lk)}; {names[1]} has {_listing(rk)}; pair models by name, e.g. {example}"
+        )
     return found, rule

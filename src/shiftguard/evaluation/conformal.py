@@ -37,13 +37,23 @@ class ConformalSpec:
     weighted: bool = False
 
     def describe(self, calibration: str, n: int) -> dict:
-        return {"methods": list(self.methods), "alpha": self.alpha, "target_coverage": 1.0 - self.alpha,
-                "weighted": self.weighted, "calibration": calibration, "n_calibration": n,
-                "randomized": True,
-                "note": "coverage_<method>: fraction of test images whose set holds the label; set_size_<method>: "
-                        "mean set size" + ("; *_weighted: weighted split conformal (Tibshirani et al. 2019), "
-                                           "likelihood ratio estimated on each unlabelled cell (transductive)"
-                                           if self.weighted else "")}
+        return {
+            "methods": list(self.methods),
+            "alpha": self.alpha,
+            "target_coverage": 1.0 - self.alpha,
+            "weighted": self.weighted,
+            "calibration": calibration,
+            "n_calibration": n,
+            "randomized": True,
+            "note": "coverage_<method>: fraction of test images whose set holds the label; set_size_<method>: "
+            "mean set size"
+            + (
+                "; *_weighted: weighted split conformal (Tibshirani et al. 2019), "
+                "likelihood ratio estimated on each unlabelled cell (transductive)"
+                if self.weighted
+                else ""
+            ),
+        }
 
 
 def conformal_spec(conformal, alpha: float, weighted: bool) -> Optional[ConformalSpec]:
@@ -67,16 +77,19 @@ def conformal_spec(conformal, alpha: float, weighted: bool) -> Optional[Conforma
     return ConformalSpec(tuple(methods), float(alpha), weighted)
 
 
-def split_validation(validation: tuple[torch.Tensor, torch.Tensor], seed: int
-                     ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def split_validation(
+    validation: tuple[torch.Tensor, torch.Tensor], seed: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """``(fit half, calibration half)`` of the validation data, by a permutation seeded with ``seed``."""
     x, y = validation
     n = int(y.numel())
     if n < 4:
-        raise ValueError(f"validation: {n} images cannot be split into a fitting and a calibration half; give "
-                         "calibration= data or more validation data")
+        raise ValueError(
+            f"validation: {n} images cannot be split into a fitting and a calibration half; give "
+            "calibration= data or more validation data"
+        )
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + 17))
-    a, b = perm[: n // 2].sort().values, perm[n // 2:].sort().values
+    a, b = perm[: n // 2].sort().values, perm[n // 2 :].sort().values
     return (x[a], y[a]), (x[b], y[b])
 
 
@@ -86,8 +99,14 @@ def fit_calibrators(spec: ConformalSpec, probs: torch.Tensor, labels: torch.Tens
     return {m: cls(m, spec.alpha, seed=seed).fit(probs, labels) for m in spec.methods}
 
 
-def set_metrics(spec: ConformalSpec, calibrators: dict, probs: torch.Tensor, labels: torch.Tensor,
-                uniform: torch.Tensor, weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> dict:
+def set_metrics(
+    spec: ConformalSpec,
+    calibrators: dict,
+    probs: torch.Tensor,
+    labels: torch.Tensor,
+    uniform: torch.Tensor,
+    weights: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+) -> dict:
     """The row fields of one head on one cell: coverage and mean set size per method (and of the
     weighted variant when ``weights = (w_cal, w_test)`` over all calibration rows are given)."""
     out: dict = {}
@@ -105,8 +124,9 @@ def set_metrics(spec: ConformalSpec, calibrators: dict, probs: torch.Tensor, lab
     return out
 
 
-def cell_weights(cal_features: torch.Tensor, test_features: torch.Tensor, seed: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def cell_weights(
+    cal_features: torch.Tensor, test_features: torch.Tensor, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The likelihood ratios of the calibration and the cell's inputs (module docstring)."""
     return likelihood_ratio_weights(cal_features, test_features, seed=seed)
 
@@ -114,8 +134,9 @@ def cell_weights(cal_features: torch.Tensor, test_features: torch.Tensor, seed: 
 def cell_uniform(n: int, seed: int, cell: int) -> torch.Tensor:
     """The uniform draws of the randomised APS / RAPS sets of one cell, fixed by ``seed`` and the
     cell's index (the same for every model, arm and head on that cell)."""
-    return torch.rand(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (cell + 1)),
-                      dtype=torch.float64)
+    return torch.rand(
+        n, generator=torch.Generator().manual_seed(seed * 1_000_003 + 7919 * (cell + 1)), dtype=torch.float64
+    )
 
 
 def conformal_fields(spec: Optional[ConformalSpec]) -> Sequence[str]:

@@ -45,8 +45,9 @@ __all__ = ["evaluate", "DEFAULT_HEADS", "build_cells", "build_results", "primary
 DEFAULT_HEADS = ("softmax", "temperature", "logistic", "ned", "knn")
 
 
-def build_cells(suite: str, corruptions: Optional[Sequence[str]], severities: Sequence[int],
-                extra: bool = False) -> list[Cell]:
+def build_cells(
+    suite: str, corruptions: Optional[Sequence[str]], severities: Sequence[int], extra: bool = False
+) -> list[Cell]:
     """The ``(corruption, severity, group)`` cells; group "extra" for CIFAR-10-C's 4 extra
     corruptions (reported apart from the benchmark means). Duplicates are an error: they would
     re-weight the means. Suite and corruption names are canonicalised (any case, ``-``, ``_`` or
@@ -66,8 +67,10 @@ def build_cells(suite: str, corruptions: Optional[Sequence[str]], severities: Se
             if name is None:
                 unknown.append(c)
         if unknown:
-            raise ValueError(f"corruptions: unknown for suite {suite!r}: {', '.join(map(repr, unknown))}; "
-                             f"expected some of {', '.join(bench + extras)}")
+            raise ValueError(
+                f"corruptions: unknown for suite {suite!r}: {', '.join(map(repr, unknown))}; "
+                f"expected some of {', '.join(bench + extras)}"
+            )
     _check_unique(chosen, "corruptions")
     sevs = list(severities)
     for s in sevs:
@@ -108,8 +111,9 @@ def _check_unique(values: list, name: str) -> None:
             dup.append(v)
         seen.add(v)
     if dup:
-        raise ValueError(f"{name}: listed more than once: {', '.join(map(repr, dup))} (duplicates would re-weight "
-                         "the means)")
+        raise ValueError(
+            f"{name}: listed more than once: {', '.join(map(repr, dup))} (duplicates would re-weight the means)"
+        )
 
 
 #: Model names: they name folders of ``cache_dir`` and cells of the CSV, so no path separators, no
@@ -125,13 +129,16 @@ def _models(model) -> dict[str, nn.Module]:
             if not isinstance(k, str) or not k:
                 raise TypeError(f"model: names must be non-empty strings, got {k!r}")
             if not _MODEL_NAME.match(k):
-                raise ValueError(f"model: name {k!r} must be letters, digits and _.+- (not starting with one of "
-                                 "_.+-): it names a folder of cache_dir and rows of the results")
+                raise ValueError(
+                    f"model: name {k!r} must be letters, digits and _.+- (not starting with one of "
+                    "_.+-): it names a folder of cache_dir and rows of the results"
+                )
             if not isinstance(v, nn.Module):
                 raise TypeError(f"model[{k!r}]: expected a torch.nn.Module, got {type(v).__name__}")
         return dict(model)
-    raise TypeError(f"model: expected a torch.nn.Module or a non-empty mapping name -> Module, "
-                    f"got {type(model).__name__}")
+    raise TypeError(
+        f"model: expected a torch.nn.Module or a non-empty mapping name -> Module, got {type(model).__name__}"
+    )
 
 
 def _heads_for(heads, names: list[str]) -> dict[str, list[str]]:
@@ -170,8 +177,10 @@ def check_device(device) -> torch.device:
 
 def _labels_range(num_classes: int, labels: torch.Tensor, name: str) -> None:
     if labels.numel() and int(labels.max()) >= num_classes:
-        raise ValueError(f"{name}: labels run {int(labels.min())}..{int(labels.max())}, but the model has "
-                         f"{num_classes} classes (labels 0..{num_classes - 1})")
+        raise ValueError(
+            f"{name}: labels run {int(labels.min())}..{int(labels.max())}, but the model has "
+            f"{num_classes} classes (labels 0..{num_classes - 1})"
+        )
 
 
 def _labels_from_zero(parts: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -181,8 +190,10 @@ def _labels_from_zero(parts: Sequence[tuple[str, torch.Tensor]]) -> None:
     if found and min(int(y.min()) for y in found) > 0:
         lo, hi = min(int(y.min()) for y in found), max(int(y.max()) for y in found)
         names = ", ".join(n for n, _ in parts)
-        raise ValueError(f"labels: the labels of {names} run {lo}..{hi} and none is 0; classes are numbered 0..C-1 "
-                         f"(subtract {lo} if they start at {lo})")
+        raise ValueError(
+            f"labels: the labels of {names} run {lo}..{hi} and none is 0; classes are numbered 0..C-1 "
+            f"(subtract {lo} if they start at {lo})"
+        )
 
 
 def _baseline_results(baseline) -> Optional[dict]:
@@ -194,8 +205,9 @@ def _baseline_results(baseline) -> Optional[dict]:
         return dict(baseline)
     if isinstance(baseline, (str, Path)):
         return EvaluationResult.load(baseline).results
-    raise TypeError(f"baseline: expected an EvaluationResult, a results dict or a results.json path, "
-                    f"got {type(baseline).__name__}")
+    raise TypeError(
+        f"baseline: expected an EvaluationResult, a results dict or a results.json path, got {type(baseline).__name__}"
+    )
 
 
 def baseline_chooser(res: dict, key: Optional[str], name: Optional[str] = None) -> Callable[[str], tuple]:
@@ -220,27 +232,45 @@ def baseline_chooser(res: dict, key: Optional[str], name: Optional[str] = None) 
     if key is not None:
         k = A.parse_series(key, "baseline_key")
         if k not in by_key:
-            raise ValueError(f"baseline_key: {key!r} is not in the baseline; it has "
-                             f"{', '.join(sorted(A.series_text(h) for h in have))}")
+            raise ValueError(
+                f"baseline_key: {key!r} is not in the baseline; it has "
+                f"{', '.join(sorted(A.series_text(h) for h in have))}"
+            )
         return lambda head: (by_key[k], f"{label}: {A.series_text(k)}")
     models = res.get("models") or [{"name": have[0][0], "heads": [h for m, _, _, h in have if m == have[0][0]]}]
     first = models[0]["name"]
-    ctx = next(c for m, c, a, _ in have if m == first and a == "none") if any(
-        m == first and a == "none" for m, _, a, _ in have) else next(c for m, c, _, _ in have if m == first)
+    ctx = (
+        next(c for m, c, a, _ in have if m == first and a == "none")
+        if any(m == first and a == "none" for m, _, a, _ in have)
+        else next(c for m, c, _, _ in have if m == first)
+    )
     heads = [h for m, c, a, h in have if (m, c, a) == (first, ctx, "none")]
     primary = models[0].get("primary_head") or primary_head(heads)
 
     def choose(head: str) -> tuple:
         k = (first, ctx, "none", head if head in heads else primary)
         return by_key[k], f"{label}: {A.series_text(k)}"
+
     return choose
 
 
-def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cells: list[Cell], seed: int,
-                  device, ece_bins: int, n_boot: int, level: float = 0.95,
-                  baseline: Optional[Callable[[str], tuple]] = None,
-                  kind: str = "evaluate", attacks: Optional[AttackSuite] = None,
-                  adapt: Sequence[AdaptSpec] = (AdaptSpec("none"),)) -> dict:
+def build_results(
+    *,
+    name: str,
+    grid: dict,
+    models: list[dict],
+    data: dict,
+    cells: list[Cell],
+    seed: int,
+    device,
+    ece_bins: int,
+    n_boot: int,
+    level: float = 0.95,
+    baseline: Optional[Callable[[str], tuple]] = None,
+    kind: str = "evaluate",
+    attacks: Optional[AttackSuite] = None,
+    adapt: Sequence[AdaptSpec] = (AdaptSpec("none"),),
+) -> dict:
     """The JSON-able results dict shared by ``evaluate`` and ``shiftguard run`` (``results.json``)."""
     from shiftguard._version import __version__
 
@@ -256,27 +286,41 @@ def build_results(*, name: str, grid: dict, models: list[dict], data: dict, cell
         "seed": seed,
         "device": str(device),
         "versions": {"shiftguard": __version__, "python": platform.python_version(), "torch": torch.__version__},
-        "data": {**data, "corruptions": _unique_in_order(c for c, _, g in cells if g == "benchmark"),
-                 "extra_corruptions": _unique_in_order(c for c, _, g in cells if g == "extra"),
-                 "severities": sorted({s for _, s, g in cells if g != ADVERSARIAL}),
-                 "attacks": attacks.describe() if attacks is not None else {}},
-        "models": [{"name": m["name"], "heads": [h for h in m["heads"] if (m["name"], h) not in skipped],
-                    "primary_head": None,
-                    "contexts": model_contexts(m["model"], m.get("contexts", ("batch", "frozen"))),
-                    "adaptations": [a.label for a in adapt if (m["name"], a.label) not in skipped_arms],
-                    "embedding": m["outputs"].embedding_source} for m in models],
+        "data": {
+            **data,
+            "corruptions": _unique_in_order(c for c, _, g in cells if g == "benchmark"),
+            "extra_corruptions": _unique_in_order(c for c, _, g in cells if g == "extra"),
+            "severities": sorted({s for _, s, g in cells if g != ADVERSARIAL}),
+            "attacks": attacks.describe() if attacks is not None else {},
+        },
+        "models": [
+            {
+                "name": m["name"],
+                "heads": [h for h in m["heads"] if (m["name"], h) not in skipped],
+                "primary_head": None,
+                "contexts": model_contexts(m["model"], m.get("contexts", ("batch", "frozen"))),
+                "adaptations": [a.label for a in adapt if (m["name"], a.label) not in skipped_arms],
+                "embedding": m["outputs"].embedding_source,
+            }
+            for m in models
+        ],
         "adaptation": [a.describe(int(data["n_test"])) for a in adapt],
         "skipped_heads": grid["skipped_heads"],
         "skipped_adaptations": grid.get("skipped_adaptations", []),
-        "knn_backend": grid.get("knn_backend"),   # the search the kNN heads used ("auto" resolved)
+        "knn_backend": grid.get("knn_backend"),  # the search the kNN heads used ("auto" resolved)
         "rows": rows,
         "aggregates": A.aggregate(rows),
         "drops": A.accuracy_drops(rows),
         "reliability": grid["reliability"],
         "robustness": A.robustness_table(rows, baseline),
         "intervals": A.intervals(grid["per_image"], n_bins=ece_bins, n_boot=n_boot, level=level, seed=seed),
-        "interval_info": {"level": level, "n_boot": n_boot, "seed": seed,
-                          "method": "percentile bootstrap over test images", "metrics": A.INTERVAL_METRICS},
+        "interval_info": {
+            "level": level,
+            "n_boot": n_boot,
+            "seed": seed,
+            "method": "percentile bootstrap over test images",
+            "metrics": A.INTERVAL_METRICS,
+        },
         "timings": {"evaluate_detail": dict(grid["timings"])},
     }
     for m in results["models"]:
@@ -479,8 +523,10 @@ def evaluate(
 
     test_x, test_y = tensors(test, "test")
     if max(ks) >= test_y.numel():
-        raise ValueError(f"retrieval_ks: the largest cut-off, {max(ks)}, needs more than {max(ks)} test images (each "
-                         f"test image is ranked against the others); the test set has {test_y.numel()}")
+        raise ValueError(
+            f"retrieval_ks: the largest cut-off, {max(ks)}, needs more than {max(ks)} test images (each "
+            f"test image is ranked against the others); the test set has {test_y.numel()}"
+        )
     sup = tensors(support, "support") if support is not None else None
     val = tensors(validation, "validation") if validation is not None else None
     cal = tensors(calibration, "calibration") if calibration is not None else None
@@ -492,15 +538,17 @@ def evaluate(
             cal_source = "calibration= data"
         elif val is not None:
             val, cal = split_validation(val, seed)
-            cal_source = ("half of validation= (seeded split); the other half fits temperature scaling and NED's "
-                          "temperature")
+            cal_source = (
+                "half of validation= (seeded split); the other half fits temperature scaling and NED's temperature"
+            )
         else:
-            raise ValueError("conformal: the prediction sets need calibration data the heads were not fitted on; "
-                             "give calibration=, or validation= to split in two")
+            raise ValueError(
+                "conformal: the prediction sets need calibration data the heads were not fitted on; "
+                "give calibration=, or validation= to split in two"
+            )
     for nm, part in (("support", sup), ("validation", val), ("calibration", cal)):
         if part is not None and part[0].shape[1:] != test_x.shape[1:]:
-            raise ValueError(f"{nm}: images of shape {tuple(part[0].shape[1:])}, test images "
-                             f"{tuple(test_x.shape[1:])}")
+            raise ValueError(f"{nm}: images of shape {tuple(part[0].shape[1:])}, test images {tuple(test_x.shape[1:])}")
     suite = ("mnist-c" if test_x.shape[1] == 1 else "cifar-c") if suite is None else evaluable_suite(suite)
     cells = build_cells(suite, corruptions, severities, extra)
     suite_attacks = None
@@ -511,16 +559,24 @@ def evaluate(
         elif isinstance(attack_loss, Mapping):
             unknown = sorted(set(attack_loss) - set(named))
             if unknown:
-                raise ValueError(f"attack_loss: no model named {', '.join(map(repr, unknown))}; models: "
-                                 f"{', '.join(named)}")
+                raise ValueError(
+                    f"attack_loss: no model named {', '.join(map(repr, unknown))}; models: {', '.join(named)}"
+                )
             losses = dict(attack_loss)
         elif attack_loss is None:
             losses = {}
         else:
             raise TypeError(f"attack_loss: expected a callable, a mapping or None, got {type(attack_loss).__name__}")
-        suite_attacks = AttackSuite(specs, attack_eps, (test_x, test_y), losses, seed=seed, batch_size=batch_size,
-                                    transfer_from=transfer_from,
-                                    device=dev)
+        suite_attacks = AttackSuite(
+            specs,
+            attack_eps,
+            (test_x, test_y),
+            losses,
+            seed=seed,
+            batch_size=batch_size,
+            transfer_from=transfer_from,
+            device=dev,
+        )
         cells = cells + suite_attacks.cells()
     elif attack_loss is not None:
         raise ValueError("attack_loss: given without attacks")
@@ -530,6 +586,7 @@ def evaluate(
     extras = K.names("cifar-c-extra") if suite == "cifar-c" else []
     to_corrupt: dict[str, tuple[str, int, str]] = {}  # corruption -> one of its cells, for the compile step
     if shifted is None:
+
         def shifted(c: str, s: int) -> torch.Tensor:
             return K.corrupt(test_x, c, s, seed=seed, suite="cifar-c-extra" if c in extras else suite)
 
@@ -545,15 +602,19 @@ def evaluate(
             outs = ModelOutputs(mod, embed=embed, output=output, preprocess=preprocess)
             entries.append({"name": nm, "model": mod, "outputs": outs, "heads": head_map[nm], "contexts": contexts})
         # The kernels compile (or load from numba's cache) before any timed phase: a step of its own.
-        compile_s = compile_announced(evaluation_steps([e["model"] for e in entries], dev, list(to_corrupt.values()),
-                                                       test_x, seed), announce=progress)
+        compile_s = compile_announced(
+            evaluation_steps([e["model"] for e in entries], dev, list(to_corrupt.values()), test_x, seed),
+            announce=progress,
+        )
         # A model ending in a softmax would be scored as if its probabilities were logits.
         for e in entries:
             if e["outputs"].output == "logits":
                 probe = compute_outputs(e["outputs"], test_x[:16], batch_size, dev)["logits"]
                 if looks_like_probabilities(probe):
-                    raise ValueError(f"output: model {e['name']!r} returns probabilities (non-negative rows summing "
-                                     "to 1), not logits; pass output='probabilities' (or return logits)")
+                    raise ValueError(
+                        f"output: model {e['name']!r} returns probabilities (non-negative rows summing "
+                        "to 1), not logits; pass output='probabilities' (or return logits)"
+                    )
         # The number of classes: the logit width when there are logits, else the labels seen.
         if entries[0]["outputs"].has_logits:
             probe = compute_outputs(entries[0]["outputs"], test_x[:16], batch_size, dev)
@@ -563,65 +624,146 @@ def evaluate(
         for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val), ("calibration", cal)):
             if part is not None:
                 _labels_range(num_classes, part[1], nm)
-        _labels_from_zero([(nm, part[1]) for nm, part in (("test", (test_x, test_y)), ("support", sup),
-                                                          ("validation", val)) if part is not None])
+        _labels_from_zero(
+            [
+                (nm, part[1])
+                for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val))
+                if part is not None
+            ]
+        )
         base_results = _baseline_results(baseline)
         choose = baseline_chooser(base_results, baseline_key) if base_results is not None else None
         if base_results is None and baseline_key is not None:  # a series of this evaluation: checked now
             own = A.parse_series(baseline_key, "baseline_key")
             if own[0] not in head_map or own[3] not in head_map[own[0]]:
                 listed = "; ".join(f"{m}: {', '.join(h)}" for m, h in head_map.items())
-                raise ValueError(f"baseline_key: {baseline_key!r} names no model and head of this evaluation "
-                                 f"(models and heads: {listed})")
+                raise ValueError(
+                    f"baseline_key: {baseline_key!r} names no model and head of this evaluation "
+                    f"(models and heads: {listed})"
+                )
             if own[2] not in {a.label for a in arms}:
-                raise ValueError(f"baseline_key: {baseline_key!r} names an adaptation arm this evaluation does "
-                                 f"not score ({', '.join(a.label for a in arms)})")
+                raise ValueError(
+                    f"baseline_key: {baseline_key!r} names an adaptation arm this evaluation does "
+                    f"not score ({', '.join(a.label for a in arms)})"
+                )
         if suite_attacks is not None:
             suite_attacks.check_models(entries)
         if cache_dir is not None:
-            _check_cache(Path(cache_dir), entries, test=(test_x, test_y), support=sup, validation=val,
-                         calibration=cal, preprocess=preprocess, batch_size=batch_size, output=output, embed=embed,
-                         source=f"engine:{suite}" if source == "engine" else source, seed=seed,
-                         distributed=distributed, device=dev)
+            _check_cache(
+                Path(cache_dir),
+                entries,
+                test=(test_x, test_y),
+                support=sup,
+                validation=val,
+                calibration=cal,
+                preprocess=preprocess,
+                batch_size=batch_size,
+                output=output,
+                embed=embed,
+                source=f"engine:{suite}" if source == "engine" else source,
+                seed=seed,
+                distributed=distributed,
+                device=dev,
+            )
 
-        grid = run_grid(models=entries, test=(test_x, test_y), cells=cells, shifted=shifted, num_classes=num_classes,
-                        support=sup, validation=val, cache_root=cache_dir, batch_size=batch_size, device=dev,
-                        contexts=contexts, k=k, retrieval_ks=ks, ece_bins=ece_bins, progress=progress,
-                        distributed=distributed, attacks=suite_attacks, knn_backend=knn_backend, adapt=arms, seed=seed,
-                        conformal=sets_spec, calibration=cal)
+        grid = run_grid(
+            models=entries,
+            test=(test_x, test_y),
+            cells=cells,
+            shifted=shifted,
+            num_classes=num_classes,
+            support=sup,
+            validation=val,
+            cache_root=cache_dir,
+            batch_size=batch_size,
+            device=dev,
+            contexts=contexts,
+            k=k,
+            retrieval_ks=ks,
+            ece_bins=ece_bins,
+            progress=progress,
+            distributed=distributed,
+            attacks=suite_attacks,
+            knn_backend=knn_backend,
+            adapt=arms,
+            seed=seed,
+            conformal=sets_spec,
+            calibration=cal,
+        )
     # n_support: the images the heads are fitted on; n_train: the images the model was trained on,
     # which an evaluation is not told (None, "not known"; ``shiftguard run`` knows it).
-    data = {"dataset": getattr(test, "name", None) or "user data", "suite": suite,
-            "n_support": 0 if sup is None else int(sup[1].numel()), "n_train": None,
-            "n_val": 0 if val is None else int(val[1].numel()),
-            "n_test": int(test_y.numel()), "num_classes": num_classes, "corruption_source": source,
-            "corruption_seed": seed if source == "engine" else None,
-            # the very test images and labels, in order: two results with one digest can be paired image by image
-            "test_sha256": tensor_digest(test_x, test_y)}
+    data = {
+        "dataset": getattr(test, "name", None) or "user data",
+        "suite": suite,
+        "n_support": 0 if sup is None else int(sup[1].numel()),
+        "n_train": None,
+        "n_val": 0 if val is None else int(val[1].numel()),
+        "n_test": int(test_y.numel()),
+        "num_classes": num_classes,
+        "corruption_source": source,
+        "corruption_seed": seed if source == "engine" else None,
+        # the very test images and labels, in order: two results with one digest can be paired image by image
+        "test_sha256": tensor_digest(test_x, test_y),
+    }
     if choose is None and baseline_key is not None:
         choose = baseline_chooser({"rows": grid["rows"]}, baseline_key, name="this evaluation")
-    results = build_results(name=name, grid=grid, models=entries, data=data, cells=cells, seed=seed, device=dev,
-                            ece_bins=ece_bins, n_boot=n_boot, baseline=choose, attacks=suite_attacks, adapt=arms)
+    results = build_results(
+        name=name,
+        grid=grid,
+        models=entries,
+        data=data,
+        cells=cells,
+        seed=seed,
+        device=dev,
+        ece_bins=ece_bins,
+        n_boot=n_boot,
+        baseline=choose,
+        attacks=suite_attacks,
+        adapt=arms,
+    )
     results["per_image_correct"] = encode_per_image(grid["per_image"], cells)
     if sets_spec is not None:
         assert cal is not None and cal_source is not None
         results["conformal"] = sets_spec.describe(cal_source, int(cal[1].numel()))
         results["data"]["n_val"] = 0 if val is None else int(val[1].numel())
-    results["config"] = {"batch_size": batch_size, "contexts": contexts, "adapt": [a.label for a in arms],
-                         "conformal": list(sets_spec.methods) if sets_spec else [], "alpha": alpha,
-                         "conformal_weighted": conformal_weighted,
-                         "k": k, "knn_backend": knn_backend,
-                         "retrieval_ks": ks, "ece_bins": ece_bins, "preprocess": describe_preprocess(preprocess),
-                         "layout": layout, "output": output}
+    results["config"] = {
+        "batch_size": batch_size,
+        "contexts": contexts,
+        "adapt": [a.label for a in arms],
+        "conformal": list(sets_spec.methods) if sets_spec else [],
+        "alpha": alpha,
+        "conformal_weighted": conformal_weighted,
+        "k": k,
+        "knn_backend": knn_backend,
+        "retrieval_ks": ks,
+        "ece_bins": ece_bins,
+        "preprocess": describe_preprocess(preprocess),
+        "layout": layout,
+        "output": output,
+    }
     results["timings"]["compile_s"] = compile_s
     results["timings"]["evaluate_s"] = time.perf_counter() - t_start
     results["timings"]["total_s"] = results["timings"]["evaluate_s"]
     return EvaluationResult(results)  # no "training": an evaluation trains nothing (``shiftguard run`` adds it)
 
 
-def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validation, calibration, preprocess,
-                 batch_size: int,
-                 output: str, embed, source: str, seed: int, distributed: bool, device: torch.device) -> None:
+def _check_cache(
+    cache_dir: Path,
+    entries: list[dict],
+    *,
+    test,
+    support,
+    validation,
+    calibration,
+    preprocess,
+    batch_size: int,
+    output: str,
+    embed,
+    source: str,
+    seed: int,
+    distributed: bool,
+    device: torch.device,
+) -> None:
     """Each model's cache folder belongs to this evaluation (``cache.check_fingerprint``); the
     fingerprint of a new folder is written by one process.
 
@@ -634,10 +776,20 @@ def _check_cache(cache_dir: Path, entries: list[dict], *, test, support, validat
     probe = torch.rand((2, *test[0].shape[1:]), generator=torch.Generator().manual_seed(0))
     write = not distributed or is_main_process()
     for e in entries:
-        fp = fingerprint(e["model"], test=test, support=support, validation=validation, calibration=calibration,
-                         preprocess=preprocess,
-                         probe=probe.to(device=device, dtype=e["outputs"].dtype), batch_size=batch_size,
-                         output=output, embed=embed, corruption_source=source, seed=seed)
+        fp = fingerprint(
+            e["model"],
+            test=test,
+            support=support,
+            validation=validation,
+            calibration=calibration,
+            preprocess=preprocess,
+            probe=probe.to(device=device, dtype=e["outputs"].dtype),
+            batch_size=batch_size,
+            output=output,
+            embed=embed,
+            corruption_source=source,
+            seed=seed,
+        )
         check_fingerprint(cache_dir / e["name"], fp, write=write)
     if distributed:
         barrier()
@@ -650,9 +802,11 @@ def _on_device(model: nn.Module, device: torch.device, embed, name: str) -> nn.M
     if all(d.type == device.type and (device.index is None or d.index == device.index) for d in devices):
         return model
     if callable(embed) and not isinstance(embed, bool):
-        raise ValueError(f"embed: model {name!r} lives on {', '.join(sorted(map(str, devices)))} and is evaluated on "
-                         f"{device} as a copy, which a callable embed= bound to the original cannot read; move the "
-                         "model to device yourself, or give embed= as a submodule name")
+        raise ValueError(
+            f"embed: model {name!r} lives on {', '.join(sorted(map(str, devices)))} and is evaluated on "
+            f"{device} as a copy, which a callable embed= bound to the original cannot read; move the "
+            "model to device yourself, or give embed= as a submodule name"
+        )
     return copy.deepcopy(model).to(device)
 
 

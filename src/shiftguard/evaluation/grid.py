@@ -55,8 +55,9 @@ def model_contexts(model: torch.nn.Module, contexts: Sequence[str] = ("batch", "
     return list(contexts) if has_qact(model) else ["none"]
 
 
-def applicable_heads(outputs: ModelOutputs, heads: Sequence[str], has_support: bool,
-                     has_validation: bool) -> tuple[list[str], list[dict]]:
+def applicable_heads(
+    outputs: ModelOutputs, heads: Sequence[str], has_support: bool, has_validation: bool
+) -> tuple[list[str], list[dict]]:
     """``(heads to fit, [{"head", "reason"}] skipped)``: what each head's class declares it needs
     (``input``, ``needs_support``, ``needs_validation``) and what is there."""
     keep, skipped = [], []
@@ -78,8 +79,9 @@ def applicable_heads(outputs: ModelOutputs, heads: Sequence[str], has_support: b
     return keep, skipped
 
 
-def grid_jobs(models: Sequence[dict], contexts: Sequence[str], adapt: Sequence[AdaptSpec],
-              has_support: bool, has_validation: bool) -> tuple[list[tuple], list[dict], list[dict]]:
+def grid_jobs(
+    models: Sequence[dict], contexts: Sequence[str], adapt: Sequence[AdaptSpec], has_support: bool, has_validation: bool
+) -> tuple[list[tuple], list[dict], list[dict]]:
     """``(jobs, skipped heads, skipped arms)``: the ``(model entry, context, arm, heads)`` the grid
     scores on every cell, model by model, arm by arm (in the order of ``adapt``), then context by
     context (:func:`~.adaptation.arm_contexts`). An arm a model cannot use is skipped with the
@@ -171,8 +173,9 @@ def run_grid(
 
     test_x, test_y = test
     support_x, support_y = support if support is not None else (None, None)
-    knn_backend = resolve_backend(knn_backend, 0 if support_y is None else int(support_y.numel()),
-                                  int(test_y.numel()), argument="knn_backend")
+    knn_backend = resolve_backend(
+        knn_backend, 0 if support_y is None else int(support_y.numel()), int(test_y.numel()), argument="knn_backend"
+    )
     searches = SearchCache()
     validation_x, validation_y = validation if validation is not None else (None, None)
     if conformal is not None and calibration is None:
@@ -180,8 +183,7 @@ def run_grid(
     all_cells: list[Cell] = [(CLEAN, 0, "benchmark")] + list(cells)
     top = max((s for _, s, _ in cells), default=0)
     rank, world = (get_rank(), get_world_size()) if distributed and is_distributed() else (0, 1)
-    timings = {"embed_s": 0.0, "adapt_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0,
-               "attack_s": 0.0}
+    timings = {"embed_s": 0.0, "adapt_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0, "attack_s": 0.0}
     if any(g == ADVERSARIAL for _, _, g in cells) and attacks is None:
         raise ValueError("cells: adversarial cells need the attacks that make their images")
     jobs, skipped_all, skipped_arms = grid_jobs(models, contexts, adapt, support is not None, validation is not None)
@@ -204,10 +206,12 @@ def run_grid(
         t0 = time.perf_counter()
         if static:
             with qact_context(m["model"], "batch" if ctx == "none" else ctx):
-                out = cache.get_or_compute(key, lambda: compute_outputs(m["outputs"], make_images(), batch_size,
-                                                                        device))
+                out = cache.get_or_compute(
+                    key, lambda: compute_outputs(m["outputs"], make_images(), batch_size, device)
+                )
             timings["embed_s"] += time.perf_counter() - t0
         else:
+
             def compute():
                 arm = adapted.get((m["name"], spec.label))
                 if arm is None:
@@ -232,10 +236,16 @@ def run_grid(
             # from data, whether or not it reads them, so the cache folder of a (model, context) is
             # filled alike for any such set of heads.
             learns = [hd for hd in built.values() if hd.needs_support or hd.uses_validation]
-            sup = (outputs_of(m, ctx, none, "support", lambda: support_x)
-                   if support is not None and any(hd.needs_support for hd in built.values()) else None)
-            val = (outputs_of(m, ctx, none, "validation", lambda: validation_x)
-                   if validation is not None and learns else None)
+            sup = (
+                outputs_of(m, ctx, none, "support", lambda: support_x)
+                if support is not None and any(hd.needs_support for hd in built.values())
+                else None
+            )
+            val = (
+                outputs_of(m, ctx, none, "validation", lambda: validation_x)
+                if validation is not None and learns
+                else None
+            )
             t0 = time.perf_counter()
             for h, head in built.items():
                 train = (sup[head.input], support_y) if sup is not None else (None, None)
@@ -249,7 +259,8 @@ def run_grid(
                 assert calibration is not None
                 cal = outputs_of(m, ctx, none, "calibration", lambda: calibration[0])
                 fitted[m["name"], ctx, "calibration-features"] = (
-                    cal["embeddings"] if cal["embeddings"] is not None else cal["logits"])
+                    cal["embeddings"] if cal["embeddings"] is not None else cal["logits"]
+                )
                 for h in heads:
                     head = fitted[m["name"], ctx, h]
                     with seeded(0, device):
@@ -301,11 +312,21 @@ def run_grid(
                 if conformal.weighted:
                     features = out["embeddings"] if out["embeddings"] is not None else out["logits"]
                     weights = cell_weights(fitted[m["name"], ctx, "calibration-features"], features, seed)
-                sets = {"spec": conformal, "uniform": cell_uniform(int(test_y.numel()), seed, c),
-                        "weights": weights}
-            results[u] = _score_unit(out, fitted, m["name"], ctx, spec.label, heads, all_cells[c], test_y,
-                                     retrieval_ks, ece_bins, keep=severity == 0 or group == "benchmark",
-                                     conformal=sets)
+                sets = {"spec": conformal, "uniform": cell_uniform(int(test_y.numel()), seed, c), "weights": weights}
+            results[u] = _score_unit(
+                out,
+                fitted,
+                m["name"],
+                ctx,
+                spec.label,
+                heads,
+                all_cells[c],
+                test_y,
+                retrieval_ks,
+                ece_bins,
+                keep=severity == 0 or group == "benchmark",
+                conformal=sets,
+            )
             timings["score_s"] += time.perf_counter() - t0
         bar.close()
         return {"units": results, "timings": timings}
@@ -346,11 +367,25 @@ def run_grid(
     for (name, ctx, arm, h, sev), parts in pooled.items():
         conf = torch.cat([p[0] for p in parts])
         correct = torch.cat([p[1] for p in parts])
-        reliability.append({"model": name, "context": ctx, "adaptation": arm, "head": h, "severity": sev,
-                            **reliability_bins(conf, correct, ece_bins)})
-    return {"rows": rows, "reliability": reliability, "per_image": per_image, "skipped_heads": skipped_all,
-            "skipped_adaptations": skipped_arms, "timings": {**total, "processes": world},
-            "knn_backend": knn_backend}
+        reliability.append(
+            {
+                "model": name,
+                "context": ctx,
+                "adaptation": arm,
+                "head": h,
+                "severity": sev,
+                **reliability_bins(conf, correct, ece_bins),
+            }
+        )
+    return {
+        "rows": rows,
+        "reliability": reliability,
+        "per_image": per_image,
+        "skipped_heads": skipped_all,
+        "skipped_adaptations": skipped_arms,
+        "timings": {**total, "processes": world},
+        "knn_backend": knn_backend,
+    }
 
 
 def grid_shards(n_jobs: int, n_cells: int, rank: int = 0, world_size: int = 1) -> tuple[range, range]:
@@ -378,9 +413,20 @@ def _exchange(fn: Callable[[], object], world: int, what: str) -> list:
     return all_gather_results(fn, what)
 
 
-def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, heads: Sequence[str], cell: Cell,
-                test_y: torch.Tensor, retrieval_ks: Sequence[int], ece_bins: int, keep: bool,
-                conformal: Optional[dict] = None) -> dict:
+def _score_unit(
+    out: dict,
+    fitted: dict,
+    name: str,
+    ctx: str,
+    adaptation: str,
+    heads: Sequence[str],
+    cell: Cell,
+    test_y: torch.Tensor,
+    retrieval_ks: Sequence[int],
+    ece_bins: int,
+    keep: bool,
+    conformal: Optional[dict] = None,
+) -> dict:
     """Rows of every head of one (model, context, adaptation arm) on one cell; with ``keep``, also each head's
     per-image ``(correct, confidence, hit)``, for the intervals and reliability pools. Each head reads
     the outputs its ``input`` names (the kNN heads share their searches through their
@@ -403,16 +449,32 @@ def _score_unit(out: dict, fitted: dict, name: str, ctx: str, adaptation: str, h
                 ovr = torch.as_tensor(head.predict_one_vs_rest(x))
         norm, calib = calibration_view(probs, ovr)
         conf, top_class = calib.max(1)
-        hit = top_class == test_y            # the top-label event the ECE is about
-        correct = norm.argmax(1) == test_y   # the prediction accuracy counts
+        hit = top_class == test_y  # the top-label event the ECE is about
+        correct = norm.argmax(1) == test_y  # the prediction accuracy counts
         kept.append((correct, conf, hit) if keep else None)
         sets = {}
         if conformal is not None:
-            sets = set_metrics(conformal["spec"], fitted[name, ctx, h, "conformal"], probs, test_y,
-                               conformal["uniform"], conformal["weights"])
-        rows.append({
-            "model": name, "context": ctx, "adaptation": adaptation, "head": h, "corruption": corruption,
-            "severity": severity, "n": int(test_y.numel()), "group": group,
-            **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr), **retrieval, **sets,
-        })
+            sets = set_metrics(
+                conformal["spec"],
+                fitted[name, ctx, h, "conformal"],
+                probs,
+                test_y,
+                conformal["uniform"],
+                conformal["weights"],
+            )
+        rows.append(
+            {
+                "model": name,
+                "context": ctx,
+                "adaptation": adaptation,
+                "head": h,
+                "corruption": corruption,
+                "severity": severity,
+                "n": int(test_y.numel()),
+                "group": group,
+                **score_cell(probs, test_y, miss, n_bins=ece_bins, one_vs_rest=ovr),
+                **retrieval,
+                **sets,
+            }
+        )
     return {"rows": rows, "kept": kept}

@@ -47,6 +47,7 @@ def model_dtype(model: nn.Module) -> torch.dtype:
             return t.dtype
     return torch.float32
 
+
 EmbedSpec = Union[None, bool, str, Callable[[torch.Tensor], torch.Tensor]]
 
 
@@ -63,8 +64,13 @@ class ModelOutputs:
     names it in words (for reports).
     """
 
-    def __init__(self, model: nn.Module, embed: EmbedSpec = None, output: str = "logits",
-                 preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        embed: EmbedSpec = None,
+        output: str = "logits",
+        preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if output not in OUTPUTS:
@@ -81,8 +87,9 @@ class ModelOutputs:
         self._own_contract = False
         if output == "embedding":
             if embed not in (None, True):
-                raise ValueError("embed: with output='embedding' the model's output is the embedding; "
-                                 "leave embed unset")
+                raise ValueError(
+                    "embed: with output='embedding' the model's output is the embedding; leave embed unset"
+                )
             self.has_logits, self.has_embeddings, self.embedding_source = False, True, "the model's output"
             return
         self.has_logits = True
@@ -92,8 +99,9 @@ class ModelOutputs:
             modules = dict(model.named_modules())
             if embed not in modules or embed == "":
                 names = [n for n in modules if n][:12]
-                raise ValueError(f"embed: model has no submodule named {embed!r}; "
-                                 f"some of its names: {', '.join(names)}")
+                raise ValueError(
+                    f"embed: model has no submodule named {embed!r}; some of its names: {', '.join(names)}"
+                )
             self._layer = modules[embed]
             self.has_embeddings, self.embedding_source = True, f"output of {embed!r}"
         elif callable(embed):
@@ -124,8 +132,9 @@ class ModelOutputs:
             ValueError: when ``embed`` is a callable (:attr:`rebindable`).
         """
         if not self.rebindable:
-            raise ValueError("embed: a callable embedding reads the model it was written for; give the name of "
-                             "a submodule instead")
+            raise ValueError(
+                "embed: a callable embedding reads the model it was written for; give the name of a submodule instead"
+            )
         return ModelOutputs(model, embed=self._embed, output=self.output, preprocess=self.preprocess)
 
     def model_input(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -153,9 +162,11 @@ class ModelOutputs:
         n = pixels.shape[0]
         for t, what in ((emb, f"the embedding ({self.embedding_source})"), (out, "model(x)")):
             if t is not None and t.shape[0] != n:
-                raise ValueError(f"model: {what} has {t.shape[0]} rows for a batch of {n} images; the model must "
-                                 "return one row per input image (outputs would be scored against other images' "
-                                 "labels)")
+                raise ValueError(
+                    f"model: {what} has {t.shape[0]} rows for a batch of {n} images; the model must "
+                    "return one row per input image (outputs would be scored against other images' "
+                    "labels)"
+                )
         if self.output == "probabilities" and out is not None:
             out = log_probabilities(out)
         return emb, out
@@ -178,8 +189,9 @@ class ModelOutputs:
         if self._layer is not None:
             handles.append(self._layer.register_forward_hook(lambda m, i, o: captured.__setitem__("emb", o)))
         else:
+
             def pre_hook(module, inputs):
-                captured["emb"] = inputs[0]   # every Linear overwrites: the last one called wins
+                captured["emb"] = inputs[0]  # every Linear overwrites: the last one called wins
 
             handles += [m.register_forward_pre_hook(pre_hook) for m in self.model.modules() if isinstance(m, nn.Linear)]
         try:
@@ -197,8 +209,12 @@ def looks_like_probabilities(out: torch.Tensor) -> bool:
     """Whether every row of ``out`` ``(N, C)`` is non-negative and sums to 1 (within
     :data:`PROBABILITY_TOLERANCE`): the output of a softmax, not logits."""
     out = out.detach().reshape(out.shape[0], -1).double()
-    return bool(out.numel() and out.shape[1] > 1 and (out >= 0).all()
-                and ((out.sum(1) - 1).abs() <= PROBABILITY_TOLERANCE).all())
+    return bool(
+        out.numel()
+        and out.shape[1] > 1
+        and (out >= 0).all()
+        and ((out.sum(1) - 1).abs() <= PROBABILITY_TOLERANCE).all()
+    )
 
 
 def log_probabilities(p: torch.Tensor) -> torch.Tensor:
@@ -208,8 +224,10 @@ def log_probabilities(p: torch.Tensor) -> torch.Tensor:
     if not looks_like_probabilities(flat):
         bad = (flat.detach() < 0).any(1) | ((flat.detach().double().sum(1) - 1).abs() > PROBABILITY_TOLERANCE)
         i = int(torch.nonzero(bad)[0]) if bad.any() else 0
-        raise ValueError(f"output: 'probabilities' was given, but row {i} of model(x) is not a probability vector "
-                         f"(min {float(flat[i].min()):.4g}, sum {float(flat[i].double().sum()):.6g})")
+        raise ValueError(
+            f"output: 'probabilities' was given, but row {i} of model(x) is not a probability vector "
+            f"(min {float(flat[i].min()):.4g}, sum {float(flat[i].double().sum()):.6g})"
+        )
     return torch.log(flat.clamp_min(torch.finfo(flat.dtype).tiny))
 
 
@@ -244,8 +262,9 @@ def batch_order(n: int, batch_size: int, order_seed: Optional[int] = 0) -> tuple
 
 
 @torch.no_grad()
-def compute_outputs(outputs: ModelOutputs, images: torch.Tensor, batch_size: int, device="cpu",
-                    order_seed: Optional[int] = 0) -> dict:
+def compute_outputs(
+    outputs: ModelOutputs, images: torch.Tensor, batch_size: int, device="cpu", order_seed: Optional[int] = 0
+) -> dict:
     """``{"embeddings": (N, D) or None, "logits": (N, C) or None}`` of ``images`` in eval mode.
 
     Batches are drawn in a fixed random order (``order_seed``; ``None`` keeps the file order) and
@@ -270,5 +289,7 @@ def compute_outputs(outputs: ModelOutputs, images: torch.Tensor, batch_size: int
                 logits.append(lg)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(n)
-    return {"embeddings": torch.cat(embs)[inv] if outputs.has_embeddings else None,
-            "logits": torch.cat(logits)[inv] if outputs.has_logits else None}
+    return {
+        "embeddings": torch.cat(embs)[inv] if outputs.has_embeddings else None,
+        "logits": torch.cat(logits)[inv] if outputs.has_logits else None,
+    }

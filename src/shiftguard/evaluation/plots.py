@@ -34,18 +34,45 @@ from shiftguard.io import atomic_write_bytes
 from .aggregate import primary_head, series_key
 
 __all__ = [
-    "pyplot", "save_png", "metric_vs_severity", "drop_heatmap", "reliability_diagrams", "corruption_gallery",
-    "compare_runs", "primary_keys", "cell_index", "severity_curve", "benchmark_corruptions", "as_number",
-    "is_rate", "metric_label", "mean_std", "severities", "per_corruption_drops", "run_labels", "CLEAN",
-    "adversarial_cells", "metric_vs_eps", "reliability_every_head", "head_color", "HEAD_COLORS", "FEW_IMAGES",
+    "pyplot",
+    "save_png",
+    "metric_vs_severity",
+    "drop_heatmap",
+    "reliability_diagrams",
+    "corruption_gallery",
+    "compare_runs",
+    "primary_keys",
+    "cell_index",
+    "severity_curve",
+    "benchmark_corruptions",
+    "as_number",
+    "is_rate",
+    "metric_label",
+    "mean_std",
+    "severities",
+    "per_corruption_drops",
+    "run_labels",
+    "CLEAN",
+    "adversarial_cells",
+    "metric_vs_eps",
+    "reliability_every_head",
+    "head_color",
+    "HEAD_COLORS",
+    "FEW_IMAGES",
 ]
 
 #: The corruption name of the clean test set's cell (severity 0).
 CLEAN = "clean"
 
 METRIC_LABELS = {
-    "accuracy": "accuracy", "ece_top_label": "ECE (top-label)", "ece_marginal": "ECE (marginal)",
-    "nll": "NLL", "brier": "Brier score", "r_auroc": "R-AUROC", "auroc_error": "error-AUROC", "aurc": "AURC",
+    "accuracy": "accuracy",
+    "ece_top_label": "ECE (top-label)",
+    "ece_marginal": "ECE (marginal)",
+    "nll": "NLL",
+    "brier": "Brier score",
+    "r_auroc": "R-AUROC",
+    "auroc_error": "error-AUROC",
+    "aurc": "AURC",
     "mean_confidence": "mean confidence",
 }
 #: Metrics that are not rates: drawn and tabulated as they are, never in %.
@@ -55,8 +82,15 @@ _CONTEXT_ORDER = {"none": 0, "batch": 1, "frozen": 2}
 #: One colour per head in every figure of a report, so a head is recognised across panels; heads
 #: outside this table take the unused colours of the palette in sorted-name order.
 HEAD_COLORS = {
-    "softmax": "#1f77b4", "temperature": "#ff7f0e", "logistic": "#2ca02c", "quantile": "#d62728",
-    "ned": "#9467bd", "knn": "#8c564b", "wknn": "#e377c2", "1nn": "#7f7f7f", "distance_ratio": "#bcbd22",
+    "softmax": "#1f77b4",
+    "temperature": "#ff7f0e",
+    "logistic": "#2ca02c",
+    "quantile": "#d62728",
+    "ned": "#9467bd",
+    "knn": "#8c564b",
+    "wknn": "#e377c2",
+    "1nn": "#7f7f7f",
+    "distance_ratio": "#bcbd22",
 }
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 _STYLES = ("-", "--", "-.", ":")
@@ -88,12 +122,12 @@ def is_rate(metric: str) -> bool:
 def metric_label(metric: str) -> str:
     for prefix, what in (("coverage_", "coverage"), ("set_size_", "set size")):
         if metric.startswith(prefix):
-            method, _, weighted = metric[len(prefix):].partition("_")
+            method, _, weighted = metric[len(prefix) :].partition("_")
             return f"{method.upper()} {what}" + (" (weighted)" if weighted else "")
     if metric.startswith("map_at_"):
-        return "MAP@" + metric[len("map_at_"):]
+        return "MAP@" + metric[len("map_at_") :]
     if metric.startswith("recall_at_"):
-        return "Recall@" + metric[len("recall_at_"):]
+        return "Recall@" + metric[len("recall_at_") :]
     return METRIC_LABELS.get(metric, metric)
 
 
@@ -118,7 +152,6 @@ def save_png(fig, path: Path) -> Path:
     fig.savefig(buf, format="png", dpi=110, bbox_inches=tight)
     pyplot().close(fig)
     return atomic_write_bytes(path, buf.getvalue())
-
 
 
 # --------------------------------------------------------------------------- reading the results dict
@@ -156,8 +189,11 @@ def benchmark_corruptions(results: dict) -> tuple[list[str], list[str]]:
     and rows of ``group`` "extra", e.g. CIFAR-10-C's 4 extra corruptions; Hendrycks & Dietterich 2019, Sec. 3)."""
     d = results["data"]
     extra = list(d.get("extra_corruptions") or [])
-    extra += [c for c in dict.fromkeys(r["corruption"] for r in results["rows"] if r.get("group") == "extra")
-              if c not in extra]
+    extra += [
+        c
+        for c in dict.fromkeys(r["corruption"] for r in results["rows"] if r.get("group") == "extra")
+        if c not in extra
+    ]
     bench = [c for c in d.get("corruptions") or [] if c not in extra]
     seen = set(bench) | set(extra)
     for r in results["rows"]:  # a corruption present in the rows but not listed in data: still shown
@@ -229,8 +265,11 @@ def _settings(results: dict, model: str, ctxs: Sequence[str]) -> list[tuple[str,
     present = list(dict.fromkeys(series_key(r)[1:3] for r in results["rows"] if r["model"] == model))
     arms = list(dict.fromkeys(a for _, a in present))
     order = {c: i for i, c in enumerate(ctxs)}
-    return [(c, a) for a in arms for c in sorted({c for c, b in present if b == a},
-                                                   key=lambda c: (order.get(c, len(order)), str(c)))]
+    return [
+        (c, a)
+        for a in arms
+        for c in sorted({c for c, b in present if b == a}, key=lambda c: (order.get(c, len(order)), str(c)))
+    ]
 
 
 def primary_keys(results: dict) -> list[tuple[str, str, str, str]]:
@@ -262,8 +301,10 @@ def primary_keys(results: dict) -> list[tuple[str, str, str, str]]:
                     heads[r["model"]].append(r["head"])
         for name, hs in heads.items():
             if hs:
-                out += [(name, c, a, primary_head(hs))
-                        for c, a in _settings(results, name, _sort_contexts(contexts.get(name, ())))]
+                out += [
+                    (name, c, a, primary_head(hs))
+                    for c, a in _settings(results, name, _sort_contexts(contexts.get(name, ())))
+                ]
     return [k for k in out if k in present]
 
 
@@ -319,8 +360,16 @@ def metric_vs_severity(results: dict, metric: str, path: Path, target: Optional[
             color = head_color(str(head), heads)
             # heads often coincide (softmax and temperature have one accuracy): a line style and
             # marker per head keep a curve visible under the one drawn after it
-            ax.plot(s, m * scale, marker=_MARKERS[i % len(_MARKERS)], ms=4, ls=_STYLES[i % len(_STYLES)],
-                    label=_text(head), color=color, alpha=0.9)
+            ax.plot(
+                s,
+                m * scale,
+                marker=_MARKERS[i % len(_MARKERS)],
+                ms=4,
+                ls=_STYLES[i % len(_STYLES)],
+                label=_text(head),
+                color=color,
+                alpha=0.9,
+            )
             _band(ax, s, m * scale, sd * scale, rate, alpha=0.12, color=color)
         if target is not None:
             ax.axhline(target * scale, color="k", ls="--", lw=0.8, label=f"target {target * scale:g}")
@@ -330,9 +379,14 @@ def metric_vs_severity(results: dict, metric: str, path: Path, target: Optional[
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend(fontsize=7)
-    _finish_panels(fig, axes, len(panels), rate,
-                   metric_label(metric) + (" (%)" if rate else "") + "\nmean ± std over corruptions",
-                   f"{metric_label(metric)} vs corruption severity")
+    _finish_panels(
+        fig,
+        axes,
+        len(panels),
+        rate,
+        metric_label(metric) + (" (%)" if rate else "") + "\nmean ± std over corruptions",
+        f"{metric_label(metric)} vs corruption severity",
+    )
     return save_png(fig, path)
 
 
@@ -348,8 +402,14 @@ def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
     heads = _all_heads(results)
     series = list(dict.fromkeys(k[:3] for k in cells)) or [("", "none", "none")]
     attacks = list(dict.fromkeys(a for per in cells.values() for a in per)) or ["none"]
-    fig, axes = plt.subplots(len(series), len(attacks), figsize=(4.2 * len(attacks), 3.2 * len(series)),
-                             squeeze=False, sharey=True, sharex="col")
+    fig, axes = plt.subplots(
+        len(series),
+        len(attacks),
+        figsize=(4.2 * len(attacks), 3.2 * len(series)),
+        squeeze=False,
+        sharey=True,
+        sharex="col",
+    )
     for i, panel in enumerate(series):
         for j, attack in enumerate(attacks):
             ax = axes[i, j]
@@ -361,8 +421,14 @@ def metric_vs_eps(results: dict, metric: str, path: Path) -> Path:
                 ys = ([clean] if clean is not None else []) + [as_number(r.get(metric)) for _, r in per[attack]]
                 keep = [(x, y) for x, y in zip(xs, ys) if y is not None]
                 if keep:
-                    ax.plot([x for x, _ in keep], [y * scale for _, y in keep], marker="o", ms=3,
-                            color=head_color(str(key[3]), heads), label=_text(key[3]))
+                    ax.plot(
+                        [x for x, _ in keep],
+                        [y * scale for _, y in keep],
+                        marker="o",
+                        ms=3,
+                        color=head_color(str(key[3]), heads),
+                        label=_text(key[3]),
+                    )
             ax.set_title(f"{_label(*panel)}\n{_text(attack)}", fontsize=8)
             ax.grid(alpha=0.3)
             if i == len(series) - 1:
@@ -413,8 +479,13 @@ def drop_heatmap(results: dict, path: Path) -> Path:
     vmax = float(np.nanmax(np.abs(mat))) if finite else 1.0
     vmin = min(0.0, float(np.nanmin(mat))) if finite else 0.0
     im = ax.imshow(mat, cmap="Reds", vmin=vmin, vmax=vmax or 1.0, aspect="auto")
-    ax.set_xticks(range(len(corr)), [_text(c) + (" (extra)" if c in extra else "") for c in corr],
-                  rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(
+        range(len(corr)),
+        [_text(c) + (" (extra)" if c in extra else "") for c in corr],
+        rotation=60,
+        ha="right",
+        fontsize=7,
+    )
     ax.set_yticks(range(len(keys)), [f"{_label(m, c, a)} / {_text(h)}" for m, c, a, h in keys], fontsize=7)
     for i in range(len(keys)):
         for j in range(len(corr)):
@@ -447,11 +518,28 @@ def _reliability_panel(sub, results: dict, key: tuple, series: list[tuple], titl
         few = (count > 0) & (count < FEW_IMAGES) & np.isfinite(acc)
         width = np.diff(edges) / 2
         left = edges[:-1] + offset * np.diff(edges)
-        ax.bar(left[filled], acc[filled], width=width[filled], align="edge", alpha=0.45, color=color,
-               edgecolor=color, label=name)
+        ax.bar(
+            left[filled],
+            acc[filled],
+            width=width[filled],
+            align="edge",
+            alpha=0.45,
+            color=color,
+            edgecolor=color,
+            label=name,
+        )
         if few.any():
-            ax.bar(left[few], acc[few], width=width[few], align="edge", fill=False, hatch="///",
-                   edgecolor=color, linewidth=0.6, alpha=0.7)
+            ax.bar(
+                left[few],
+                acc[few],
+                width=width[few],
+                align="edge",
+                fill=False,
+                hatch="///",
+                edgecolor=color,
+                linewidth=0.6,
+                alpha=0.7,
+            )
         ax.plot((left + width / 2)[filled | few], acc[filled | few], "o", ms=2.5, color=color)
         if (count > 0).any():
             hx.bar(left[count > 0], count[count > 0], width=width[count > 0], align="edge", color=color, alpha=0.6)
@@ -507,7 +595,7 @@ def reliability_diagrams(results: dict, path: Path) -> Path:
     series = _reliability_series(results)
     for sub, (model, ctx, arm, head) in zip(subs.flat, keys):
         _reliability_panel(sub, results, (model, ctx, arm, head), series, f"{_label(model, ctx, arm)}\n{_text(head)}")
-    for sub in list(subs.flat)[len(keys):]:
+    for sub in list(subs.flat)[len(keys) :]:
         sub.subplots().axis("off")
     fig.suptitle(f"Reliability diagrams: clean vs highest severity ({_FEW_NOTE})", fontsize=10)
     return save_png(fig, path)
@@ -528,16 +616,16 @@ def reliability_every_head(results: dict, path: Path) -> Path:
     for i, panel in enumerate(rows):
         for j, head in enumerate(heads):
             if (*panel, head) in present:
-                _reliability_panel(subs[i, j], results, (*panel, head), series,
-                                   f"{_label(*panel)}\n{_text(head)}")
+                _reliability_panel(subs[i, j], results, (*panel, head), series, f"{_label(*panel)}\n{_text(head)}")
             else:
                 subs[i, j].subplots().axis("off")
     fig.suptitle(f"Reliability of every head: clean vs highest severity ({_FEW_NOTE})", fontsize=10)
     return save_png(fig, path)
 
 
-def corruption_gallery(images, corruptions: Sequence[str], severities: Sequence[int], path: Path,
-                       seed: int = 0) -> Path:
+def corruption_gallery(
+    images, corruptions: Sequence[str], severities: Sequence[int], path: Path, seed: int = 0
+) -> Path:
     """One test image (``images`` uint8 ``(1, C, H, W)``) under every corruption and severity."""
     from shiftguard.corruptions import gallery
 
@@ -567,8 +655,14 @@ def compare_runs(runs: list[dict], metric: str, path: Path) -> Path:
             if not pts:
                 continue
             s, m, sd = (np.array(v, dtype=float) for v in list(zip(*pts))[:3])
-            (line,) = ax.plot(s, m * scale, styles[i % len(styles)], marker="o", ms=3,
-                              label=f"{_text(name)}: {_label(model, ctx, arm)} / {_text(head)}")
+            (line,) = ax.plot(
+                s,
+                m * scale,
+                styles[i % len(styles)],
+                marker="o",
+                ms=3,
+                label=f"{_text(name)}: {_label(model, ctx, arm)} / {_text(head)}",
+            )
             _band(ax, s, m * scale, sd * scale, rate, alpha=0.08, color=line.get_color())
     ticks = sorted({0, *(s for res in runs for s in severities(res))})
     ax.set_xticks(ticks)

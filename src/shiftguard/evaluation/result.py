@@ -15,6 +15,7 @@ from .compare import bootstrap_settings, match_series, paired_accuracy_intervals
 
 __all__ = ["EvaluationResult", "describe_preprocess"]
 
+
 def _headline(results: dict) -> dict[tuple, dict]:
     """Per (model, context, adaptation, head): the numbers a comparison puts side by side."""
     out: dict[tuple, dict] = {}
@@ -22,8 +23,11 @@ def _headline(results: dict) -> dict[tuple, dict]:
     for a in results["aggregates"]:
         e = out.setdefault(series_key(a), {})
         if a["severity"] == 0:
-            e["accuracy_clean"], e["ece_clean"], e["nll_clean"] = (a["accuracy_mean"], a["ece_top_label_mean"],
-                                                                   a["nll_mean"])
+            e["accuracy_clean"], e["ece_clean"], e["nll_clean"] = (
+                a["accuracy_mean"],
+                a["ece_top_label_mean"],
+                a["nll_mean"],
+            )
         if a["severity"] == top and top:
             e[f"accuracy_s{top}"] = a["accuracy_mean"]
     for d in results.get("drops", []):
@@ -31,8 +35,9 @@ def _headline(results: dict) -> dict[tuple, dict]:
             out.setdefault(series_key(d), {})["drop"] = d["drop_mean"]
     for r in results.get("robustness", []):
         e = out.setdefault(series_key(r), {})
-        e.update({"mca": r["mca"], "corrupted_ece": r["corrupted_ece"], "corrupted_nll": r["corrupted_nll"],
-                  "mce": r["mce"]})
+        e.update(
+            {"mca": r["mca"], "corrupted_ece": r["corrupted_ece"], "corrupted_nll": r["corrupted_nll"], "mce": r["mce"]}
+        )
     return out
 
 
@@ -93,8 +98,10 @@ class EvaluationResult:
     def __repr__(self) -> str:
         d = self.results["data"]
         keys = {series_key(r) for r in self.rows}
-        return (f"EvaluationResult(name={self.results.get('name')!r}, {len(keys)} model/context/adaptation/head, "
-                f"{len(d['corruptions'])} corruptions x severities {d['severities']}, n_test={d['n_test']})")
+        return (
+            f"EvaluationResult(name={self.results.get('name')!r}, {len(keys)} model/context/adaptation/head, "
+            f"{len(d['corruptions'])} corruptions x severities {d['severities']}, n_test={d['n_test']})"
+        )
 
     def summary(self) -> str:
         """The summary table as plain text (rates in %)."""
@@ -153,8 +160,9 @@ class EvaluationResult:
         return cls(results)
 
     # -- comparison -----------------------------------------------------------------------------
-    def compare(self, other: "EvaluationResult", *, pairs: Optional[Mapping[str, str]] = None,
-                n_boot: Optional[int] = None) -> dict:
+    def compare(
+        self, other: "EvaluationResult", *, pairs: Optional[Mapping[str, str]] = None, n_boot: Optional[int] = None
+    ) -> dict:
         """Headline numbers of ``self`` minus those of ``other``, series by series.
 
         Works between any two results (``shiftguard.evaluate``, ``shiftguard evaluate`` or ``shiftguard
@@ -183,32 +191,46 @@ class EvaluationResult:
         if not isinstance(other, EvaluationResult):
             raise TypeError(f"other: expected an EvaluationResult, got {type(other).__name__}")
         mine, theirs = _headline(self.results), _headline(other.results)
-        found, rule = match_series(mine, theirs, pairs,
-                                   names=(self._label("this result"), other._label("the other result")))
+        found, rule = match_series(
+            mine, theirs, pairs, names=(self._label("this result"), other._label("the other result"))
+        )
         boot = bootstrap_settings(self.results)
         if n_boot is not None:
             if isinstance(n_boot, bool) or not isinstance(n_boot, int) or n_boot < 10:
                 raise ValueError(f"n_boot: expected an integer >= 10, got {n_boot!r}")
             boot["n_boot"] = n_boot
-        clean_why, corrupted_why = pairing_problems(self.results, other.results,
-                                                    names=("this result", "the other result"))
+        clean_why, corrupted_why = pairing_problems(
+            self.results, other.results, names=("this result", "the other result")
+        )
         deltas = []
         for key, okey in found:
             row: dict[str, Any] = {**series_fields(key), "other": series_fields(okey)}
             for metric, v in mine[key].items():
                 w = theirs[okey].get(metric)
                 row[metric] = (v, w, None if v is None or w is None else v - w)
-            ivs = {} if clean_why else paired_accuracy_intervals(
-                self.results, key, other.results, okey, corrupted=corrupted_why is None, **boot)
+            ivs = (
+                {}
+                if clean_why
+                else paired_accuracy_intervals(
+                    self.results, key, other.results, okey, corrupted=corrupted_why is None, **boot
+                )
+            )
             row["intervals"] = {m: (lo, hi) for m, (_, lo, hi) in ivs.items()}
             deltas.append(row)
         from .report import protocol_differences
 
         diffs = [f"{field}: {a!r} -> {b!r}" for field, (a, b) in protocol_differences([other.results, self.results])]
-        return {"deltas": deltas, "match": rule,
-                "intervals": {"method": "paired percentile bootstrap over the test images of the accuracy difference",
-                              **boot, "clean": clean_why, "corrupted": corrupted_why},
-                "protocol_differences": diffs}
+        return {
+            "deltas": deltas,
+            "match": rule,
+            "intervals": {
+                "method": "paired percentile bootstrap over the test images of the accuracy difference",
+                **boot,
+                "clean": clean_why,
+                "corrupted": corrupted_why,
+            },
+            "protocol_differences": diffs,
+        }
 
     def _label(self, fallback: str) -> str:
         name = self.results.get("name")

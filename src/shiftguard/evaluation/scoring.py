@@ -13,12 +13,26 @@ from shiftguard.metrics.classification import check_probs_labels
 __all__ = ["score_cell", "calibration_view", "score_retrieval", "reliability_bins", "CELL_METRICS"]
 
 #: Per-cell metrics of :func:`score_cell`, in report order.
-CELL_METRICS = ("accuracy", "nll", "brier", "ece_top_label", "ece_marginal", "r_auroc", "auroc_error", "aurc",
-                "mean_confidence")
+CELL_METRICS = (
+    "accuracy",
+    "nll",
+    "brier",
+    "ece_top_label",
+    "ece_marginal",
+    "r_auroc",
+    "auroc_error",
+    "aurc",
+    "mean_confidence",
+)
 
 
-def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: Optional[torch.Tensor], n_bins: int = 15,
-               one_vs_rest: Optional[torch.Tensor] = None) -> dict:
+def score_cell(
+    probs: torch.Tensor,
+    labels: torch.Tensor,
+    miss: Optional[torch.Tensor],
+    n_bins: int = 15,
+    one_vs_rest: Optional[torch.Tensor] = None,
+) -> dict:
     """Classification, calibration and uncertainty metrics of one head on one test set.
 
     The head's uncertainty is ``1 - max probability``. ``r_auroc`` [Kirchhof, URL Alg. 1] is
@@ -45,10 +59,12 @@ def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: Optional[torch.T
         "accuracy": float(M.accuracy(probs, labels, validate_args=False)),
         "nll": float(M.nll(probs, labels, validate_args=False)),
         "brier": float(M.brier(probs, labels, validate_args=False)),
-        "ece_top_label": float(M.ece(calib, labels, n_bins=n_bins, kind="top-label", one_vs_rest=ovr,
-                                     validate_args=False)),
-        "ece_marginal": float(M.ece(calib, labels, n_bins=n_bins, kind="marginal", one_vs_rest=ovr,
-                                    validate_args=False)),
+        "ece_top_label": float(
+            M.ece(calib, labels, n_bins=n_bins, kind="top-label", one_vs_rest=ovr, validate_args=False)
+        ),
+        "ece_marginal": float(
+            M.ece(calib, labels, n_bins=n_bins, kind="marginal", one_vs_rest=ovr, validate_args=False)
+        ),
         "r_auroc": None if miss is None else _or_none(lambda: M.auroc_error(uncertainty, miss)),
         "auroc_error": _or_none(lambda: M.auroc_error(uncertainty, pred != labels)),
         "aurc": _or_none(lambda: M.aurc(uncertainty, wrong)),
@@ -56,8 +72,9 @@ def score_cell(probs: torch.Tensor, labels: torch.Tensor, miss: Optional[torch.T
     }
 
 
-def calibration_view(probs: torch.Tensor, one_vs_rest: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def calibration_view(
+    probs: torch.Tensor, one_vs_rest: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(probs, calib)``: the head's probabilities with rows normalised to sum to 1, and the
     probabilities its calibration is judged on (the one-vs-rest ones when given, else ``probs``)."""
     probs = probs.float().clamp_min(0)

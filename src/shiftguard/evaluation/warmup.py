@@ -69,9 +69,13 @@ def _float_dtype(model: torch.nn.Module) -> torch.dtype:
     return torch.float32
 
 
-def evaluation_steps(models: Sequence[torch.nn.Module], device: torch.device,
-                     corruptions: Sequence[tuple[str, int, str]] = (),
-                     pixels: Optional[torch.Tensor] = None, seed: int = 0) -> list[Step]:
+def evaluation_steps(
+    models: Sequence[torch.nn.Module],
+    device: torch.device,
+    corruptions: Sequence[tuple[str, int, str]] = (),
+    pixels: Optional[torch.Tensor] = None,
+    seed: int = 0,
+) -> list[Step]:
     """The compile steps of an evaluation of ``models`` on ``device``:
 
     - QACT's evaluation paths (:func:`shiftguard.functional.warm_up` with ``evaluation_only``) in

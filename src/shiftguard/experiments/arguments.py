@@ -60,8 +60,16 @@ class ListAction(argparse.Action):
     The option given twice keeps the last list, as a plain ``nargs="+"`` option does.
     """
 
-    def __init__(self, option_strings: Sequence[str], dest: str, *, item: Callable[[str], Any] = str,
-                 options: bool = False, nargs: Any = "+", **kwargs: Any):
+    def __init__(
+        self,
+        option_strings: Sequence[str],
+        dest: str,
+        *,
+        item: Callable[[str], Any] = str,
+        options: bool = False,
+        nargs: Any = "+",
+        **kwargs: Any,
+    ):
         if nargs != "+":
             raise ValueError(f"nargs: a list option takes one or more values (nargs='+'), got {nargs!r}")
         if kwargs.get("type") is not None:
@@ -70,8 +78,13 @@ class ListAction(argparse.Action):
         self.item = item
         self.options = options
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: Optional[str] = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: Optional[str] = None,
+    ) -> None:
         items = split_list(values, options=self.options)
         if not items:
             raise argparse.ArgumentError(self, "expected at least one value")
@@ -115,16 +128,17 @@ def load_dataset(dataset: str, split: str, root: Optional[str]):
     if dataset in DEFAULT_DATASETS:
         return D.load_default(split)
     if dataset not in DATASET_REGISTRY:
-        raise ValueError(f"--dataset: unknown dataset {dataset!r}; expected {DEFAULT_DATASETS[0]} (the embedded MNIST "
-                         f"subset) or one of {', '.join(D.names())}")
+        raise ValueError(
+            f"--dataset: unknown dataset {dataset!r}; expected {DEFAULT_DATASETS[0]} (the embedded MNIST "
+            f"subset) or one of {', '.join(D.names())}"
+        )
     try:
         return D.load(dataset, split, root)
     except FileNotFoundError as exc:
         raise FileNotFoundError(missing_files_line(str(exc), dataset)) from None
 
 
-def missing_files_line(message: str, dataset: str, *, root: str = "--root",
-                       dataset_option: str = "--dataset") -> str:
+def missing_files_line(message: str, dataset: str, *, root: str = "--root", dataset_option: str = "--dataset") -> str:
     """A loader's missing-files message (what it expected, the folders it looked in, then advice
     for a Python caller) as one line of command-line advice: ``root`` and ``dataset_option`` name
     where the user sets the data folder and the data set (a flag, or a config key for
@@ -137,8 +151,10 @@ def missing_files_line(message: str, dataset: str, *, root: str = "--root",
     if len(lines) < 2 or not folders or not lines[0].rstrip().endswith(":"):
         return " ".join(message.split())
     name = DATASET_REGISTRY.canonical(dataset, argument="--dataset") if dataset in DATASET_REGISTRY else dataset
-    text = (f"{lines[0].rstrip()} {', '.join(folders)}; set {root} to the folder that holds them, "
-            f"or SHIFTGUARD_DATA to a folder holding {name}/")
+    text = (
+        f"{lines[0].rstrip()} {', '.join(folders)}; set {root} to the folder that holds them, "
+        f"or SHIFTGUARD_DATA to a folder holding {name}/"
+    )
     if name == "mnist":
         text += f" (or {dataset_option} {DEFAULT_DATASETS[0]}: the embedded MNIST subset, no files needed)"
     if RESOURCES.get(name):

@@ -37,10 +37,20 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = [
-    "DataConfig", "TrainConfig", "EvalConfig", "ModelConfig", "RunConfig",
-    "load_config", "config_from_dict", "default_config", "quick_config", "shipped_configs", "config_diff",
+    "DataConfig",
+    "TrainConfig",
+    "EvalConfig",
+    "ModelConfig",
+    "RunConfig",
+    "load_config",
+    "config_from_dict",
+    "default_config",
+    "quick_config",
+    "shipped_configs",
+    "config_diff",
     "baseline_key",
-    "HEAD_NAMES", "LOGIT_LOSSES",
+    "HEAD_NAMES",
+    "LOGIT_LOSSES",
 ]
 
 #: Losses computed on the logits ``model(x)``; every other loss acts on ``model.embed(x)``.
@@ -270,6 +280,7 @@ def _ints(lo: int, hi: Optional[int] = None, why: str = ""):
     def rule(v):
         if not _is_int(v) or v < lo or (hi is not None and v > hi):
             return f"be {want}{why}"
+
     return rule
 
 
@@ -285,16 +296,19 @@ def _reals(lo: float, hi: Optional[float] = None, *, open_lo: bool = False, open
             return f"be {want}{why}"
         if v < lo or (open_lo and v == lo) or (hi is not None and (v > hi or (open_hi and v == hi))):
             return f"be {want}{why}"
+
     return rule
 
 
 def _text(choices: Optional[tuple] = None, *, empty_ok: bool = False):
     """A string (without NUL characters, which no file or registry name holds), optionally one of ``choices``."""
+
     def rule(v):
         if not isinstance(v, str) or "\0" in v or (not v and not empty_ok):
             return "be a non-empty string" if not empty_ok else "be a string without NUL characters"
         if choices is not None and v not in choices:
             return f"be one of {', '.join(map(repr, choices))}"
+
     return rule
 
 
@@ -303,12 +317,12 @@ def _int_list(lo: int, hi: Optional[int], what: str, why: str = ""):
     bound = f">= {lo}" if hi is None else f"in {lo}..{hi}"
 
     def rule(v):
-        if (not isinstance(v, list) or not v
-                or any(not _is_int(s) or s < lo or (hi is not None and s > hi) for s in v)):
+        if not isinstance(v, list) or not v or any(not _is_int(s) or s < lo or (hi is not None and s > hi) for s in v):
             return f"be a non-empty list of {what} (integers {bound})"
         dup = sorted({s for s in v if v.count(s) > 1})
         if dup:
             return f"list each value once ({', '.join(map(repr, dup))} repeated){why}"
+
     return rule
 
 
@@ -323,12 +337,14 @@ def _eps_list(v):
 
 def _name_list(what: str, why: str = ""):
     """A list of distinct non-empty strings."""
+
     def rule(v):
         if not isinstance(v, list) or any(not isinstance(s, str) or not s for s in v):
             return f"be a list of {what} (non-empty strings)"
         dup = sorted({s for s in v if v.count(s) > 1})
         if dup:
             return f"list each {what[:-1]} once ({', '.join(map(repr, dup))} repeated){why}"
+
     return rule
 
 
@@ -458,8 +474,9 @@ def _check_kwargs(kw: dict, key: str, src: str) -> None:
     table = key.rsplit(".", 1)[-1]
     for name in _RESERVED_KWARGS[table]:
         if name in kw:
-            raise ValueError(f"{src}: key {key}.{name} must not be given (run sets {name} itself), "
-                             f"got {_shown(kw[name])}")
+            raise ValueError(
+                f"{src}: key {key}.{name} must not be given (run sets {name} itself), got {_shown(kw[name])}"
+            )
 
     def walk(v, path):
         if isinstance(v, dict):
@@ -503,12 +520,16 @@ def _canonical_corruptions(d: DataConfig, src: str) -> None:
         try:
             names.append(canonical_name(c, d.suite))
         except ValueError:
-            raise ValueError(f"{src}: key data.corruptions has unknown corruption {_shown(c)} for suite "
-                             f"{d.suite!r}; expected one of {', '.join(SUITES[d.suite])}") from None
+            raise ValueError(
+                f"{src}: key data.corruptions has unknown corruption {_shown(c)} for suite "
+                f"{d.suite!r}; expected one of {', '.join(SUITES[d.suite])}"
+            ) from None
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:  # quoted as written: "Fog" and "fog" are one corruption
-        raise ValueError(f"{src}: key data.corruptions must list each corruption once ({', '.join(map(repr, dup))} "
-                         f"repeated) (duplicates would re-weight the means), got {_shown(d.corruptions)}")
+        raise ValueError(
+            f"{src}: key data.corruptions must list each corruption once ({', '.join(map(repr, dup))} "
+            f"repeated) (duplicates would re-weight the means), got {_shown(d.corruptions)}"
+        )
     d.corruptions = names
 
 
@@ -528,8 +549,11 @@ def _check_values(cfg: RunConfig, src: str) -> None:
             if msg:
                 raise ValueError(f"{src}: key {where}{key} must {msg}, got {_shown(value)}")
 
-    rules = {**_RULES, "data": {**_RULES["data"], "suite": _text(tuple(SUITES))},
-             "train": {**_RULES["train"], "augmix_suite": _text(("", *SUITES), empty_ok=True)}}
+    rules = {
+        **_RULES,
+        "data": {**_RULES["data"], "suite": _text(tuple(SUITES))},
+        "train": {**_RULES["train"], "augmix_suite": _text(("", *SUITES), empty_ok=True)},
+    }
     apply(rules[""], {"name": cfg.name, "seed": cfg.seed}, "")
     if cfg.name and not _NAME_RE.match(cfg.name):
         bad("name", "be letters, digits and _.+- only", cfg.name)
@@ -566,8 +590,10 @@ def _check_values(cfg: RunConfig, src: str) -> None:
             raise ValueError(f"{src}: key eval.transfer_from needs eval.attacks (the attacks whose images transfer)")
         unknown = [t for t in e.transfer_from if t not in names]
         if unknown:
-            raise ValueError(f"{src}: key eval.transfer_from must name models of this run ({', '.join(names)}), "
-                             f"got {', '.join(map(repr, unknown))}")
+            raise ValueError(
+                f"{src}: key eval.transfer_from must name models of this run ({', '.join(names)}), "
+                f"got {', '.join(map(repr, unknown))}"
+            )
     if not cfg.models:
         raise ValueError(f"{src}: no [[models]] given; add at least one model table")
 
@@ -576,17 +602,28 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         n = d.train_subset
         n_val = int(round(n * d.val_fraction))
         if n < 3:
-            bad("data.train_subset", "be 0 (all images) or >= 3 (2 training images, the smallest training "
-                                     "batch, and 1 validation image)", n)
+            bad(
+                "data.train_subset",
+                "be 0 (all images) or >= 3 (2 training images, the smallest training batch, and 1 validation image)",
+                n,
+            )
         if n_val < 1 or n - n_val < 2:
-            bad("data.val_fraction", f"leave >= 2 training and >= 1 validation image of data.train_subset = {n} "
-                                     f"(it holds out round({n} * val_fraction) = {n_val})", d.val_fraction)
+            bad(
+                "data.val_fraction",
+                f"leave >= 2 training and >= 1 validation image of data.train_subset = {n} "
+                f"(it holds out round({n} * val_fraction) = {n_val})",
+                d.val_fraction,
+            )
     ks_max = max(e.retrieval_ks)
     if d.test_subset and d.test_subset <= ks_max:
         # MAP@K / Recall@K rank, for every test image, the other test images ([QACT, Sec. 4] MAP@K),
         # so the largest cut-off needs that many others; QACT's context needs >= 2 images too
-        bad("data.test_subset", f"be 0 (all images) or > max(eval.retrieval_ks) = {ks_max} (each test image "
-                                f"is ranked against the other test images)", d.test_subset)
+        bad(
+            "data.test_subset",
+            f"be 0 (all images) or > max(eval.retrieval_ks) = {ks_max} (each test image "
+            f"is ranked against the other test images)",
+            d.test_subset,
+        )
 
     # --- models
     seen = set()
@@ -596,12 +633,16 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         apply(rules["models"], {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}, f"{where}.")
         if m.estimator:
             if m.estimator not in ESTIMATOR_REGISTRY:
-                raise ValueError(f"{src}: key {where}.estimator: unknown estimator {_shown(m.estimator)}; expected "
-                                 f"one of {', '.join(ESTIMATOR_NAMES)}")
+                raise ValueError(
+                    f"{src}: key {where}.estimator: unknown estimator {_shown(m.estimator)}; expected "
+                    f"one of {', '.join(ESTIMATOR_NAMES)}"
+                )
             m.estimator = ESTIMATOR_REGISTRY.canonical(m.estimator)
             if m.loss not in LOGIT_LOSSES:
-                raise ValueError(f"{src}: key {where}.loss: an estimator ({m.estimator!r}) trains with its own "
-                                 f"objective; leave loss = {LOGIT_LOSSES[0]!r}, got {m.loss!r}")
+                raise ValueError(
+                    f"{src}: key {where}.loss: an estimator ({m.estimator!r}) trains with its own "
+                    f"objective; leave loss = {LOGIT_LOSSES[0]!r}, got {m.loss!r}"
+                )
         elif m.estimator_kwargs:
             raise ValueError(f"{src}: key {where}.estimator_kwargs is set but {where}.estimator is not")
         if not m.name:  # a factory "pkg.mod:make" names its models "pkg.mod.make-<activation>-<loss>"
@@ -619,16 +660,19 @@ def _check_values(cfg: RunConfig, src: str) -> None:
             try:
                 heads.append(canonical_head(h))
             except (TypeError, ValueError):
-                raise ValueError(f"{src}: key {where}.heads has unknown head {_shown(h)}; expected one of "
-                                 f"{', '.join(HEAD_NAMES)}") from None
+                raise ValueError(
+                    f"{src}: key {where}.heads has unknown head {_shown(h)}; expected one of {', '.join(HEAD_NAMES)}"
+                ) from None
         m.heads = heads
         msg = _name_list("heads")(m.heads)
         if msg:
             raise ValueError(f"{src}: key {where}.heads must {msg}, got {_shown(written)}")
         for h in ("softmax", "temperature"):
             if h in m.heads and m.loss not in LOGIT_LOSSES:
-                raise ValueError(f"{src}: key {where}.heads: {h!r} uses the model's trained classifier and needs a "
-                                 f"logit loss ({', '.join(LOGIT_LOSSES)}), not {m.loss!r}")
+                raise ValueError(
+                    f"{src}: key {where}.heads: {h!r} uses the model's trained classifier and needs a "
+                    f"logit loss ({', '.join(LOGIT_LOSSES)}), not {m.loss!r}"
+                )
         for kw_key in ("model_kwargs", "loss_kwargs", "estimator_kwargs"):
             _check_kwargs(getattr(m, kw_key), f"{where}.{kw_key}", src)
         dim = m.model_kwargs.get("embedding_dim")
@@ -637,8 +681,10 @@ def _check_values(cfg: RunConfig, src: str) -> None:
         for k, v in list(m.train.items()):
             if k not in train_hints or k == "jobs":
                 whole_run = " (jobs is a setting of the whole run: [train] jobs)" if k == "jobs" else ""
-                raise ValueError(f"{src}: key {where}.train.{k} is unknown{whole_run}; allowed keys: "
-                                 f"{', '.join(sorted(set(train_hints) - {'jobs'}))}")
+                raise ValueError(
+                    f"{src}: key {where}.train.{k} is unknown{whole_run}; allowed keys: "
+                    f"{', '.join(sorted(set(train_hints) - {'jobs'}))}"
+                )
             m.train[k] = _typed(v, train_hints[k], f"{where}.train.{k}", src)
             if k == "augmix_suite":
                 m.train[k] = _suite_name(m.train[k])
@@ -670,8 +716,12 @@ def _check_values(cfg: RunConfig, src: str) -> None:
             support = e.max_support if support is None else min(support, e.max_support)
             parts.append(f"eval.max_support = {e.max_support}")
         if support is not None and e.k > support:
-            bad("eval.k", f"be <= {support}, the most support embeddings the kNN heads ({', '.join(_K_HEADS)}) "
-                          f"can search ({'; '.join(parts)})", e.k)
+            bad(
+                "eval.k",
+                f"be <= {support}, the most support embeddings the kNN heads ({', '.join(_K_HEADS)}) "
+                f"can search ({'; '.join(parts)})",
+                e.k,
+            )
 
 
 def _check_train_together(cfg: RunConfig, i: int, bad) -> None:
@@ -687,26 +737,44 @@ def _check_train_together(cfg: RunConfig, i: int, bad) -> None:
     if t.min_lr > t.lr:
         bad(origin("min_lr"), f"be <= {origin('lr')} = {t.lr!r} (a reduction would raise the rate)", t.min_lr)
     if t.class_balanced and t.batch_size % t.samples_per_class:
-        bad(origin("batch_size"), f"be a multiple of {origin('samples_per_class')} = {t.samples_per_class} "
-                                  f"with class-balanced batches", t.batch_size)
+        bad(
+            origin("batch_size"),
+            f"be a multiple of {origin('samples_per_class')} = {t.samples_per_class} with class-balanced batches",
+            t.batch_size,
+        )
     if t.two_views and (m.loss in LOGIT_LOSSES or m.estimator):
-        bad(origin("two_views"), f"be false for model {m.name!r}: two augmented views with instance ids train "
-                                 f"an embedding loss, not {m.estimator or m.loss!r}", t.two_views)
+        bad(
+            origin("two_views"),
+            f"be false for model {m.name!r}: two augmented views with instance ids train "
+            f"an embedding loss, not {m.estimator or m.loss!r}",
+            t.two_views,
+        )
     if m.loss == "infonce" and not t.two_views:
-        bad(origin("two_views"), f"be true for model {m.name!r}: loss 'infonce' discriminates instances, which "
-                                 "needs two augmented views of each image", t.two_views)
+        bad(
+            origin("two_views"),
+            f"be true for model {m.name!r}: loss 'infonce' discriminates instances, which "
+            "needs two augmented views of each image",
+            t.two_views,
+        )
     if t.two_views and (t.chunk_size or t.class_balanced):
         bad(origin("two_views"), "not be combined with chunk_size or class_balanced", t.two_views)
     if t.jsd_weight > 0 and not t.augmix:
         bad(origin("jsd_weight"), "be 0 without augmix (the consistency term compares AugMix views)", t.jsd_weight)
     if t.jsd_weight > 0 and (m.loss not in LOGIT_LOSSES or m.estimator or t.chunk_size):
-        bad(origin("jsd_weight"), f"be 0 for model {m.name!r}: the Jensen-Shannon term needs class logits "
-                                  "(cross-entropy, no estimator, no chunk_size)", t.jsd_weight)
+        bad(
+            origin("jsd_weight"),
+            f"be 0 for model {m.name!r}: the Jensen-Shannon term needs class logits "
+            "(cross-entropy, no estimator, no chunk_size)",
+            t.jsd_weight,
+        )
     if t.augmix and t.two_views:
         bad(origin("augmix"), "not be combined with two_views (each draws its own augmented views)", t.augmix)
     if t.chunk_size and m.loss in LOGIT_LOSSES:
-        bad(origin("chunk_size"), f"be 0 for model {m.name!r}: multistage chunks [Patel, Sec. 5.3.2] need an "
-                                  f"embedding loss, not {m.loss!r}", t.chunk_size)
+        bad(
+            origin("chunk_size"),
+            f"be 0 for model {m.name!r}: multistage chunks [Patel, Sec. 5.3.2] need an embedding loss, not {m.loss!r}",
+            t.chunk_size,
+        )
 
 
 def config_from_dict(raw: dict, source: str = "<dict>") -> RunConfig:
@@ -772,8 +840,13 @@ def default_config() -> RunConfig:
 def quick_config() -> RunConfig:
     """A tiny smoke run (tests, ``--quick``): small subsets, 1 epoch, 3 corruptions x 2 severities."""
     raw = {**_DEFAULT}
-    raw["data"] = {**_DEFAULT["data"], "train_subset": 500, "test_subset": 200,
-                   "corruptions": ["shot_noise", "rotate", "fog"], "severities": [1, 5]}
+    raw["data"] = {
+        **_DEFAULT["data"],
+        "train_subset": 500,
+        "test_subset": 200,
+        "corruptions": ["shot_noise", "rotate", "fog"],
+        "severities": [1, 5],
+    }
     # its models train in under a second each: a process per model would cost more than it saves
     raw["train"] = {**_DEFAULT["train"], "epochs": 1, "batch_size": 100, "jobs": 1}
     raw["models"] = [{**m, "train": {}} for m in _DEFAULT["models"]]
@@ -794,10 +867,21 @@ def quick_config() -> RunConfig:
 # 0.01, which never fire within 20 epochs: the rate drops once validation accuracy stalls for two
 # epochs, and training stops when four epochs (two of them at the lowered rate) bring no gain.
 _DEFAULT: dict = {
-    "data": {"dataset": "mnist-default", "suite": "mnist-c", "severities": [1, 2, 3, 4, 5],
-             "train_subset": 0, "test_subset": 500},
-    "train": {"epochs": 20, "batch_size": 256, "lr_patience": 2, "lr_cooldown": 0, "lr_threshold": 0.002,
-              "early_stopping_patience": 4},
+    "data": {
+        "dataset": "mnist-default",
+        "suite": "mnist-c",
+        "severities": [1, 2, 3, 4, 5],
+        "train_subset": 0,
+        "test_subset": 500,
+    },
+    "train": {
+        "epochs": 20,
+        "batch_size": 256,
+        "lr_patience": 2,
+        "lr_cooldown": 0,
+        "lr_threshold": 0.002,
+        "early_stopping_patience": 4,
+    },
     # The static models and the same models after BatchNorm re-estimation on each cell (Schneider et
     # al. 2020): QACT's batch context is itself a test-time adaptation, so its fair comparison is a
     # BatchNorm model adapted to the same cell (docs/reproduction.md).
@@ -805,17 +889,33 @@ _DEFAULT: dict = {
     "eval": {"batch_size": 500, "frozen_context": False, "k": 10, "retrieval_ks": [1, 5], "adapt": ["none", "bn"]},
     "models": [
         # ReLU steps are cheap: batches of 64 at lr 2e-3 reach its plateau in ~11 epochs.
-        {"name": "lenet-relu-ce", "arch": "lenet", "activation": "relu", "loss": "cross_entropy",
-         "heads": ["logistic", "softmax", "temperature", "ned", "knn"], "train": {"batch_size": 64, "lr": 2e-3}},
+        {
+            "name": "lenet-relu-ce",
+            "arch": "lenet",
+            "activation": "relu",
+            "loss": "cross_entropy",
+            "heads": ["logistic", "softmax", "temperature", "ned", "knn"],
+            "train": {"batch_size": 64, "lr": 2e-3},
+        },
         # The BatchNorm twin of the QACT LeNet below: its BN-QACT-BN blocks with ReLU in place of QACT,
         # so that "QACT vs ReLU" does not compare different amounts of BatchNorm.
         # It trains with the QACT model's schedule (batches of 256, Adam 1e-3), so that the pair differs
         # in the activation only.
-        {"name": "lenet-bnrelubn-ce", "arch": "lenet", "activation": "bn-relu-bn", "loss": "cross_entropy",
-         "heads": ["logistic", "softmax", "temperature", "ned", "knn"]},
+        {
+            "name": "lenet-bnrelubn-ce",
+            "arch": "lenet",
+            "activation": "bn-relu-bn",
+            "loss": "cross_entropy",
+            "heads": ["logistic", "softmax", "temperature", "ned", "knn"],
+        },
         # QACT's context is the training batch: 256 images per context, Adam 1e-3 [QACT, App. B].
-        {"name": "lenet-qact-watershed", "arch": "lenet", "activation": "qact", "loss": "watershed",
-         "heads": ["quantile", "logistic", "ned", "knn"]},
+        {
+            "name": "lenet-qact-watershed",
+            "arch": "lenet",
+            "activation": "qact",
+            "loss": "watershed",
+            "heads": ["quantile", "logistic", "ned", "knn"],
+        },
     ],
 }
 

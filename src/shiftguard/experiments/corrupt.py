@@ -39,25 +39,46 @@ SUITE_CHOICES = ("mnist-c", "cifar-c", "cifar-c-extra", "cifar-c+extra")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default="mnist",
-                        help="dataset name for shiftguard.data.load, or mnist-default (the embedded MNIST subset) "
-                             "(default: mnist)")
-    parser.add_argument("--suite", default="mnist-c", type=suite_name, choices=SUITE_CHOICES,
-                        help="corruption suite (default: mnist-c)")
+    parser.add_argument(
+        "--dataset",
+        default="mnist",
+        help="dataset name for shiftguard.data.load, or mnist-default (the embedded MNIST subset) (default: mnist)",
+    )
+    parser.add_argument(
+        "--suite", default="mnist-c", type=suite_name, choices=SUITE_CHOICES, help="corruption suite (default: mnist-c)"
+    )
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--root", default=None,
-                        help="dataset folder (default: $SHIFTGUARD_DATA/<dataset>, else the per-user cache)")
-    parser.add_argument("--split", action=ListAction, default=["test"], metavar="SPLIT",
-                        help="split(s) to corrupt, space- or comma-separated (default: test)")
-    parser.add_argument("--severities", action=ListAction, default=["1", "2", "3", "4", "5"], metavar="S",
-                        help="severities in 1..5, space- or comma-separated (default: 1 2 3 4 5)")
-    parser.add_argument("--corruptions", action=ListAction, default=None, metavar="NAME",
-                        help="subset of the suite, space- or comma-separated (default: all)")
+    parser.add_argument(
+        "--root", default=None, help="dataset folder (default: $SHIFTGUARD_DATA/<dataset>, else the per-user cache)"
+    )
+    parser.add_argument(
+        "--split",
+        action=ListAction,
+        default=["test"],
+        metavar="SPLIT",
+        help="split(s) to corrupt, space- or comma-separated (default: test)",
+    )
+    parser.add_argument(
+        "--severities",
+        action=ListAction,
+        default=["1", "2", "3", "4", "5"],
+        metavar="S",
+        help="severities in 1..5, space- or comma-separated (default: 1 2 3 4 5)",
+    )
+    parser.add_argument(
+        "--corruptions",
+        action=ListAction,
+        default=None,
+        metavar="NAME",
+        help="subset of the suite, space- or comma-separated (default: all)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="base seed (default: 0)")
     parser.add_argument("--limit", type=int, default=None, help="only the first LIMIT images of each split")
     parser.add_argument("--device", default="cpu", help="torch device for the corruption work (default: cpu)")
     parser.add_argument(
-        "--threads", type=int, default=None,
+        "--threads",
+        type=int,
+        default=None,
         help="torch CPU threads (default: torch's choice; 1 is often fastest for these small images on a busy CPU)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
@@ -149,8 +170,10 @@ def write_corrupted(
                 unknown.append(c)
             chosen.add(name)
         if unknown:
-            raise ValueError(f"--corruptions: unknown for suite {suite!r}: {', '.join(map(repr, unknown))}; "
-                             f"valid: {', '.join(valid)}")
+            raise ValueError(
+                f"--corruptions: unknown for suite {suite!r}: {', '.join(map(repr, unknown))}; "
+                f"valid: {', '.join(valid)}"
+            )
         pairs = [(s, n) for s, n in pairs if n in chosen]
     mnist_layout = suite == "mnist-c"
     if not mnist_layout and len(images_by_split) != 1:
@@ -168,7 +191,7 @@ def write_corrupted(
         files[rel] = sha256_file(path)
 
     if not mnist_layout:
-        (split, (images, labels)), = images_by_split.items()
+        ((split, (images, labels)),) = images_by_split.items()
         images = images.to(device)
         put("labels.npy", np.concatenate([_labels_u8(labels)] * len(severities)))
         for s_name, name in pairs:
@@ -196,8 +219,9 @@ def write_corrupted(
         "shiftguard_version": __version__,
         "torch_version": torch.__version__,
         "suite": suite,
-        "layout": ("mnist-c (one official tree per severity)" if mnist_layout
-                   else "cifar-10-c (severity blocks stacked)"),
+        "layout": (
+            "mnist-c (one official tree per severity)" if mnist_layout else "cifar-10-c (severity blocks stacked)"
+        ),
         "splits": {k: int(v[0].shape[0]) for k, v in images_by_split.items()},
         "image_shape": list(next(iter(images_by_split.values()))[0].shape[1:]),
         "severities": severities,

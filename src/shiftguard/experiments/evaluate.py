@@ -30,61 +30,130 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     from .arguments import ListAction
 
-    p.add_argument("--model", required=True, metavar="MODULE:FACTORY",
-                   help="import path of a function returning the nn.Module, e.g. mypkg.nets:make_cnn "
-                        "(the current directory is importable)")
-    p.add_argument("--weights", metavar="FILE",
-                   help="state dict: .pt/.pth (torch.load weights_only=True) or .safetensors (required unless "
-                        "--random-weights)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="evaluate the model as its factory initialises it, without --weights (a baseline of chance)")
-    p.add_argument("--dataset", default="mnist-default",
-                   help="a shiftguard.data.load name (mnist, fashion-mnist, cifar10, ...) or mnist-default "
-                        "(the embedded MNIST subset; default)")
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="MODULE:FACTORY",
+        help="import path of a function returning the nn.Module, e.g. mypkg.nets:make_cnn "
+        "(the current directory is importable)",
+    )
+    p.add_argument(
+        "--weights",
+        metavar="FILE",
+        help="state dict: .pt/.pth (torch.load weights_only=True) or .safetensors (required unless --random-weights)",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="evaluate the model as its factory initialises it, without --weights (a baseline of chance)",
+    )
+    p.add_argument(
+        "--dataset",
+        default="mnist-default",
+        help="a shiftguard.data.load name (mnist, fashion-mnist, cifar10, ...) or mnist-default "
+        "(the embedded MNIST subset; default)",
+    )
     p.add_argument("--root", help="folder of the dataset files (default: the loader's default location)")
     p.add_argument("--suite", help="corruption suite: mnist-c or cifar-c (default: by channel count)")
-    p.add_argument("--corruptions", action=ListAction, metavar="NAME",
-                   help="subset of the suite's corruptions, space- or comma-separated (default: all)")
-    p.add_argument("--severities", action=ListAction, item=int, default=[1, 2, 3, 4, 5], metavar="S",
-                   help="severities in 1..5, space- or comma-separated (default: 1 2 3 4 5)")
+    p.add_argument(
+        "--corruptions",
+        action=ListAction,
+        metavar="NAME",
+        help="subset of the suite's corruptions, space- or comma-separated (default: all)",
+    )
+    p.add_argument(
+        "--severities",
+        action=ListAction,
+        item=int,
+        default=[1, 2, 3, 4, 5],
+        metavar="S",
+        help="severities in 1..5, space- or comma-separated (default: 1 2 3 4 5)",
+    )
     p.add_argument("--extra", action="store_true", help="also CIFAR-10-C's 4 extra corruptions (reported apart)")
-    p.add_argument("--heads", action=ListAction, metavar="HEAD",
-                   help=f"heads, space- or comma-separated (default: the library default); any of "
-                        f"{', '.join(HEAD_NAMES)}")
-    p.add_argument("--normalize", nargs=2, type=float, action="append", metavar=("MEAN", "STD"),
-                   help="mean/std normalisation after corruption, once per channel (or once for all)")
-    p.add_argument("--embed", metavar="LAYER", help="submodule whose output is the embedding "
-                   "(default: the input of the last nn.Linear)")
+    p.add_argument(
+        "--heads",
+        action=ListAction,
+        metavar="HEAD",
+        help=f"heads, space- or comma-separated (default: the library default); any of {', '.join(HEAD_NAMES)}",
+    )
+    p.add_argument(
+        "--normalize",
+        nargs=2,
+        type=float,
+        action="append",
+        metavar=("MEAN", "STD"),
+        help="mean/std normalisation after corruption, once per channel (or once for all)",
+    )
+    p.add_argument(
+        "--embed",
+        metavar="LAYER",
+        help="submodule whose output is the embedding (default: the input of the last nn.Linear)",
+    )
     p.add_argument("--test-subset", type=int, default=0, metavar="N", help="evaluate on N test images (0 = all)")
-    p.add_argument("--support-size", type=int, default=10000, metavar="N",
-                   help="training images the heads are fitted on (default 10000; 0 = all)")
-    p.add_argument("--val-size", type=int, default=2000, metavar="N",
-                   help="training images held out for temperature / NED (default 2000; 0 = none)")
+    p.add_argument(
+        "--support-size",
+        type=int,
+        default=10000,
+        metavar="N",
+        help="training images the heads are fitted on (default 10000; 0 = all)",
+    )
+    p.add_argument(
+        "--val-size",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="training images held out for temperature / NED (default 2000; 0 = none)",
+    )
     p.add_argument("--batch-size", type=int, default=500, help="evaluation batch (the QACT context)")
-    p.add_argument("--adapt", action=ListAction, options=True, default=["none"], metavar="ARM",
-                   help="test-time adaptation arms scored side by side, space- or comma-separated: none (default), "
-                        "bn-batch, bn, tent, refresh "
-                        "(options as 'bn:prior=16', 'tent:lr=0.00025,optimizer=sgd', 'refresh:passes=2'; "
-                        "docs/evaluate.md)")
-    p.add_argument("--conformal", action=ListAction, default=[], metavar="METHOD",
-                   help="conformal prediction sets of every head, space- or comma-separated: some of lac, aps, raps "
-                        "(calibrated on half of the validation images; docs/conformal.md)")
-    p.add_argument("--alpha", type=float, default=0.1,
-                   help="miscoverage level of the sets (default 0.1: 90%% coverage)")
-    p.add_argument("--conformal-weighted", action="store_true",
-                   help="also the weighted split conformal of covariate shift (transductive)")
+    p.add_argument(
+        "--adapt",
+        action=ListAction,
+        options=True,
+        default=["none"],
+        metavar="ARM",
+        help="test-time adaptation arms scored side by side, space- or comma-separated: none (default), "
+        "bn-batch, bn, tent, refresh "
+        "(options as 'bn:prior=16', 'tent:lr=0.00025,optimizer=sgd', 'refresh:passes=2'; "
+        "docs/evaluate.md)",
+    )
+    p.add_argument(
+        "--conformal",
+        action=ListAction,
+        default=[],
+        metavar="METHOD",
+        help="conformal prediction sets of every head, space- or comma-separated: some of lac, aps, raps "
+        "(calibrated on half of the validation images; docs/conformal.md)",
+    )
+    p.add_argument(
+        "--alpha", type=float, default=0.1, help="miscoverage level of the sets (default 0.1: 90%% coverage)"
+    )
+    p.add_argument(
+        "--conformal-weighted",
+        action="store_true",
+        help="also the weighted split conformal of covariate shift (transductive)",
+    )
     p.add_argument("--baseline", metavar="RESULTS", help="results.json (or its folder) of a baseline for CE / mCE")
-    p.add_argument("--baseline-key", metavar="MODEL/CONTEXT/HEAD",
-                   help="which of the baseline's series (MODEL/CONTEXT/ADAPTATION/HEAD for an adapted one); "
-                        "without --baseline, a series of this evaluation")
+    p.add_argument(
+        "--baseline-key",
+        metavar="MODEL/CONTEXT/HEAD",
+        help="which of the baseline's series (MODEL/CONTEXT/ADAPTATION/HEAD for an adapted one); "
+        "without --baseline, a series of this evaluation",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples of the 95%% intervals")
     p.add_argument("--name", default="evaluation", help="name shown in the report")
-    p.add_argument("--out", required=True, metavar="DIR",
-                   help="folder for results.json, results.csv, plots, report.html: new or empty (see --overwrite)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the report files of an earlier evaluation in --out (never a shiftguard run folder)")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="folder for results.json, results.csv, plots, report.html: new or empty (see --overwrite)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the report files of an earlier evaluation in --out (never a shiftguard run folder)",
+    )
     p.add_argument("--no-progress", action="store_true")
 
 
@@ -112,8 +181,10 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         try:
             from safetensors.torch import load_file
         except ImportError:
-            raise ValueError("--weights: reading .safetensors needs the 'safetensors' package "
-                             "(pip install 'shiftguard[safetensors]')") from None
+            raise ValueError(
+                "--weights: reading .safetensors needs the 'safetensors' package "
+                "(pip install 'shiftguard[safetensors]')"
+            ) from None
         try:
             state = load_file(str(p))
         except Exception as exc:  # the format's own errors have several types
@@ -122,8 +193,9 @@ def load_weights(model: torch.nn.Module, path: str | Path) -> None:
         try:
             state = torch.load(p, map_location="cpu", weights_only=True)
         except Exception as exc:  # damaged zip, refused pickle: many types
-            raise ValueError(f"--weights: {p} could not be read as a weights-only torch file "
-                             f"({type(exc).__name__}: {exc})") from None
+            raise ValueError(
+                f"--weights: {p} could not be read as a weights-only torch file ({type(exc).__name__}: {exc})"
+            ) from None
         if isinstance(state, dict) and not all(isinstance(v, torch.Tensor) for v in state.values()):
             for key in ("state_dict", "model"):
                 if isinstance(state.get(key), dict):
@@ -148,8 +220,10 @@ def _normalizer(pairs, channels: int | None = None):
     if any(not math.isfinite(v) for pair in pairs for v in pair):
         raise ValueError(f"--normalize: expected finite numbers, got {[list(p) for p in pairs]}")
     if channels is not None and len(pairs) not in (1, channels):
-        raise ValueError(f"--normalize: given {len(pairs)} times for images of {channels} channel(s); give it once "
-                         f"(every channel) or once per channel")
+        raise ValueError(
+            f"--normalize: given {len(pairs)} times for images of {channels} channel(s); give it once "
+            f"(every channel) or once per channel"
+        )
     mean = torch.tensor([m for m, _ in pairs]).view(1, -1, 1, 1)
     std = torch.tensor([s for _, s in pairs]).view(1, -1, 1, 1)
     if (std <= 0).any():
@@ -185,8 +259,14 @@ def _data(args):
     rest = perm[n_val:]
     sup_idx = (rest[: args.support_size] if args.support_size else rest).sort().values
     val = (train.images[val_idx], train.labels[val_idx]) if n_val else None
-    return test.name, (tx, ty), (train.images[sup_idx], train.labels[sup_idx]), val, len(test.classes), \
-        int(train.images.shape[1])
+    return (
+        test.name,
+        (tx, ty),
+        (train.images[sup_idx], train.labels[sup_idx]),
+        val,
+        len(test.classes),
+        int(train.images.shape[1]),
+    )
 
 
 def main(args) -> int:
@@ -198,8 +278,10 @@ def main(args) -> int:
     if ":" not in args.model:
         raise ValueError(f"--model: expected 'module:function', got {args.model!r}")
     if not args.weights and not args.random_weights:
-        raise ValueError("--weights: no weights given; the model would be evaluated as initialised (chance level). "
-                         "Pass --weights FILE, or --random-weights to evaluate the untrained model on purpose")
+        raise ValueError(
+            "--weights: no weights given; the model would be evaluated as initialised (chance level). "
+            "Pass --weights FILE, or --random-weights to evaluate the untrained model on purpose"
+        )
     if args.weights and args.random_weights:
         raise ValueError("--random-weights: given with --weights; choose one")
     if not 0 <= args.seed < 2**63:
@@ -212,8 +294,10 @@ def main(args) -> int:
         raise ValueError(f"--{exc}") from None
     _normalizer(args.normalize)  # values checked before any work; the channel count once the data is read
     if 0 < args.test_subset <= 5:
-        raise ValueError(f"--test-subset: expected more than 5 test images (MAP@5 ranks each against the others), "
-                         f"got {args.test_subset}")
+        raise ValueError(
+            f"--test-subset: expected more than 5 test images (MAP@5 ranks each against the others), "
+            f"got {args.test_subset}"
+        )
     created = not Path(args.out).exists()
     out = _output_folder(args.out, args.overwrite)
     lock = DirectoryLock(out).acquire()
@@ -238,12 +322,28 @@ def _evaluate_into(args, out: Path) -> int:
         load_weights(model, args.weights)
     provenance = record(args)  # the weights' SHA-256 taken right after they are read
     result = evaluate(
-        model, test, support=support, validation=val, suite=args.suite, corruptions=args.corruptions,
-        severities=args.severities, extra=args.extra, heads=args.heads, embed=args.embed,
-        preprocess=_normalizer(args.normalize, channels), batch_size=args.batch_size, adapt=args.adapt,
-        conformal=args.conformal, alpha=args.alpha, conformal_weighted=args.conformal_weighted,
-        device=args.device, seed=args.seed,
-        baseline=args.baseline, baseline_key=args.baseline_key, n_boot=args.n_boot, name=args.name,
+        model,
+        test,
+        support=support,
+        validation=val,
+        suite=args.suite,
+        corruptions=args.corruptions,
+        severities=args.severities,
+        extra=args.extra,
+        heads=args.heads,
+        embed=args.embed,
+        preprocess=_normalizer(args.normalize, channels),
+        batch_size=args.batch_size,
+        adapt=args.adapt,
+        conformal=args.conformal,
+        alpha=args.alpha,
+        conformal_weighted=args.conformal_weighted,
+        device=args.device,
+        seed=args.seed,
+        baseline=args.baseline,
+        baseline_key=args.baseline_key,
+        n_boot=args.n_boot,
+        name=args.name,
         progress=not args.no_progress,
     )
     result.results["data"]["dataset"] = name
@@ -303,12 +403,25 @@ def record(args) -> dict:
     from .run import versions
 
     weights = None if not args.weights else {"path": str(args.weights), "sha256": file_sha256(args.weights)}
-    normalize = None if not args.normalize else {"mean": [float(m) for m, _ in args.normalize],
-                                                 "std": [float(s) for _, s in args.normalize]}
-    return {"command": command_line(args), "versions": versions(),
-            "record": {"model": args.model, "weights": weights, "normalize": normalize, "dataset": args.dataset,
-                       "root": args.root, "test_subset": args.test_subset, "support_size": args.support_size,
-                       "val_size": args.val_size}}
+    normalize = (
+        None
+        if not args.normalize
+        else {"mean": [float(m) for m, _ in args.normalize], "std": [float(s) for _, s in args.normalize]}
+    )
+    return {
+        "command": command_line(args),
+        "versions": versions(),
+        "record": {
+            "model": args.model,
+            "weights": weights,
+            "normalize": normalize,
+            "dataset": args.dataset,
+            "root": args.root,
+            "test_subset": args.test_subset,
+            "support_size": args.support_size,
+            "val_size": args.val_size,
+        },
+    }
 
 
 #: What an evaluation writes into --out (``EvaluationResult.write_report``); ``results.json`` is
@@ -331,17 +444,23 @@ def _output_folder(out: str, overwrite: bool = False) -> Path:
         raise ValueError(f"--out: {path} exists and is not a folder")
     if path.is_dir():
         if (path / COMPLETE_MARKER).exists() or (path / "config.json").exists():
-            raise ValueError(f"--out: {path} is a shiftguard run folder; its report belongs to that run. Give a new "
-                             "folder (shiftguard report rebuilds a run's report elsewhere)")
+            raise ValueError(
+                f"--out: {path} is a shiftguard run folder; its report belongs to that run. Give a new "
+                "folder (shiftguard report rebuilds a run's report elsewhere)"
+            )
         others = [p.name for p in path.iterdir() if p.name != LOCK_NAME]
         if others and not overwrite:
-            raise ValueError(f"--out: {path} is not empty ({', '.join(sorted(others)[:5])}"
-                             f"{', ...' if len(others) > 5 else ''}); give a new folder, or --overwrite to replace an "
-                             "earlier evaluation's report there")
+            raise ValueError(
+                f"--out: {path} is not empty ({', '.join(sorted(others)[:5])}"
+                f"{', ...' if len(others) > 5 else ''}); give a new folder, or --overwrite to replace an "
+                "earlier evaluation's report there"
+            )
         foreign = [n for n in others if n not in (*_REPORT_FILES, "plots")]
         if others and overwrite and foreign:
-            raise ValueError(f"--overwrite: {path} holds files that are not a shiftguard report "
-                             f"({', '.join(sorted(foreign)[:5])}); give a new folder")
+            raise ValueError(
+                f"--overwrite: {path} holds files that are not a shiftguard report "
+                f"({', '.join(sorted(foreign)[:5])}); give a new folder"
+            )
     path.mkdir(parents=True, exist_ok=True)
     if not os.access(path, os.W_OK):
         raise PermissionError(errno.EACCES, "cannot write into this folder (read-only or no permission)", str(path))

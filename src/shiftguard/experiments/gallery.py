@@ -20,14 +20,22 @@ from .arguments import DEFAULT_DATASETS, load_dataset, suite_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", default=DEFAULT_DATASETS[0],
-                        help="a shiftguard.data.load name, 'synthetic', or mnist-default (the embedded MNIST subset; "
-                             "default)")
-    parser.add_argument("--suite", default="mnist-c", type=suite_name, choices=("mnist-c", "cifar-c", "cifar-c-extra"),
-                        help="suite (default: mnist-c)")
+    parser.add_argument(
+        "--dataset",
+        default=DEFAULT_DATASETS[0],
+        help="a shiftguard.data.load name, 'synthetic', or mnist-default (the embedded MNIST subset; default)",
+    )
+    parser.add_argument(
+        "--suite",
+        default="mnist-c",
+        type=suite_name,
+        choices=("mnist-c", "cifar-c", "cifar-c-extra"),
+        help="suite (default: mnist-c)",
+    )
     parser.add_argument("--out", default=None, help="PNG file (default: gallery_<suite>.png)")
-    parser.add_argument("--root", default=None,
-                        help="dataset folder (default: $SHIFTGUARD_DATA/<dataset>, else the per-user cache)")
+    parser.add_argument(
+        "--root", default=None, help="dataset folder (default: $SHIFTGUARD_DATA/<dataset>, else the per-user cache)"
+    )
     parser.add_argument("--split", default="test", help="split (default: test)")
     parser.add_argument("--index", type=int, default=0, help="which image of the split (default: 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed (default: 0)")

@@ -44,13 +44,17 @@ def load_run(run_dir: str | Path) -> dict:
         raise ValueError(f"{d}: not a directory")
     is_run = (d / "config.json").is_file() or (d / COMPLETE_MARKER).is_file()
     if is_run and not (d / COMPLETE_MARKER).is_file():
-        raise ValueError(f"{d}: the run is incomplete (no {COMPLETE_MARKER} marker); finish it with "
-                         f"'shiftguard run --resume --name {d.name} --out {d.parent}' (same --config)")
+        raise ValueError(
+            f"{d}: the run is incomplete (no {COMPLETE_MARKER} marker); finish it with "
+            f"'shiftguard run --resume --name {d.name} --out {d.parent}' (same --config)"
+        )
     if not is_run and not (d / "results.json").is_file():
         if any((d / n).exists() for n in ("report.html", "results.csv", "plots", LOCK_NAME)):
-            raise ValueError(f"{d}: the evaluation output is incomplete (no results.json, which shiftguard evaluate "
-                             "writes last): it is still being written or was interrupted; run that evaluation "
-                             f"again with --overwrite --out {d}")
+            raise ValueError(
+                f"{d}: the evaluation output is incomplete (no results.json, which shiftguard evaluate "
+                "writes last): it is still being written or was interrupted; run that evaluation "
+                f"again with --overwrite --out {d}"
+            )
         raise ValueError(f"{d}: not a shiftguard run directory or evaluation folder (no config.json or results.json)")
     path = d / "results.json"
     try:
@@ -92,8 +96,10 @@ def _check_shape(results, path: Path) -> None:
             else:  # a metric: a number, or null where it is undefined
                 ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
             if not ok:
-                raise ValueError(f"{path}: malformed results file: rows[{i}].{key} is {json.dumps(value)[:40]}, "
-                                 f"expected {'a string' if key in _ROW_NAMES else 'a number'}")
+                raise ValueError(
+                    f"{path}: malformed results file: rows[{i}].{key} is {json.dumps(value)[:40]}, "
+                    f"expected {'a string' if key in _ROW_NAMES else 'a number'}"
+                )
 
 
 # Exceptions that rendering a results file whose outline is right but whose values are not
@@ -104,8 +110,10 @@ _MALFORMED = (KeyError, TypeError, AttributeError, IndexError, ValueError, Recur
 def _malformed(exc: BaseException, sources: list[str]) -> ValueError:
     what = sources[0] if len(sources) == 1 else "one of " + ", ".join(sources)
     cause = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
-    return ValueError(f"{what}: malformed results file, the report cannot be built from it "
-                      f"({type(exc).__name__}: {cause}); --debug shows where")
+    return ValueError(
+        f"{what}: malformed results file, the report cannot be built from it "
+        f"({type(exc).__name__}: {cause}); --debug shows where"
+    )
 
 
 # --------------------------------------------------------------------------- output folder
@@ -139,15 +147,27 @@ def output_dir(runs: list[Path], out: str | None) -> Path:
 
 # --------------------------------------------------------------------------- command
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="DIR",
-                   help="one or more finished shiftguard run directories or shiftguard evaluate output folders, in "
-                        "any mix (only read)")
-    p.add_argument("--match", nargs="+", action=ListAction, metavar="FIRST=OTHER",
-                   help="compare model FIRST of the first folder with model OTHER of each later one (e.g. relu=qact); "
-                        "default: the same series key, else the only model of each side")
-    p.add_argument("--out", metavar="DIR",
-                   help="new folder for the report (default: one run: <run>-report-<time>/ beside it; several: "
-                        "<parent of the first run>/compare-<time>/)")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="DIR",
+        help="one or more finished shiftguard run directories or shiftguard evaluate output folders, in "
+        "any mix (only read)",
+    )
+    p.add_argument(
+        "--match",
+        nargs="+",
+        action=ListAction,
+        metavar="FIRST=OTHER",
+        help="compare model FIRST of the first folder with model OTHER of each later one (e.g. relu=qact); "
+        "default: the same series key, else the only model of each side",
+    )
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="new folder for the report (default: one run: <run>-report-<time>/ beside it; several: "
+        "<parent of the first run>/compare-<time>/)",
+    )
 
 
 def parse_match(values) -> dict[str, str] | None:
@@ -158,8 +178,9 @@ def parse_match(values) -> dict[str, str] | None:
     for v in values:
         first, sep, other = v.partition("=")
         if not sep or not first or not other or "=" in other:
-            raise ValueError(f"--match: expected FIRST=OTHER (a model of the first folder = a model of the others), "
-                             f"got {v!r}")
+            raise ValueError(
+                f"--match: expected FIRST=OTHER (a model of the first folder = a model of the others), got {v!r}"
+            )
         if first in pairs:
             raise ValueError(f"--match: model {first!r} is paired twice")
         pairs[first] = other

@@ -42,40 +42,71 @@ from .rundir import COMPLETE_MARKER
 __all__ = ["add_arguments", "main", "execute", "COMPLETE_MARKER"]
 
 #: Official pre-corrupted set of each clean dataset (``shiftguard.data.load`` names).
-CORRUPTED_SETS = {"cifar10": "cifar10-c", "cifar100": "cifar100-c", "tinyimagenet": "tinyimagenet-c",
-                  "mnist": "mnist-c"}
+CORRUPTED_SETS = {
+    "cifar10": "cifar10-c",
+    "cifar100": "cifar100-c",
+    "tinyimagenet": "tinyimagenet-c",
+    "mnist": "mnist-c",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", metavar="FILE", help="TOML config (default: the built-in MNIST LeNet comparison); "
-                   "a bare name picks a shipped config, e.g. --config cifar10-c-resnet18")
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="TOML config (default: the built-in MNIST LeNet comparison); "
+        "a bare name picks a shipped config, e.g. --config cifar10-c-resnet18",
+    )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1 (default: cpu)")
     p.add_argument("--epochs", type=int, help="override the number of epochs of every model")
     p.add_argument("--seed", type=int, help="override the training seed")
-    p.add_argument("--adapt", action=ListAction, options=True, metavar="ARM",
-                   help="override eval.adapt: test-time adaptation arms scored side by side, space- or "
-                        "comma-separated, any of none, bn-batch, bn, tent, refresh (options as 'bn:prior=16', "
-                        "'refresh:passes=2'; docs/evaluate.md)")
-    p.add_argument("--conformal", action=ListAction, metavar="METHOD",
-                   help="override eval.conformal: conformal prediction sets of every head, space- or "
-                        "comma-separated, some of lac, aps, raps (docs/conformal.md)")
+    p.add_argument(
+        "--adapt",
+        action=ListAction,
+        options=True,
+        metavar="ARM",
+        help="override eval.adapt: test-time adaptation arms scored side by side, space- or "
+        "comma-separated, any of none, bn-batch, bn, tent, refresh (options as 'bn:prior=16', "
+        "'refresh:passes=2'; docs/evaluate.md)",
+    )
+    p.add_argument(
+        "--conformal",
+        action=ListAction,
+        metavar="METHOD",
+        help="override eval.conformal: conformal prediction sets of every head, space- or "
+        "comma-separated, some of lac, aps, raps (docs/conformal.md)",
+    )
     p.add_argument("--name", help="run name (default: the config's name, else a timestamp)")
     p.add_argument("--out", default="runs", help="parent folder of run directories (default: runs)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue an interrupted run (--name NAME): training from its last good checkpoint, "
-                        "evaluation from its cached embeddings")
-    p.add_argument("--quick", action="store_true",
-                   help="tiny smoke run (subsets, 1 epoch, 3 corruptions x 2 severities)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice; "
-                   "docs/performance.md, \"Threads\")")
-    p.add_argument("--jobs", type=int, metavar="N",
-                   help="override train.jobs: models trained at once, each in its own process with an equal share "
-                        "of the threads (CPU; 0 = auto: one per model up to the thread count; 1 = one at a time)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run (--name NAME): training from its last good checkpoint, "
+        "evaluation from its cached embeddings",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="tiny smoke run (subsets, 1 epoch, 3 corruptions x 2 severities)"
+    )
+    p.add_argument(
+        "--threads", type=int, help='CPU threads for torch (default: torch\'s choice; docs/performance.md, "Threads")'
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="override train.jobs: models trained at once, each in its own process with an equal share "
+        "of the threads (CPU; 0 = auto: one per model up to the thread count; 1 = one at a time)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--list-configs", action="store_true", help="list the shipped configs and exit")
-    p.add_argument("--nproc", type=int, default=0, metavar="N",
-                   help="train with N processes (DistributedDataParallel; re-launches itself through torchrun). "
-                        "Not needed under torchrun (docs/distributed.md)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        metavar="N",
+        help="train with N processes (DistributedDataParallel; re-launches itself through torchrun). "
+        "Not needed under torchrun (docs/distributed.md)",
+    )
 
 
 # --------------------------------------------------------------------------- config
@@ -91,8 +122,10 @@ def resolve_config(args) -> C.RunConfig:
         elif not path.exists() and len(path.parts) == 1:
             close = difflib.get_close_matches(path.stem, list(shipped), n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise FileNotFoundError(f"--config {args.config}: not found (no such file, and no shipped config of that "
-                                    f"name); {hint}shipped configs: {', '.join(shipped)}")
+            raise FileNotFoundError(
+                f"--config {args.config}: not found (no such file, and no shipped config of that "
+                f"name); {hint}shipped configs: {', '.join(shipped)}"
+            )
         cfg = C.load_config(path)
         if args.quick:
             cfg = _shrink(cfg)
@@ -175,8 +208,9 @@ def load_data(cfg: C.RunConfig) -> dict:
         except FileNotFoundError as exc:  # the loader's message spans lines and speaks Python; the CLI prints one
             from .arguments import missing_files_line
 
-            raise FileNotFoundError(missing_files_line(str(exc), d.dataset, root="data.root",
-                                                       dataset_option="data.dataset =")) from None
+            raise FileNotFoundError(
+                missing_files_line(str(exc), d.dataset, root="data.root", dataset_option="data.dataset =")
+            ) from None
     if train.images.shape[1:] != test.images.shape[1:]:
         raise ValueError(f"data.dataset {d.dataset!r}: train and test images differ in shape")
     x, y, _ = _subset(train, d.train_subset, d.split_seed)
@@ -185,9 +219,15 @@ def load_data(cfg: C.RunConfig) -> dict:
 
     tr, va = train_val_split(len(y), d.val_fraction, d.split_seed)
     return {
-        "train": (x[tr], y[tr]), "val": (x[va], y[va]), "test": (tx, ty), "test_idx": test_idx,
-        "num_classes": len(train.classes), "in_channels": int(x.shape[1]), "image_size": int(x.shape[-1]),
-        "classes": list(train.classes), "name": train.name,
+        "train": (x[tr], y[tr]),
+        "val": (x[va], y[va]),
+        "test": (tx, ty),
+        "test_idx": test_idx,
+        "num_classes": len(train.classes),
+        "in_channels": int(x.shape[1]),
+        "image_size": int(x.shape[-1]),
+        "classes": list(train.classes),
+        "name": train.name,
     }
 
 
@@ -199,13 +239,16 @@ def corruption_list(cfg: C.RunConfig) -> list[str]:
         return available
     for c in cfg.data.corruptions:
         if c not in available:
-            raise ValueError(f"{cfg.source}: data.corruptions has unknown corruption {c!r} for suite "
-                             f"{cfg.data.suite!r}; expected one of {', '.join(available)}")
+            raise ValueError(
+                f"{cfg.source}: data.corruptions has unknown corruption {c!r} for suite "
+                f"{cfg.data.suite!r}; expected one of {', '.join(available)}"
+            )
     return list(cfg.data.corruptions)
 
 
-def make_shift_source(cfg: C.RunConfig, data: dict,
-                      corruptions: list[str]) -> tuple[Callable[[str, int], torch.Tensor], str]:
+def make_shift_source(
+    cfg: C.RunConfig, data: dict, corruptions: list[str]
+) -> tuple[Callable[[str, int], torch.Tensor], str]:
     """``(shifted(corruption, severity) -> uint8 images, source)``; source is "official" or "engine"."""
     from shiftguard import corruptions as K
     from shiftguard import data as D
@@ -230,8 +273,9 @@ def make_shift_source(cfg: C.RunConfig, data: dict,
     if d.corrupted_source == "engine" or (official is None and d.corrupted_source == "auto"):
         return from_engine, "engine"
     if official is None:
-        raise ValueError(f"{cfg.source}: data.corrupted_source = 'official' but {d.dataset!r} has no official "
-                         "corrupted set")
+        raise ValueError(
+            f"{cfg.source}: data.corrupted_source = 'official' but {d.dataset!r} has no official corrupted set"
+        )
     try:
         from_official(corruptions[0], max(d.severities))
     except FileNotFoundError:
@@ -267,15 +311,24 @@ def _with_embedding_dim(model, example: torch.Tensor, m: C.ModelConfig):
     finally:
         model.train(was_training)
     if emb.dim() != 2:
-        raise ValueError(f"models {m.name!r}: arch {m.arch!r}: embed(x) must return (N, D) embeddings, "
-                         f"got shape {tuple(emb.shape)}")
+        raise ValueError(
+            f"models {m.name!r}: arch {m.arch!r}: embed(x) must return (N, D) embeddings, got shape {tuple(emb.shape)}"
+        )
     import types
 
     return types.SimpleNamespace(embedding_dim=int(emb.shape[1]))
 
 
-def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, device, resume: bool, progress: bool,
-                distributed: bool = False):
+def train_model(
+    cfg: C.RunConfig,
+    m: C.ModelConfig,
+    data: dict,
+    run_dir: Path,
+    device,
+    resume: bool,
+    progress: bool,
+    distributed: bool = False,
+):
     """Train one model (or load it when a finished run dir already has it); return ``(model, summary,
     loss)``, ``loss`` the trained loss module of an embedding loss (its learnt proxies or temperatures
     saved beside the weights as ``loss.pt``; the attacks of adversarial cells ascend it), else None.
@@ -295,8 +348,14 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
     # are converted creates its new layers on this batch, before the trainer builds the optimizer.
     size, channels = data["image_size"], data["in_channels"]
     example = torch.rand(2, channels, size, size, generator=torch.Generator().manual_seed(0)).mul(2).sub(1)
-    model = build_model(m.arch, activation=m.activation, num_classes=data["num_classes"],
-                        in_channels=data["in_channels"], example_input=example, **kw)
+    model = build_model(
+        m.arch,
+        activation=m.activation,
+        num_classes=data["num_classes"],
+        in_channels=data["in_channels"],
+        example_input=example,
+        **kw,
+    )
     if m.estimator:
         from shiftguard.uncertainty import build_estimator
 
@@ -330,15 +389,35 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         return model.to(device), {**summary, "loaded_from_run_dir": True}, trained_loss
     t = cfg.model_train_config(m)
     trainer = (DistributedTrainer if distributed else Trainer)(
-        model, loss, loss_on=loss_on, epochs=t.epochs, batch_size=t.batch_size, lr=t.lr,
-        weight_decay=t.weight_decay, lr_factor=t.lr_factor, lr_patience=t.lr_patience,
-        lr_cooldown=t.lr_cooldown, lr_threshold=t.lr_threshold, min_lr=t.min_lr,
-        early_stopping_patience=t.early_stopping_patience, early_stopping_min_delta=t.early_stopping_min_delta,
-        class_balanced=t.class_balanced, samples_per_class=t.samples_per_class, chunk_size=t.chunk_size,
-        two_views=t.two_views, augmix=t.augmix, augmix_suite=(t.augmix_suite or cfg.data.suite) if t.augmix else None,
+        model,
+        loss,
+        loss_on=loss_on,
+        epochs=t.epochs,
+        batch_size=t.batch_size,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        lr_factor=t.lr_factor,
+        lr_patience=t.lr_patience,
+        lr_cooldown=t.lr_cooldown,
+        lr_threshold=t.lr_threshold,
+        min_lr=t.min_lr,
+        early_stopping_patience=t.early_stopping_patience,
+        early_stopping_min_delta=t.early_stopping_min_delta,
+        class_balanced=t.class_balanced,
+        samples_per_class=t.samples_per_class,
+        chunk_size=t.chunk_size,
+        two_views=t.two_views,
+        augmix=t.augmix,
+        augmix_suite=(t.augmix_suite or cfg.data.suite) if t.augmix else None,
         jsd_weight=t.jsd_weight,
-        max_val=t.max_val, val_batch_size=cfg.eval.batch_size, device=device, seed=cfg.seed,
-        checkpoint_dir=mdir / "checkpoints", metrics_log=mdir / "metrics.jsonl", progress=progress, desc=m.name,
+        max_val=t.max_val,
+        val_batch_size=cfg.eval.batch_size,
+        device=device,
+        seed=cfg.seed,
+        checkpoint_dir=mdir / "checkpoints",
+        metrics_log=mdir / "metrics.jsonl",
+        progress=progress,
+        desc=m.name,
         log=True,  # one line per epoch, also with --no-progress and in a log file
     )
     summary = trainer.fit(*data["train"], *data["val"], num_classes=data["num_classes"], resume=resume)
@@ -347,8 +426,13 @@ def train_model(cfg: C.RunConfig, m: C.ModelConfig, data: dict, run_dir: Path, d
         train_x = data["train"][0]
         step = cfg.eval.batch_size
         fit_covariance(to_model_input(train_x[i : i + step], device) for i in range(0, len(train_x), step))
-    summary.update({"parameters": sum(p.numel() for p in model.parameters()), "loss_on": trainer.loss_on,
-                    "threads": torch.get_num_threads()})
+    summary.update(
+        {
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "loss_on": trainer.loss_on,
+            "threads": torch.get_num_threads(),
+        }
+    )
     # the module the trainer optimised (moved in place by .to; a distributed wrapper holds it)
     trained_loss = loss if isinstance(loss, torch.nn.Module) and loss_on == "embeddings" else None
     if is_main_process():
@@ -370,8 +454,10 @@ def training_jobs(cfg: C.RunConfig, device, distributed: bool, n_models: int, th
     jobs = cfg.train.jobs
     if jobs > 1 and (distributed or torch.device(device).type != "cpu"):
         where = "under torch.distributed" if distributed else f"on device {device}"
-        raise ValueError(f"{cfg.source}: train.jobs = {jobs}: models train in parallel processes on the CPU "
-                         f"only; {where} set jobs = 1 (or 0, auto)")
+        raise ValueError(
+            f"{cfg.source}: train.jobs = {jobs}: models train in parallel processes on the CPU "
+            f"only; {where} set jobs = 1 (or 0, auto)"
+        )
     if jobs == 0:
         jobs = 1 if distributed or torch.device(device).type != "cpu" else threads
     return max(1, min(jobs, n_models))
@@ -383,8 +469,9 @@ def _finished(run_dir: Path, m: C.ModelConfig) -> bool:
     return (mdir / "model.pt").is_file() and (mdir / "model.json").is_file()
 
 
-def _train_worker(cfg: C.RunConfig, index: int, data: dict, run_dir: Path, resume: bool,
-                  threads: int) -> tuple[dict, float]:
+def _train_worker(
+    cfg: C.RunConfig, index: int, data: dict, run_dir: Path, resume: bool, threads: int
+) -> tuple[dict, float]:
     """One model trained with ``threads`` torch threads (in a worker process, or in the parent); returns
     its summary and seconds. Its weights reach the parent through the run directory (as a finished
     model of --resume)."""
@@ -394,8 +481,16 @@ def _train_worker(cfg: C.RunConfig, index: int, data: dict, run_dir: Path, resum
     return summary, time.perf_counter() - t0
 
 
-def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bool, progress: bool,
-                 distributed: bool, log: Callable[[str], None]) -> tuple[dict, dict, dict, dict]:
+def train_models(
+    cfg: C.RunConfig,
+    data: dict,
+    run_dir: Path,
+    device,
+    resume: bool,
+    progress: bool,
+    distributed: bool,
+    log: Callable[[str], None],
+) -> tuple[dict, dict, dict, dict]:
     """Train every model of ``cfg`` (or load the finished ones on ``resume``); return ``(models,
     training summaries, trained losses, timings)`` keyed by model name, ``timings`` with
     ``train_s`` (seconds per model), ``train_wall_s`` and ``train_jobs``.
@@ -415,8 +510,10 @@ def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bo
     summaries: dict[str, dict] = {}
 
     def report(m: C.ModelConfig, summary: dict) -> None:
-        log(f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
-            f"({summary['epochs_run']} epochs, {train_s[m.name]:.1f} s)")
+        log(
+            f"  trained {m.name}: best val acc {summary['best_val_acc']:.4f} at epoch {summary['best_epoch']} "
+            f"({summary['epochs_run']} epochs, {train_s[m.name]:.1f} s)"
+        )
 
     if jobs > 1:
         import concurrent.futures as cf
@@ -444,8 +541,10 @@ def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bo
                     try:
                         summaries[m.name], train_s[m.name] = fut.result()
                     except cf.process.BrokenProcessPool:
-                        raise RuntimeError(f"training {m.name}: a training process ended abnormally (killed, or out "
-                                           "of memory); --resume continues from the last checkpoints") from None
+                        raise RuntimeError(
+                            f"training {m.name}: a training process ended abnormally (killed, or out "
+                            "of memory); --resume continues from the last checkpoints"
+                        ) from None
                     report(m, summaries[m.name])
             except BaseException:
                 for f in futures:
@@ -467,8 +566,11 @@ def train_models(cfg: C.RunConfig, data: dict, run_dir: Path, device, resume: bo
             train_s[m.name] = time.perf_counter() - t0
             report(m, summary)
         trained[m.name], training[m.name] = model, summary
-    timings = {"train_s": {m.name: train_s[m.name] for m in cfg.models}, "train_jobs": jobs,
-               "train_wall_s": time.perf_counter() - t_start}
+    timings = {
+        "train_s": {m.name: train_s[m.name] for m in cfg.models},
+        "train_jobs": jobs,
+        "train_wall_s": time.perf_counter() - t_start,
+    }
     return trained, training, attack_losses, timings
 
 
@@ -483,9 +585,11 @@ def preflight(cfg: C.RunConfig) -> None:
     if cfg.data.dataset not in ("mnist-default", "default"):
         canon = lambda n: n.lower().replace("_", "-")
         if canon(cfg.data.dataset) not in {canon(n) for n in D.names()}:
-            raise ValueError(f"{src}: data.dataset: unknown dataset {cfg.data.dataset!r}; "
-                             "expected mnist-default or one of "
-                             f"{', '.join(D.names())}")
+            raise ValueError(
+                f"{src}: data.dataset: unknown dataset {cfg.data.dataset!r}; "
+                "expected mnist-default or one of "
+                f"{', '.join(D.names())}"
+            )
     corruption_list(cfg)
     for m in cfg.models:
         try:  # a 2-class dummy build checks the arch, activation and model_kwargs at no cost
@@ -497,12 +601,16 @@ def preflight(cfg: C.RunConfig) -> None:
         except ValueError as exc:
             raise ValueError(f"{src}: models {m.name!r}: {exc}") from None
         if m.loss not in C.LOGIT_LOSSES and not callable(getattr(model, "embed", None)):
-            raise ValueError(f"{src}: models {m.name!r}: loss {m.loss!r} acts on embeddings, but arch {m.arch!r} "
-                             "has no embed(x) method; give the model one (images -> (N, D) embeddings) or use "
-                             f"loss = {C.LOGIT_LOSSES[0]!r}")
+            raise ValueError(
+                f"{src}: models {m.name!r}: loss {m.loss!r} acts on embeddings, but arch {m.arch!r} "
+                "has no embed(x) method; give the model one (images -> (N, D) embeddings) or use "
+                f"loss = {C.LOGIT_LOSSES[0]!r}"
+            )
         if m.loss not in C.LOGIT_LOSSES and m.loss not in LOSS_NAMES:
-            raise ValueError(f"{src}: models {m.name!r}: unknown loss {m.loss!r}; expected one of "
-                             f"{', '.join(sorted({*C.LOGIT_LOSSES, *LOSS_NAMES}))}")
+            raise ValueError(
+                f"{src}: models {m.name!r}: unknown loss {m.loss!r}; expected one of "
+                f"{', '.join(sorted({*C.LOGIT_LOSSES, *LOSS_NAMES}))}"
+            )
         if m.loss not in C.LOGIT_LOSSES:  # a dummy build checks loss_kwargs before anything is written
             from shiftguard.losses import build_loss
 
@@ -577,9 +685,11 @@ def _check_run_dir(cfg: C.RunConfig, run_dir: Path, resume: bool) -> None:
         if old["config"] != new:
             diff = C.config_diff(old["config"], new)
             shown = "; ".join(diff[:8]) + (f"; and {len(diff) - 8} more" if len(diff) > 8 else "")
-            raise ValueError(f"--resume: {run_dir} was started with a different configuration: {shown} "
-                             f"(stored -> now; see {stored}: the same --config/--quick/--epochs/--seed are needed "
-                             "to resume)")
+            raise ValueError(
+                f"--resume: {run_dir} was started with a different configuration: {shown} "
+                f"(stored -> now; see {stored}: the same --config/--quick/--epochs/--seed are needed "
+                "to resume)"
+            )
         try:
             (run_dir / COMPLETE_MARKER).unlink()
         except FileNotFoundError:
@@ -590,8 +700,11 @@ def _check_run_dir(cfg: C.RunConfig, run_dir: Path, resume: bool) -> None:
             raise ValueError(f"run directory {run_dir} already exists; use --resume to continue it or another --name")
         # Nothing a run produces is there (no checkpoint, weights, cache or results): a run that
         # stopped before its first checkpoint. Its config.json is replaced by this run's.
-        print(f"reusing run directory {run_dir}: it holds only the config.json of a run that stopped before its "
-              "first checkpoint", flush=True)
+        print(
+            f"reusing run directory {run_dir}: it holds only the config.json of a run that stopped before its "
+            "first checkpoint",
+            flush=True,
+        )
     atomic_write_json(stored, {"config": _jsonable(cfg.to_dict()), "source": cfg.source})
 
 
@@ -599,8 +712,10 @@ def _run_outputs(run_dir: Path) -> list[Path]:
     """Files under ``run_dir`` that a run produced beyond its ``config.json`` (and that file's
     atomic-write temporaries) and its lock file: any checkpoint, metrics log, weights, cached
     embedding or result."""
-    own = lambda p: p.parent == run_dir and (p.name in ("config.json", LOCK_NAME) or
-                                             (p.name.startswith(".config.json.") and p.name.endswith(".tmp")))
+    own = lambda p: (
+        p.parent == run_dir
+        and (p.name in ("config.json", LOCK_NAME) or (p.name.startswith(".config.json.") and p.name.endswith(".tmp")))
+    )
     return [p for p in run_dir.rglob("*") if not p.is_dir() and not own(p)]
 
 
@@ -614,13 +729,20 @@ def versions() -> dict:
 
     from shiftguard._version import __version__
 
-    return {"shiftguard": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "numpy": numpy.__version__, "scikit-learn": sklearn.__version__, "platform": platform.platform()}
+    return {
+        "shiftguard": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": numpy.__version__,
+        "scikit-learn": sklearn.__version__,
+        "platform": platform.platform(),
+    }
 
 
 # --------------------------------------------------------------------------- main
-def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str], cfg: C.RunConfig, source: str,
-                  shifted) -> Path:
+def write_gallery(
+    path: Path, test_images: torch.Tensor, corruptions: list[str], cfg: C.RunConfig, source: str, shifted
+) -> Path:
     """The corruption gallery: one test image under every corruption x severity."""
     from shiftguard.evaluation import plots as P
 
@@ -630,8 +752,9 @@ def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str],
     # official sets: show their images (first test image), not the engine's
 
     plt = P.pyplot()
-    fig, axes = plt.subplots(len(corruptions), len(sevs) + 1, figsize=(1.1 * (len(sevs) + 1), 1.1 * len(corruptions)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(corruptions), len(sevs) + 1, figsize=(1.1 * (len(sevs) + 1), 1.1 * len(corruptions)), squeeze=False
+    )
     for i, c in enumerate(corruptions):
         for j, s in enumerate([0, *sevs]):
             img = (test_images if s == 0 else shifted(c, s))[0].permute(1, 2, 0).numpy()
@@ -643,8 +766,16 @@ def write_gallery(path: Path, test_images: torch.Tensor, corruptions: list[str],
     return P.save_png(fig, path)
 
 
-def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool = False, progress: bool = True,
-            log: Callable[[str], None] = print, compile_s: float = 0.0, data: Optional[dict] = None) -> dict:
+def execute(
+    cfg: C.RunConfig,
+    run_dir: Path,
+    device: torch.device,
+    resume: bool = False,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    compile_s: float = 0.0,
+    data: Optional[dict] = None,
+) -> dict:
     """Run the whole pipeline into ``run_dir`` and return the results dict.
 
     Training is this module's; the evaluation is :func:`shiftguard.evaluate`, called with the
@@ -669,15 +800,18 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     corruptions = corruption_list(cfg)
     data = load_data(cfg) if data is None else data
     shifted, source = make_shift_source(cfg, data, corruptions)
-    log(f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / "
+    log(
+        f"shiftguard run: {run_dir}  (data {cfg.data.dataset}: {len(data['train'][1])} train / "
         f"{len(data['val'][1])} val / {len(data['test'][1])} test; {len(corruptions)} corruptions x severities "
-        f"{cfg.data.severities}, {source}; device {device})")
+        f"{cfg.data.severities}, {source}; device {device})"
+    )
 
     e = cfg.eval
     contexts = ("batch", "frozen") if e.frozen_context else ("batch",)
     timings: dict[str, Any] = {"compile_s": compile_s, "evaluate_s": 0.0}
-    trained, training, attack_losses, train_timings = train_models(cfg, data, run_dir, device, resume, progress,
-                                                                   distributed, log)
+    trained, training, attack_losses, train_timings = train_models(
+        cfg, data, run_dir, device, resume, progress, distributed, log
+    )
     timings.update(train_timings)
 
     t0 = time.perf_counter()
@@ -690,16 +824,39 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     if e.max_support and support[1].numel() > e.max_support:
         support = (support[0][: e.max_support], support[1][: e.max_support])
     evaluated = evaluate(
-        trained, data["test"], support=support, validation=data["val"], suite=cfg.data.suite,
-        corruptions=corruptions, severities=cfg.data.severities, heads={m.name: list(m.heads) for m in cfg.models},
-        preprocess=to_model_input, batch_size=e.batch_size, contexts=contexts, adapt=e.adapt, conformal=e.conformal,
-        alpha=e.conformal_alpha, conformal_weighted=e.conformal_weighted, baseline_key=C.baseline_key(cfg),
+        trained,
+        data["test"],
+        support=support,
+        validation=data["val"],
+        suite=cfg.data.suite,
+        corruptions=corruptions,
+        severities=cfg.data.severities,
+        heads={m.name: list(m.heads) for m in cfg.models},
+        preprocess=to_model_input,
+        batch_size=e.batch_size,
+        contexts=contexts,
+        adapt=e.adapt,
+        conformal=e.conformal,
+        alpha=e.conformal_alpha,
+        conformal_weighted=e.conformal_weighted,
+        baseline_key=C.baseline_key(cfg),
         device=device,
-        seed=cfg.seed, k=e.k, knn_backend=e.knn_backend, retrieval_ks=e.retrieval_ks, ece_bins=e.ece_bins,
-        n_boot=e.n_boot, shifted=shifted, attacks=e.attacks, attack_eps=e.attack_eps, attack_steps=e.attack_steps,
-        attack_loss=attack_losses if e.attacks else None, transfer_from=e.transfer_from, name=run_dir.name,
+        seed=cfg.seed,
+        k=e.k,
+        knn_backend=e.knn_backend,
+        retrieval_ks=e.retrieval_ks,
+        ece_bins=e.ece_bins,
+        n_boot=e.n_boot,
+        shifted=shifted,
+        attacks=e.attacks,
+        attack_eps=e.attack_eps,
+        attack_steps=e.attack_steps,
+        attack_loss=attack_losses if e.attacks else None,
+        transfer_from=e.transfer_from,
+        name=run_dir.name,
         cache_dir=run_dir / "cache",
-        progress=progress, distributed=distributed,
+        progress=progress,
+        distributed=distributed,
     )
     if not is_main_process():
         barrier()  # rank 0 writes the report
@@ -707,20 +864,23 @@ def execute(cfg: C.RunConfig, run_dir: Path, device: torch.device, resume: bool 
     results = evaluated.results
     results["kind"] = "run"
     # the models' training images (the heads' support may be a capped subset of them: n_support)
-    results["data"].update({"dataset": data["name"], "corruption_source": source,
-                            "n_train": int(data["train"][1].numel())})
+    results["data"].update(
+        {"dataset": data["name"], "corruption_source": source, "n_train": int(data["train"][1].numel())}
+    )
     timings["evaluate_s"] = time.perf_counter() - t0
     timings["evaluate_detail"] = results["timings"]["evaluate_detail"]
     timings["evaluate_compile_s"] = results["timings"].get("compile_s", 0.0)
     timings["total_s"] = time.perf_counter() - t_start
-    results.update({
-        "config": _jsonable(cfg.to_dict()),
-        "config_source": cfg.source,
-        "versions": versions(),
-        "command": " ".join(["shiftguard", *sys.argv[1:]]) if sys.argv and "shiftguard" in sys.argv[0] else None,
-        "training": training,
-        "timings": timings,
-    })
+    results.update(
+        {
+            "config": _jsonable(cfg.to_dict()),
+            "config_source": cfg.source,
+            "versions": versions(),
+            "command": " ".join(["shiftguard", *sys.argv[1:]]) if sys.argv and "shiftguard" in sys.argv[0] else None,
+            "training": training,
+            "timings": timings,
+        }
+    )
     results["summary"] = summary_rows(results)
     write_gallery(run_dir / "plots" / "corruption_gallery.png", data["test"][0], corruptions, cfg, source, shifted)
     build_report(run_dir, results, progress=progress)
@@ -781,8 +941,16 @@ def main(args) -> int:
         log = lambda s: print(s, flush=True)
         # Before execute: the compile time is its own step, outside every training time.
         compile_s = compile_kernels(cfg, info.device, announce=info.is_main)
-        execute(cfg, Path(value), info.device, resume=args.resume, progress=progress, log=log, compile_s=compile_s,
-                data=data)
+        execute(
+            cfg,
+            Path(value),
+            info.device,
+            resume=args.resume,
+            progress=progress,
+            log=log,
+            compile_s=compile_s,
+            data=data,
+        )
     finally:
         if lock is not None:
             lock.release()

@@ -33,6 +33,7 @@ def build_mlp(activation: str, hidden: int = 32, n_samples: int = 200) -> nn.Seq
     if activation == "relu":
         act = nn.ReLU
     elif activation == "qact":
+
         def act():
             return QuantileActivation(n_samples=n_samples)
     else:
@@ -40,8 +41,16 @@ def build_mlp(activation: str, hidden: int = 32, n_samples: int = 200) -> nn.Seq
     return nn.Sequential(nn.Linear(2, hidden), act(), nn.Linear(hidden, hidden), act(), nn.Linear(hidden, 1))
 
 
-def train_and_evaluate(activation: str, steps: int = 1000, batch_size: int = 64, hidden: int = 32, lr: float = 1e-2,
-                       n_test: int = 200, seed: int = 0, progress=None) -> dict:
+def train_and_evaluate(
+    activation: str,
+    steps: int = 1000,
+    batch_size: int = 64,
+    hidden: int = 32,
+    lr: float = 1e-2,
+    n_test: int = 200,
+    seed: int = 0,
+    progress=None,
+) -> dict:
     """Train on ``steps`` one-context batches, evaluate on ``n_test`` fresh contexts.
 
     Returns ``{"activation", "accuracy" (mean over contexts), "accuracy_std", "per_context" (list),
@@ -65,19 +74,27 @@ def train_and_evaluate(activation: str, steps: int = 1000, batch_size: int = 64,
     model.eval()  # QACT stays in "batch" context: each test context is its own context
     with torch.no_grad():
         acc = torch.stack([((model(test.x[i])[:, 0] > 0).long() == test.y[i]).double().mean() for i in range(n_test)])
-    return {"activation": activation, "accuracy": float(acc.mean()), "accuracy_std": float(acc.std()),
-            "per_context": acc.tolist(), "seconds": time.perf_counter() - t0}
+    return {
+        "activation": activation,
+        "accuracy": float(acc.mean()),
+        "accuracy_std": float(acc.std()),
+        "per_context": acc.tolist(),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
-def run_toy(steps: int = 1000, batch_size: int = 64, hidden: int = 32, n_test: int = 200, seed: int = 0,
-            progress: bool = True) -> dict:
+def run_toy(
+    steps: int = 1000, batch_size: int = 64, hidden: int = 32, n_test: int = 200, seed: int = 0, progress: bool = True
+) -> dict:
     """Both activations; returns ``{"relu": result, "qact": result}``. ``progress``: a bar on a
     terminal; elsewhere (a log) whole lines, about one per tenth of the steps, never a ``'\\r'``."""
     from shiftguard._progress import progress as make_progress
 
     with make_progress(2 * steps, "toy (relu, qact)", enabled=progress, unit="step") as bar:
-        return {a: train_and_evaluate(a, steps, batch_size, hidden, n_test=n_test, seed=seed, progress=bar)
-                for a in ("relu", "qact")}
+        return {
+            a: train_and_evaluate(a, steps, batch_size, hidden, n_test=n_test, seed=seed, progress=bar)
+            for a in ("relu", "qact")
+        }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -112,17 +112,21 @@ class SplitSpec:
 
 #: The three presets of the benchmark.
 SPLITS: dict[str, SplitSpec] = {
-    "mnist-0to4-5to9": SplitSpec("mnist", (0, 1, 2, 3, 4), "mnist", (5, 6, 7, 8, 9),
-                                 "MNIST digits 0-4 -> digits 5-9 (new classes, same domain)"),
-    "mnist-to-fashion": SplitSpec("mnist", tuple(range(10)), "fashion-mnist", tuple(range(10)),
-                                  "MNIST -> Fashion-MNIST (new domain)"),
-    "fashion-5-5": SplitSpec("fashion-mnist", (0, 1, 2, 3, 4), "fashion-mnist", (5, 6, 7, 8, 9),
-                             "Fashion-MNIST classes 0-4 -> classes 5-9"),
+    "mnist-0to4-5to9": SplitSpec(
+        "mnist", (0, 1, 2, 3, 4), "mnist", (5, 6, 7, 8, 9), "MNIST digits 0-4 -> digits 5-9 (new classes, same domain)"
+    ),
+    "mnist-to-fashion": SplitSpec(
+        "mnist", tuple(range(10)), "fashion-mnist", tuple(range(10)), "MNIST -> Fashion-MNIST (new domain)"
+    ),
+    "fashion-5-5": SplitSpec(
+        "fashion-mnist", (0, 1, 2, 3, 4), "fashion-mnist", (5, 6, 7, 8, 9), "Fashion-MNIST classes 0-4 -> classes 5-9"
+    ),
 }
 
 
-def check_class_split(upstream_classes: Sequence[tuple[str, int]],
-                      downstream_classes: Sequence[tuple[str, int]]) -> None:
+def check_class_split(
+    upstream_classes: Sequence[tuple[str, int]], downstream_classes: Sequence[tuple[str, int]]
+) -> None:
     """Raise ``ValueError`` naming ``downstream_classes`` if a downstream class is also upstream.
 
     Classes are ``(dataset, label)`` pairs: label 3 of MNIST and label 3 of Fashion-MNIST differ.
@@ -136,8 +140,10 @@ def check_class_split(upstream_classes: Sequence[tuple[str, int]],
             raise ValueError(f"{name}: lists a class twice: {side}")
     leaked = sorted(set(up) & set(down))
     if leaked:
-        raise ValueError(f"downstream_classes: {leaked} are also upstream classes; the transfer protocol "
-                         f"evaluates on classes never seen in training [Kirchhof, URL Sec. 3.2]")
+        raise ValueError(
+            f"downstream_classes: {leaked} are also upstream classes; the transfer protocol "
+            f"evaluates on classes never seen in training [Kirchhof, URL Sec. 3.2]"
+        )
 
 
 @dataclass
@@ -183,9 +189,15 @@ def _as_float_images(images, name: str) -> torch.Tensor:
     return t.float()
 
 
-def make_transfer_data(upstream_train, upstream_test, downstream_test,
-                       upstream_classes: Sequence[tuple[str, int]], downstream_classes: Sequence[tuple[str, int]],
-                       train_subset: Optional[int] = None, data_seed: int = 0) -> TransferData:
+def make_transfer_data(
+    upstream_train,
+    upstream_test,
+    downstream_test,
+    upstream_classes: Sequence[tuple[str, int]],
+    downstream_classes: Sequence[tuple[str, int]],
+    train_subset: Optional[int] = None,
+    data_seed: int = 0,
+) -> TransferData:
     """Build a split from ``(images, labels)`` pairs (or anything with ``.images`` / ``.labels``).
 
     Args:
@@ -205,8 +217,11 @@ def make_transfer_data(upstream_train, upstream_test, downstream_test,
     up_labels = [c[1] for c in upstream_classes]
     down_labels = [c[1] for c in downstream_classes]
     parts = []
-    for name, pair in (("upstream_train", upstream_train), ("upstream_test", upstream_test),
-                       ("downstream_test", downstream_test)):
+    for name, pair in (
+        ("upstream_train", upstream_train),
+        ("upstream_test", upstream_test),
+        ("downstream_test", downstream_test),
+    ):
         images, labels = (pair.images, pair.labels) if hasattr(pair, "images") else pair
         x = _as_float_images(images, name)
         y = check_labels(labels, f"{name} labels")
@@ -230,16 +245,19 @@ def make_transfer_data(upstream_train, upstream_test, downstream_test,
 def _check_no_leak(data: TransferData) -> None:
     up = {c[1] for c in data.upstream_classes}
     down = {c[1] for c in data.downstream_classes}
-    for name, src, allowed in (("upstream_train", data.source_labels_train, up),
-                               ("upstream_test", data.source_labels_up_test, up),
-                               ("downstream_test", data.source_labels_down, down)):
+    for name, src, allowed in (
+        ("upstream_train", data.source_labels_train, up),
+        ("upstream_test", data.source_labels_up_test, up),
+        ("downstream_test", data.source_labels_down, down),
+    ):
         bad = set(src.unique().tolist()) - allowed
         if bad:
             raise ValueError(f"{name}: holds labels {sorted(bad)} outside its classes {sorted(allowed)}")
 
 
-def load_split(name: str, root: Optional[str] = None, train_subset: Optional[int] = 6000,
-               data_seed: int = 0) -> TransferData:
+def load_split(
+    name: str, root: Optional[str] = None, train_subset: Optional[int] = 6000, data_seed: int = 0
+) -> TransferData:
     """Load one of :data:`SPLITS` with ``shiftguard.data.load`` (``root`` as there; e.g. the folder that
     holds ``mnist/`` and ``fashion-mnist/``). Raises ``ValueError`` for an unknown ``name`` and the
     loader's ``FileNotFoundError`` (it names the folders searched) for missing files."""
@@ -251,10 +269,15 @@ def load_split(name: str, root: Optional[str] = None, train_subset: Optional[int
     up_train = load(spec.upstream, "train", root)
     up_test = load(spec.upstream, "test", root)
     down_test = load(spec.downstream, "test", root)
-    return make_transfer_data(up_train, up_test, down_test,
-                              [(spec.upstream, k) for k in spec.upstream_labels],
-                              [(spec.downstream, k) for k in spec.downstream_labels],
-                              train_subset=train_subset, data_seed=data_seed)
+    return make_transfer_data(
+        up_train,
+        up_test,
+        down_test,
+        [(spec.upstream, k) for k in spec.upstream_labels],
+        [(spec.downstream, k) for k in spec.downstream_labels],
+        train_subset=train_subset,
+        data_seed=data_seed,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -275,8 +298,9 @@ def _auroc_or_none(u: torch.Tensor, target: torch.Tensor) -> Optional[float]:
     return auroc_error(u, target)
 
 
-def evaluate_transfer(up_emb, up_y, down_emb, down_y, up_unc: dict, down_unc: dict,
-                      up_log_probs=None, mix_seed: int = 0) -> dict:
+def evaluate_transfer(
+    up_emb, up_y, down_emb, down_y, up_unc: dict, down_unc: dict, up_log_probs=None, mix_seed: int = 0
+) -> dict:
     """All metrics of the module docstring from precomputed outputs.
 
     Args:
@@ -304,8 +328,14 @@ def evaluate_transfer(up_emb, up_y, down_emb, down_y, up_unc: dict, down_unc: di
     mix_y = torch.cat([up_y[iu], down_y[idd] + offset])
     mix_miss = one_nn_misses(mix_emb, mix_y)
     is_down = torch.cat([torch.zeros(n, dtype=torch.bool), torch.ones(n, dtype=torch.bool)])
-    out: dict = {"r1": 1.0 - float(down_miss.double().mean()), "up_r1": 1.0 - float(up_miss.double().mean()),
-                 "mixed_r1": 1.0 - float(mix_miss.double().mean()), "top1": None, "top5": None, "uncertainty": {}}
+    out: dict = {
+        "r1": 1.0 - float(down_miss.double().mean()),
+        "up_r1": 1.0 - float(up_miss.double().mean()),
+        "mixed_r1": 1.0 - float(mix_miss.double().mean()),
+        "top1": None,
+        "top5": None,
+        "uncertainty": {},
+    }
     up_err = None
     if up_log_probs is not None:
         lp = check_tensor(up_log_probs, "up_log_probs", ndim=2, floating=True)
@@ -422,7 +452,7 @@ class _Estimator(TransferModel):
 
     def after_training(self, x, y, batch_size):
         if self.covariance_pass:  # set for SNGP only (_build_sngp)
-            cast("SNGP", self.estimator).fit_covariance(x[i:i + batch_size] for i in range(0, x.shape[0], batch_size))
+            cast("SNGP", self.estimator).fit_covariance(x[i : i + batch_size] for i in range(0, x.shape[0], batch_size))
 
     def embed(self, x):
         return self.estimator.embed(x)
@@ -438,8 +468,12 @@ class _PrototypeClassifier(TransferModel):
 
     default_uncertainty = "entropy"
 
-    def __init__(self, backbone: EmbeddingClassifier, loss: Union[SPCELoss, TightnessLoss, ESupConLoss],
-                 fit_reference: bool = False):
+    def __init__(
+        self,
+        backbone: EmbeddingClassifier,
+        loss: Union[SPCELoss, TightnessLoss, ESupConLoss],
+        fit_reference: bool = False,
+    ):
         super().__init__()
         self.backbone = backbone
         self.loss = loss
@@ -451,7 +485,7 @@ class _PrototypeClassifier(TransferModel):
     def after_training(self, x, y, batch_size):
         if self.fit_reference:
             with torch.no_grad():
-                emb = torch.cat([self.backbone.embed(x[i:i + batch_size]) for i in range(0, x.shape[0], batch_size)])
+                emb = torch.cat([self.backbone.embed(x[i : i + batch_size]) for i in range(0, x.shape[0], batch_size)])
             cast("SPCELoss", self.loss).fit(emb, y)  # fit_reference is set for SPCE only (_build_spce)
 
     def embed(self, x):
@@ -474,8 +508,10 @@ class Method:
 
 def _lenet(num_classes: int, in_channels: int, activation: str = "relu") -> EmbeddingClassifier:
     # the registry's "lenet" is LeNet5, an EmbeddingClassifier (build_model is typed for user factories too)
-    return cast(EmbeddingClassifier,
-                build_model("lenet", activation=activation, num_classes=num_classes, in_channels=in_channels, width=1))
+    return cast(
+        EmbeddingClassifier,
+        build_model("lenet", activation=activation, num_classes=num_classes, in_channels=in_channels, width=1),
+    )
 
 
 def _loss_generator(seed: int) -> torch.Generator:
@@ -585,23 +621,29 @@ def _build_esupcon(k, c, seed):
 _METHOD_LIST = [
     Method("ce", "cross-entropy; class entropy [Kirchhof, URL Sec. 4.1]", _build_ce),
     Method("infonce", "InfoNCE on two augmented views; -||e|| [Kirchhof, URL App. B.2]", _build_infonce),
-    Method("mcinfonce", "MCInfoNCE on two augmented views (unsupervised, as URL); -||e|| "
-                        "[Kirchhof, URL Sec. 4.1; App. B, eq. (7)]", _build_mcinfonce),
+    Method(
+        "mcinfonce",
+        "MCInfoNCE on two augmented views (unsupervised, as URL); -||e|| [Kirchhof, URL Sec. 4.1; App. B, eq. (7)]",
+        _build_mcinfonce,
+    ),
     Method("mcinfonce-sup", "MCInfoNCE with class labels as positives; -||e||", _build_mcinfonce_sup),
     Method("elk", "expected likelihood kernel; -||e|| [Kirchhof, App. B.5, eq. (55)]", _build_elk),
     Method("nivmf", "EL-nivMF proxies; -||e|| [Kirchhof, App. A, eq. (4)-(6)]", _build_nivmf),
     Method("hib", "hedged instance embeddings; -||e|| [Kirchhof, App. B.4, eq. (54)]", _build_hib),
     Method("qact-watershed", "QACT LeNet + watershed loss; -||e|| [QACT, App. D]", _build_watershed),
     Method("ensemble", "10 heads on a shared backbone; entropy [Kirchhof, URL App. B.10]", _build_ensemble),
-    Method("mcdropout", "dropout before the classifier, 10 samples; entropy [Kirchhof, URL App. B.11]",
-           _build_mcdropout),
+    Method(
+        "mcdropout", "dropout before the classifier, 10 samples; entropy [Kirchhof, URL App. B.11]", _build_mcdropout
+    ),
     Method("sngp", "spectral norm + random-feature GP; entropy [Kirchhof, URL App. B.8]", _build_sngp),
     Method("hetxl", "heteroscedastic embedding noise; log det Sigma [Kirchhof, URL App. B.7]", _build_hetxl),
-    Method("losspred", "CE + L2 loss prediction; predicted loss [Kirchhof, URL App. B.9, eq. (8)]",
-           _build_losspred),
+    Method("losspred", "CE + L2 loss prediction; predicted loss [Kirchhof, URL App. B.9, eq. (8)]", _build_losspred),
     Method("spce", "SPCE; posterior entropy [Patel, Ch. 6, eq. (6.7)-(6.8)]", _build_spce),
-    Method("tightness", "SPCE + prototype tightness; prototype posterior entropy [Patel, Ch. 6, eq. (6.9)-(6.11)]",
-           _build_tightness),
+    Method(
+        "tightness",
+        "SPCE + prototype tightness; prototype posterior entropy [Patel, Ch. 6, eq. (6.9)-(6.11)]",
+        _build_tightness,
+    ),
     Method("esupcon", "ESupCon; prototype posterior entropy [Patel, Ch. 6, eq. (6.12)-(6.16)]", _build_esupcon),
 ]
 
@@ -612,8 +654,15 @@ METHODS: dict[str, Method] = {m.name: m for m in _METHOD_LIST}
 # --------------------------------------------------------------------------------------------- training
 
 
-def train_model(model: TransferModel, x: torch.Tensor, y: torch.Tensor, epochs: int, batch_size: int = 128,
-                lr: float = 1e-3, seed: int = 0) -> TransferModel:
+def train_model(
+    model: TransferModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    epochs: int,
+    batch_size: int = 128,
+    lr: float = 1e-3,
+    seed: int = 0,
+) -> TransferModel:
     """Adam (learning rate ``lr``) on ``model.training_loss`` for ``epochs`` passes over shuffled
     mini-batches (order from ``seed``), then ``model.after_training``. A batch of one image is dropped
     from each epoch's end (pairwise objectives need two); a non-finite loss raises ``FloatingPointError``."""
@@ -626,7 +675,7 @@ def train_model(model: TransferModel, x: torch.Tensor, y: torch.Tensor, epochs: 
     for _ in range(epochs):
         order = torch.randperm(n, generator=g)
         for i in range(0, n, batch_size):
-            idx = order[i:i + batch_size]
+            idx = order[i : i + batch_size]
             if idx.numel() < 2:
                 continue
             loss = model.training_loss(x[idx], y[idx], g)
@@ -647,7 +696,7 @@ def _outputs(model: TransferModel, x: torch.Tensor, chunk: int = 1000):
     model.eval()
     with torch.no_grad():
         for i in range(0, x.shape[0], chunk):
-            e, lp, u = model.outputs(x[i:i + chunk])
+            e, lp, u = model.outputs(x[i : i + chunk])
             embs.append(e.float())
             lps.append(None if lp is None else lp.float())
             uncs.append({k: v.double() for k, v in u.items()})
@@ -675,15 +724,28 @@ def run_one(method: str, data: TransferData, seed: int, epochs: int = 3, batch_s
         up_e, up_lp, up_u = _outputs(model, data.up_test_x)
         dn_e, _, dn_u = _outputs(model, data.down_x)
     metrics = evaluate_transfer(up_e, data.up_test_y, dn_e, data.down_y, up_u, dn_u, up_lp, mix_seed=seed)
-    return {"method": method, "seed": seed, "default_uncertainty": model.default_uncertainty,
-            "train_seconds": round(train_seconds, 3), "metrics": metrics}
+    return {
+        "method": method,
+        "seed": seed,
+        "default_uncertainty": model.default_uncertainty,
+        "train_seconds": round(train_seconds, 3),
+        "metrics": metrics,
+    }
 
 
 # -------------------------------------------------------------------------------------------- reporting
 
 #: The columns of the table: (key, header); uncertainty-dependent keys use the default uncertainty.
-COLUMNS = (("r1", "R@1"), ("r_auroc", "R-AUROC"), ("ood_auroc", "OOD AUROC"), ("mixed_r_auroc", "mixed R-AUROC"),
-           ("up_r_auroc", "up R-AUROC"), ("e_aurc", "E-AURC"), ("top1", "top-1"), ("top5", "top-5"))
+COLUMNS = (
+    ("r1", "R@1"),
+    ("r_auroc", "R-AUROC"),
+    ("ood_auroc", "OOD AUROC"),
+    ("mixed_r_auroc", "mixed R-AUROC"),
+    ("up_r_auroc", "up R-AUROC"),
+    ("e_aurc", "E-AURC"),
+    ("top1", "top-1"),
+    ("top5", "top-5"),
+)
 _UNCERTAINTY_KEYS = ("r_auroc", "ood_auroc", "mixed_r_auroc", "up_r_auroc", "e_aurc")
 
 
@@ -710,11 +772,17 @@ def summarize(runs: Sequence[dict]) -> dict:
                 cell = {}
                 for key, _ in COLUMNS:
                     vals = [v for v in (_value(r, key, name) for r in rs) if v is not None]
-                    cell[key] = {"mean": statistics.fmean(vals) if vals else None,
-                                 "std": statistics.stdev(vals) if len(vals) > 1 else None, "n": len(vals)}
+                    cell[key] = {
+                        "mean": statistics.fmean(vals) if vals else None,
+                        "std": statistics.stdev(vals) if len(vals) > 1 else None,
+                        "n": len(vals),
+                    }
                 per_u[name] = cell
-            out.setdefault(split, {})[method] = {"default_uncertainty": rs[0]["default_uncertainty"],
-                                                 "seeds": [r["seed"] for r in rs], "uncertainty": per_u}
+            out.setdefault(split, {})[method] = {
+                "default_uncertainty": rs[0]["default_uncertainty"],
+                "seeds": [r["seed"] for r in rs],
+                "uncertainty": per_u,
+            }
     return out
 
 
@@ -744,11 +812,20 @@ def _table_lines(name: str, note: str, header: list[str], rows: list[list[str]],
     """One table titled ``name`` as Markdown (``**name** (note)`` then a pipe table) or as aligned
     text (``== name`` then columns padded to their widest cell), followed by an empty line."""
     if markdown:
-        return [f"**{name}**" + (f" ({note})" if note else "") + "\n", "| " + " | ".join(header) + " |",
-                "|" + "|".join("---" for _ in header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+        return [
+            f"**{name}**" + (f" ({note})" if note else "") + "\n",
+            "| " + " | ".join(header) + " |",
+            "|" + "|".join("---" for _ in header) + "|",
+            *("| " + " | ".join(r) + " |" for r in rows),
+            "",
+        ]
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return [f"== {name}", "  ".join(h.ljust(w) for h, w in zip(header, widths)),
-            *("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows), ""]
+    return [
+        f"== {name}",
+        "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+        *("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows),
+        "",
+    ]
 
 
 def format_table(summary: dict, markdown: bool = False) -> str:
@@ -769,20 +846,28 @@ def format_table(summary: dict, markdown: bool = False) -> str:
                 else:
                     row.append(f"{v['mean']:.3f} ± {v['std']:.3f}" if v["std"] is not None else f"{v['mean']:.3f}")
             rows.append(row)
-        lines += _table_lines(split, SPLITS[split].description if split in SPLITS else split, header, rows,
-                              markdown)
+        lines += _table_lines(split, SPLITS[split].description if split in SPLITS else split, header, rows, markdown)
     if len(summary) > 1:
         header = ["method"] + [h for _, h in ACROSS_KEYS]
-        rows = [[m] + ["-" if r[k] is None else f"{r[k]:.3f}" for k, _ in ACROSS_KEYS]
-                for m, r in across_splits(summary).items()]
-        lines += _table_lines(f"mean over the {len(summary)} splits", "of the per-split means", header, rows,
-                              markdown)
+        rows = [
+            [m] + ["-" if r[k] is None else f"{r[k]:.3f}" for k, _ in ACROSS_KEYS]
+            for m, r in across_splits(summary).items()
+        ]
+        lines += _table_lines(f"mean over the {len(summary)} splits", "of the per-split means", header, rows, markdown)
     return "\n".join(lines)
 
 
-def run_benchmark(splits: Sequence[str], methods: Sequence[str], seeds: Sequence[int], root: Optional[str] = None,
-                  train_subset: Optional[int] = 6000, epochs: int = 3, batch_size: int = 128,
-                  data: Optional[dict] = None, log: Optional[Callable[[str], None]] = None) -> dict:
+def run_benchmark(
+    splits: Sequence[str],
+    methods: Sequence[str],
+    seeds: Sequence[int],
+    root: Optional[str] = None,
+    train_subset: Optional[int] = 6000,
+    epochs: int = 3,
+    batch_size: int = 128,
+    data: Optional[dict] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> dict:
     """Every (split, method, seed); ``data`` maps split names to prebuilt :class:`TransferData` (else
     :func:`load_split`). Returns ``{"protocol", "runs", "summary"}`` (JSON-ready)."""
     for s in splits:
@@ -806,15 +891,24 @@ def run_benchmark(splits: Sequence[str], methods: Sequence[str], seeds: Sequence
                     u = r["default_uncertainty"]
                     mm = r["metrics"]
                     ra = mm["uncertainty"][u]["r_auroc"]
-                    log(f"{s} {m} seed={seed}: R@1 {mm['r1']:.3f} R-AUROC "
-                        f"{'-' if ra is None else f'{ra:.3f}'} ({r['seconds']:.1f} s)")
-    protocol = {"splits": {s: (SPLITS[s].description if s in SPLITS else s) for s in splits},
-                "methods": {m: METHODS[m].summary for m in methods}, "seeds": list(seeds),
-                "train_subset": train_subset, "epochs": epochs, "batch_size": batch_size,
-                "optimizer": "Adam, lr 1e-3", "model": "LeNet-5, width 1, embedding 84",
-                "torch": torch.__version__, "threads": torch.get_num_threads(),
-                "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-                "python": platform.python_version()}
+                    log(
+                        f"{s} {m} seed={seed}: R@1 {mm['r1']:.3f} R-AUROC "
+                        f"{'-' if ra is None else f'{ra:.3f}'} ({r['seconds']:.1f} s)"
+                    )
+    protocol = {
+        "splits": {s: (SPLITS[s].description if s in SPLITS else s) for s in splits},
+        "methods": {m: METHODS[m].summary for m in methods},
+        "seeds": list(seeds),
+        "train_subset": train_subset,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "optimizer": "Adam, lr 1e-3",
+        "model": "LeNet-5, width 1, embedding 84",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "python": platform.python_version(),
+    }
     return {"protocol": protocol, "runs": runs, "summary": summarize(runs)}
 
 
@@ -823,12 +917,27 @@ def run_benchmark(splits: Sequence[str], methods: Sequence[str], seeds: Sequence
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(SPLITS), help="one split (same as --splits NAME)")
-    p.add_argument("--splits", nargs="+", action=ListAction, default=None,
-                   help=f"space- or comma-separated; default all: {','.join(SPLITS)}")
-    p.add_argument("--methods", nargs="+", action=ListAction, default=None,
-                   help=f"space- or comma-separated; default all: {','.join(METHODS)}")
-    p.add_argument("--seeds", nargs="+", action=ListAction, default=["0", "1", "2"],
-                   help="space- or comma-separated ints (default 0 1 2)")
+    p.add_argument(
+        "--splits",
+        nargs="+",
+        action=ListAction,
+        default=None,
+        help=f"space- or comma-separated; default all: {','.join(SPLITS)}",
+    )
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        action=ListAction,
+        default=None,
+        help=f"space- or comma-separated; default all: {','.join(METHODS)}",
+    )
+    p.add_argument(
+        "--seeds",
+        nargs="+",
+        action=ListAction,
+        default=["0", "1", "2"],
+        help="space- or comma-separated ints (default 0 1 2)",
+    )
     p.add_argument("--train-subset", type=int, default=6000, help="upstream training images (default 6000; 0 = all)")
     p.add_argument("--epochs", type=int, default=3, help="training epochs (default 3)")
     p.add_argument("--batch-size", type=int, default=128)
@@ -836,8 +945,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the runs and the summary to this JSON file")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    p.add_argument("--report", default=None, metavar="FILE.json",
-                   help="print the tables of a saved --out file instead of running")
+    p.add_argument(
+        "--report", default=None, metavar="FILE.json", help="print the tables of a saved --out file instead of running"
+    )
 
 
 def main(argv=None) -> int:
@@ -857,8 +967,9 @@ def main(argv=None) -> int:
         except FileNotFoundError:
             raise FileNotFoundError(f"--report: no such file: {args.report}") from None
         except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as exc:
-            raise ValueError(f"--report: {args.report} is not a shiftguard transfer results file "
-                             f"({type(exc).__name__}: {exc})") from None
+            raise ValueError(
+                f"--report: {args.report} is not a shiftguard transfer results file ({type(exc).__name__}: {exc})"
+            ) from None
         print(table)
         return 0
     if args.preset and args.splits:
@@ -883,12 +994,27 @@ def main(argv=None) -> int:
         if not os.access(out.parent, os.W_OK):
             raise PermissionError(errno.EACCES, "cannot write into this folder", str(out.parent))
     subset = None if args.train_subset == 0 else args.train_subset
-    result = run_benchmark(splits, methods, seeds, root=args.root, train_subset=subset, epochs=args.epochs,
-                           batch_size=args.batch_size, log=lambda s: print(s, file=sys.stderr, flush=True))
+    result = run_benchmark(
+        splits,
+        methods,
+        seeds,
+        root=args.root,
+        train_subset=subset,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        log=lambda s: print(s, file=sys.stderr, flush=True),
+    )
     result["protocol"]["command"] = "shiftguard transfer " + " ".join(
-        [f"--splits {','.join(splits)}", f"--methods {','.join(methods)}", f"--seeds {','.join(map(str, seeds))}",
-         f"--train-subset {args.train_subset}", f"--epochs {args.epochs}", f"--batch-size {args.batch_size}"]
-        + ([f"--threads {args.threads}"] if args.threads is not None else []))
+        [
+            f"--splits {','.join(splits)}",
+            f"--methods {','.join(methods)}",
+            f"--seeds {','.join(map(str, seeds))}",
+            f"--train-subset {args.train_subset}",
+            f"--epochs {args.epochs}",
+            f"--batch-size {args.batch_size}",
+        ]
+        + ([f"--threads {args.threads}"] if args.threads is not None else [])
+    )
     print(format_table(result["summary"], markdown=args.markdown))
     if args.out:
         atomic_write_text(args.out, json.dumps(result, indent=1, allow_nan=False) + "\n")

@@ -38,8 +38,15 @@ import math
 
 import torch
 
-__all__ = ["POINTS_PER_BANDWIDTH", "TRUNCATE", "silverman_bandwidth", "gaussian_kde", "gaussian_kde_grid", "kde_grid",
-           "kde_grid_error_bound"]
+__all__ = [
+    "POINTS_PER_BANDWIDTH",
+    "TRUNCATE",
+    "silverman_bandwidth",
+    "gaussian_kde",
+    "gaussian_kde_grid",
+    "kde_grid",
+    "kde_grid_error_bound",
+]
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -105,9 +112,9 @@ def gaussian_kde(x: torch.Tensor, samples: torch.Tensor, bandwidth: torch.Tensor
     out = torch.empty_like(x)
     s = samples[:, None, :]
     for start in range(0, x.shape[1], chunk):
-        u = (x[:, start:start + chunk, None] - s) / h
+        u = (x[:, start : start + chunk, None] - s) / h
         dens = torch.exp(-0.5 * u * u).sum(dim=2) * (_INV_SQRT_2PI / samples.shape[1])
-        out[:, start:start + chunk] = dens / h[:, :, 0]
+        out[:, start : start + chunk] = dens / h[:, :, 0]
     return out
 
 
@@ -118,16 +125,24 @@ def kde_grid_error_bound(bandwidth: torch.Tensor, spacing: torch.Tensor, truncat
     return _INV_SQRT_2PI * spacing**2 / (4.0 * h**3) + 2.0 * phi_t / h
 
 
-def _grid_spacing(bandwidth: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, points_per_bandwidth: int,
-                  max_points: int) -> torch.Tensor:
+def _grid_spacing(
+    bandwidth: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, points_per_bandwidth: int, max_points: int
+) -> torch.Tensor:
     # Fine enough for the error bound, but never more than max_points grid points per channel
     # (only reached when the query range spans > max_points / points_per_bandwidth bandwidths).
     return torch.maximum(bandwidth / points_per_bandwidth, (hi - lo) / (max_points - 1))
 
 
-def grid_layout(smin: torch.Tensor, smax: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor,
-                xmax: torch.Tensor, points_per_bandwidth: int = POINTS_PER_BANDWIDTH, truncate: float = TRUNCATE,
-                max_points: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def grid_layout(
+    smin: torch.Tensor,
+    smax: torch.Tensor,
+    bandwidth: torch.Tensor,
+    xmin: torch.Tensor,
+    xmax: torch.Tensor,
+    points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
+    truncate: float = TRUNCATE,
+    max_points: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each channel's grid lies: nodes ``lo + j * delta``, ``j < n_nodes``, covering the query
     range ``[xmin, xmax]`` where it is within reach (``truncate * h``) of a sample in
     ``[smin, smax]``; ``delta = h / points_per_bandwidth`` unless that needs more than
@@ -140,8 +155,15 @@ def grid_layout(smin: torch.Tensor, smax: torch.Tensor, bandwidth: torch.Tensor,
     return lo, delta, torch.ceil((hi - lo) / delta).long() + 2
 
 
-def kde_grid(samples: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor, xmax: torch.Tensor,
-             points_per_bandwidth: int = POINTS_PER_BANDWIDTH, truncate: float = TRUNCATE, max_points: int = 4096):
+def kde_grid(
+    samples: torch.Tensor,
+    bandwidth: torch.Tensor,
+    xmin: torch.Tensor,
+    xmax: torch.Tensor,
+    points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
+    truncate: float = TRUNCATE,
+    max_points: int = 4096,
+):
     """The grid of :func:`gaussian_kde_grid`: KDE values on nodes ``lo + j * delta`` per channel.
 
     Args:
@@ -154,8 +176,9 @@ def kde_grid(samples: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor,
     c_dim, s_dim = samples.shape
     h = bandwidth
     smin, smax = torch.aminmax(samples, dim=1)
-    lo, delta, n_nodes = grid_layout(smin, smax, h, xmin.to(samples.dtype), xmax.to(samples.dtype),
-                                     points_per_bandwidth, truncate, max_points)
+    lo, delta, n_nodes = grid_layout(
+        smin, smax, h, xmin.to(samples.dtype), xmax.to(samples.dtype), points_per_bandwidth, truncate, max_points
+    )
     n_grid = int(n_nodes.max().item())
     half = int(math.ceil(truncate * float((h / delta).max())))
     length = n_grid + 2 * half
@@ -180,7 +203,7 @@ def kde_grid(samples: torch.Tensor, bandwidth: torch.Tensor, xmin: torch.Tensor,
     # since n_fft >= length + 2 * half); O(G log G) per channel whatever the kernel width.
     n_fft = 1 << int(math.ceil(math.log2(length + 2 * half)))
     full = torch.fft.irfft(torch.fft.rfft(binned, n=n_fft) * torch.fft.rfft(kernel, n=n_fft), n=n_fft)
-    grid = full[:, 2 * half: 2 * half + n_grid]  # (C, n_grid)
+    grid = full[:, 2 * half : 2 * half + n_grid]  # (C, n_grid)
 
     return grid, lo, delta
 
@@ -214,8 +237,9 @@ def gaussian_kde_grid(
         half-precision CPU kernel, and float16's 11-bit significand would spoil the grid itself.
     """
     if x.dtype in _HALF or samples.dtype in _HALF or bandwidth.dtype in _HALF:
-        out = gaussian_kde_grid(_widen(x), _widen(samples), _widen(bandwidth), points_per_bandwidth, truncate,
-                                max_points, return_spacing)
+        out = gaussian_kde_grid(
+            _widen(x), _widen(samples), _widen(bandwidth), points_per_bandwidth, truncate, max_points, return_spacing
+        )
         if return_spacing:
             return out[0].to(x.dtype), out[1].to(x.dtype)
         return out.to(x.dtype)

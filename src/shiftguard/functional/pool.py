@@ -40,13 +40,12 @@ _DTYPES = (torch.float32, torch.float64)
 def max_pool2x2_applies(x: torch.Tensor) -> bool:
     """Whether :func:`max_pool2x2` takes its own path for ``x``: a 4-D float32/float64 CPU tensor
     with at least 2 x 2 pixels (anything else goes to ``max_pool2d``)."""
-    return (x.device.type == "cpu" and x.dim() == 4 and x.dtype in _DTYPES
-            and x.shape[2] >= 2 and x.shape[3] >= 2)
+    return x.device.type == "cpu" and x.dim() == 4 and x.dtype in _DTYPES and x.shape[2] >= 2 and x.shape[3] >= 2
 
 
 def _pool(x: torch.Tensor) -> torch.Tensor:
     h, w = x.shape[2] // 2, x.shape[3] // 2
-    rows = torch.maximum(x[:, :, 0:2 * h:2, :2 * w], x[:, :, 1:2 * h:2, :2 * w])   # (N, C, h, 2w)
+    rows = torch.maximum(x[:, :, 0 : 2 * h : 2, : 2 * w], x[:, :, 1 : 2 * h : 2, : 2 * w])  # (N, C, h, 2w)
     return torch.maximum(rows[..., 0::2], rows[..., 1::2])
 
 
@@ -108,8 +107,7 @@ class _MaxPool2x2(torch.autograd.Function):
         # torch's own backward op, which autograd differentiates again (a second derivative, as
         # max_pool2d has: the indices are constants)
         x, idx = ctx.saved_tensors
-        return torch.ops.aten.max_pool2d_with_indices_backward(
-            grad_out, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+        return torch.ops.aten.max_pool2d_with_indices_backward(grad_out, x, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
 
 
 def max_pool2x2(x: torch.Tensor) -> torch.Tensor:

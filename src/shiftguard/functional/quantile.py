@@ -288,8 +288,12 @@ def check_bandwidth(bandwidth) -> Optional[float]:
     """
     if bandwidth is None:
         return None
-    if (isinstance(bandwidth, bool) or not isinstance(bandwidth, numbers.Real) or not math.isfinite(bandwidth)
-            or not float(bandwidth) > 0):
+    if (
+        isinstance(bandwidth, bool)
+        or not isinstance(bandwidth, numbers.Real)
+        or not math.isfinite(bandwidth)
+        or not float(bandwidth) > 0
+    ):
         raise ValueError(f"bandwidth: expected a positive finite number or None (Silverman's rule), got {bandwidth!r}")
     return float(bandwidth)
 
@@ -310,8 +314,9 @@ def _sort_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort(t, dim=1)
 
 
-def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool = False,
-                     bandwidth: Optional[float] = None):
+def _qact_statistics(
+    values, n_tau, c, n_samples, generator, with_counts: bool = False, bandwidth: Optional[float] = None
+):
     """:func:`qact_statistics` without input validation (callers have validated ``x`` and ``bandwidth``).
 
     ``with_counts=True`` also returns the forward counts ``#{i : q_i <= v}`` of the context values
@@ -358,9 +363,15 @@ def _qact_statistics(values, n_tau, c, n_samples, generator, with_counts: bool =
     return (stats, counts) if with_counts else stats
 
 
-def default_statistics(num_channels: int, n_tau: int = 100, n_samples: int = 1000,
-                       dtype: torch.dtype = torch.float32, device=None, *,
-                       bandwidth: Optional[float] = None) -> QACTStatistics:
+def default_statistics(
+    num_channels: int,
+    n_tau: int = 100,
+    n_samples: int = 1000,
+    dtype: torch.dtype = torch.float32,
+    device=None,
+    *,
+    bandwidth: Optional[float] = None,
+) -> QACTStatistics:
     """Statistics of a standard normal context (the initial frozen state, like BatchNorm's
     running mean 0 / var 1): quantiles ``Phi^-1(tau_i)``, samples ``Phi^-1((j + 1/2) / S)``, and
     their Silverman bandwidth or the fixed ``bandwidth``."""
@@ -369,8 +380,9 @@ def default_statistics(num_channels: int, n_tau: int = 100, n_samples: int = 100
     q = q.to(dtype).expand(num_channels, -1).clone()
     s = s.to(dtype).expand(num_channels, -1).clone()
     bandwidth = check_bandwidth(bandwidth)
-    return QACTStatistics(q, s, silverman_bandwidth(s) if bandwidth is None
-                          else _fixed_bandwidth(bandwidth, num_channels, s))
+    return QACTStatistics(
+        q, s, silverman_bandwidth(s) if bandwidth is None else _fixed_bandwidth(bandwidth, num_channels, s)
+    )
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -413,8 +425,17 @@ class _Forward(NamedTuple):
     value_range: Optional[tuple] = None
 
 
-def _forward(x: torch.Tensor, stats: Optional[QACTStatistics], running: Optional[_Running], n_tau: int, c: float,
-             n_samples: int, generator, need_density: bool, bandwidth: Optional[float] = None) -> _Forward:
+def _forward(
+    x: torch.Tensor,
+    stats: Optional[QACTStatistics],
+    running: Optional[_Running],
+    n_tau: int,
+    c: float,
+    n_samples: int,
+    generator,
+    need_density: bool,
+    bandwidth: Optional[float] = None,
+) -> _Forward:
     """The one dispatch of QACT's forward: the compiled CPU kernels where :func:`_compiled`, else the
     eager torch code; both compute the same values (module doc) behind this signature.
 
@@ -439,8 +460,9 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, generator, bandwidth=
     """:func:`_forward` in torch: in batch context every value's count is read off the context sort
     (:func:`_qact_statistics`), with given statistics ``searchsorted`` into their quantiles."""
     if stats is None:
-        stats, counts = _qact_statistics(channel_values(x), n_tau, c, n_samples, generator, with_counts=True,
-                                         bandwidth=bandwidth)
+        stats, counts = _qact_statistics(
+            channel_values(x), n_tau, c, n_samples, generator, with_counts=True, bandwidth=bandwidth
+        )
         n_levels = n_tau
     else:
         q = stats.quantiles.to(x.dtype).contiguous()
@@ -464,8 +486,9 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
     x3 = _as3(x)
     if stats is not None:
         q = stats.quantiles.to(x.dtype)
-        out3, xmin, xmax = _qact_cpu.counts_output(x3, q.detach().contiguous().numpy(),
-                                                   _values_by_count(q.shape[1], x.dtype))
+        out3, xmin, xmax = _qact_cpu.counts_output(
+            x3, q.detach().contiguous().numpy(), _values_by_count(q.shape[1], x.dtype)
+        )
         if running is not None:
             _move_running(running, stats)
         return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
@@ -488,11 +511,23 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
     arrays = _running_arrays(running, x, n_tau, n_samples)
     # where the pass moves the running statistics itself, it keeps no samples (stats has (C, 0)):
     # they are needed only for that update
-    q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(x3, ctx, c, n_tau, n_samples, _draw_seed(generator), vbc,
-                                                           running=arrays, keep_samples=arrays is None,
-                                                           bandwidth=bandwidth)
-    stats = QACTStatistics(torch.from_numpy(q), x.new_empty(x.shape[1], 0) if samples is None
-                           else torch.from_numpy(samples), torch.from_numpy(bw))
+    q, samples, bw, out3, dens3 = _qact_cpu.batch_channels(
+        x3,
+        ctx,
+        c,
+        n_tau,
+        n_samples,
+        _draw_seed(generator),
+        vbc,
+        running=arrays,
+        keep_samples=arrays is None,
+        bandwidth=bandwidth,
+    )
+    stats = QACTStatistics(
+        torch.from_numpy(q),
+        x.new_empty(x.shape[1], 0) if samples is None else torch.from_numpy(samples),
+        torch.from_numpy(bw),
+    )
     if running is not None and arrays is None:
         _move_running(running, stats)
     return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, torch.from_numpy(dens3.reshape(x.shape)))
@@ -524,9 +559,13 @@ class _QACTFunction(torch.autograd.Function):
         if samples.shape[1] == 0:
             raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
         if ctx.value_range is not None:
-            g3 = _qact_cpu.kde_density_times(_as3(x), _as3(grad_output.to(x.dtype)),
-                                             samples.detach().contiguous().numpy(),
-                                             bandwidth.detach().double().numpy(), *ctx.value_range)
+            g3 = _qact_cpu.kde_density_times(
+                _as3(x),
+                _as3(grad_output.to(x.dtype)),
+                samples.detach().contiguous().numpy(),
+                bandwidth.detach().double().numpy(),
+                *ctx.value_range,
+            )
             return torch.from_numpy(g3.reshape(ctx.x_shape)), None
         xs = channel_values(x.detach()).contiguous()
         n, ch = ctx.x_shape[0], ctx.x_shape[1]
@@ -573,8 +612,15 @@ def _draw_seed(generator) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=generator).item())
 
 
-def _compiled_statistics(ctx: np.ndarray, n_tau: int, n_samples: int, generator, like: torch.Tensor,
-                         quantiles: Optional[np.ndarray] = None, bandwidth: Optional[float] = None) -> QACTStatistics:
+def _compiled_statistics(
+    ctx: np.ndarray,
+    n_tau: int,
+    n_samples: int,
+    generator,
+    like: torch.Tensor,
+    quantiles: Optional[np.ndarray] = None,
+    bandwidth: Optional[float] = None,
+) -> QACTStatistics:
     """Statistics from the sorted grounded context ``ctx`` ``(C, M + 2)`` by the compiled kernels
     (``quantiles``: :func:`_qact_cpu.grounded_quantiles` of ``ctx`` where the caller has them;
     ``bandwidth``: the fixed bandwidth in place of Silverman's)."""
@@ -597,8 +643,9 @@ def _running_lerp(buffer: torch.Tensor, new: torch.Tensor, momentum: float) -> N
     new = new.detach().to(buffer.dtype)
     if _compiled(buffer) and buffer.is_contiguous() and buffer.shape == new.shape and buffer.dim() <= 2:
         rows = buffer.shape[0] if buffer.dim() else 1
-        _qact_cpu.lerp_rows_(buffer.detach().numpy().reshape(rows, -1), new.contiguous().numpy().reshape(rows, -1),
-                             momentum)
+        _qact_cpu.lerp_rows_(
+            buffer.detach().numpy().reshape(rows, -1), new.contiguous().numpy().reshape(rows, -1), momentum
+        )
     else:
         buffer.lerp_(new, momentum)
 
@@ -737,9 +784,11 @@ def quantile_activation(
             raise ValueError("running_quantiles: the frozen context needs the running statistics")
         if statistics is not None:
             raise ValueError("statistics: only the batch context takes statistics computed elsewhere")
-        stats = QACTStatistics(_check_statistic(running_quantiles, "running_quantiles", (ch, -1)),
-                               _check_statistic(running_samples, "running_samples", (ch, -1)),
-                               _check_statistic(running_bandwidth, "running_bandwidth", (ch,)))
+        stats = QACTStatistics(
+            _check_statistic(running_quantiles, "running_quantiles", (ch, -1)),
+            _check_statistic(running_samples, "running_samples", (ch, -1)),
+            _check_statistic(running_bandwidth, "running_bandwidth", (ch,)),
+        )
         return _attach(input, _forward(input, stats, None, stats.quantiles.shape[1], 0.0, 0, None, False, bandwidth))
     if statistics is not None and statistics.quantiles.shape[0] != ch:
         raise ValueError(f"statistics: expected statistics for {ch} channels, got {statistics.quantiles.shape[0]}")
@@ -753,9 +802,12 @@ def quantile_activation(
             raise ValueError(f"momentum: expected a value in [0, 1], got {momentum}")
         n_s = n_samples if statistics is None else statistics.samples.shape[1]
         n_q = n_tau if statistics is None else statistics.quantiles.shape[1]
-        running = _Running(_check_statistic(running_quantiles, "running_quantiles", (ch, n_q)),
-                           _check_statistic(running_samples, "running_samples", (ch, n_s)),
-                           _check_statistic(running_bandwidth, "running_bandwidth", (ch,)), float(momentum))
+        running = _Running(
+            _check_statistic(running_quantiles, "running_quantiles", (ch, n_q)),
+            _check_statistic(running_samples, "running_samples", (ch, n_s)),
+            _check_statistic(running_bandwidth, "running_bandwidth", (ch,)),
+            float(momentum),
+        )
     need_density = torch.is_grad_enabled() and input.requires_grad
     draws = n_samples if (need_density or running is not None) else 0
     return _attach(input, _forward(input, statistics, running, n_tau, c, draws, generator, need_density, bandwidth))

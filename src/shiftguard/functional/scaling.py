@@ -27,7 +27,7 @@ def ldexp(t: torch.Tensor, n: int) -> torch.Tensor:
     step = 64
     while n != 0:
         part = max(-step, min(step, n))
-        t = t * (2.0 ** part)
+        t = t * (2.0**part)
         n -= part
     return t
 
@@ -67,7 +67,7 @@ def normalize_rows(x: torch.Tensor) -> torch.Tensor:
     finfo = torch.finfo(x.dtype)
     hi = max(math.sqrt(finfo.max / (8.0 * max(1, x.shape[1]))), 2.0)
     amax = x.detach().abs().amax(dim=1, keepdim=True)
-    off = (amax > 0) & ((amax < 2.0 ** -30) | (amax > hi))
+    off = (amax > 0) & ((amax < 2.0**-30) | (amax > hi))
     if not bool(off.any()):
         return F.normalize(x, dim=1)
     _, exponent = torch.frexp(torch.where(off, amax, torch.ones_like(amax)))

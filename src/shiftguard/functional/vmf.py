@@ -57,8 +57,12 @@ def _debye_log_iv(v: float, k: np.ndarray, scaled: bool = False) -> np.ndarray:
     u1 = p * (3.0 - 5.0 * p2) / 24.0
     u2 = p2 * (81.0 - 462.0 * p2 + 385.0 * p2 * p2) / 1152.0
     u3 = p * p2 * (30375.0 - 369603.0 * p2 + 765765.0 * p2**2 - 425425.0 * p2**3) / 414720.0
-    u4 = p2 * p2 * (4465125.0 - 94121676.0 * p2 + 349922430.0 * p2**2 - 446185740.0 * p2**3
-                    + 185910725.0 * p2**4) / 39813120.0
+    u4 = (
+        p2
+        * p2
+        * (4465125.0 - 94121676.0 * p2 + 349922430.0 * p2**2 - 446185740.0 * p2**3 + 185910725.0 * p2**4)
+        / 39813120.0
+    )
     series = 1.0 + u1 / v + u2 / v**2 + u3 / v**3 + u4 / v**4
     rest = -0.5 * np.log(2.0 * math.pi * v) - 0.5 * np.log(s) + np.log(series)
     if scaled:
@@ -238,8 +242,9 @@ def _wood_b(kappa: torch.Tensor, m: int) -> torch.Tensor:
     k_small = torch.where(big, torch.zeros_like(kappa), kappa)
     k_big = torch.where(big, kappa, torch.ones_like(kappa))
     t = (0.5 * c) / k_big
-    return torch.where(big, t / (1.0 + torch.sqrt(1.0 + t * t)),
-                       c / (2.0 * k_small + torch.sqrt(4.0 * k_small * k_small + c * c)))
+    return torch.where(
+        big, t / (1.0 + torch.sqrt(1.0 + t * t)), c / (2.0 * k_small + torch.sqrt(4.0 * k_small * k_small + c * c))
+    )
 
 
 def _wood_accepted_z(kappa: torch.Tensor, m: int, generator, max_rounds: int = 1000) -> torch.Tensor:
@@ -277,8 +282,7 @@ def _wood_accepted_z(kappa: torch.Tensor, m: int, generator, max_rounds: int = 1
         raise RuntimeError(f"sample_vmf: rejection sampler did not finish in {max_rounds} rounds")
 
 
-def sample_vmf(mu: torch.Tensor, kappa, n_samples: int, generator: Optional[torch.Generator] = None
-               ) -> torch.Tensor:
+def sample_vmf(mu: torch.Tensor, kappa, n_samples: int, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """Draw ``n_samples`` vMF samples per ``(mu, kappa)`` pair with Wood's (1994) algorithm.
 
     Args:
@@ -310,14 +314,14 @@ def sample_vmf(mu: torch.Tensor, kappa, n_samples: int, generator: Optional[torc
         raise ValueError(f"kappa: expected 1 or {batch} values (one per mu), got {kappa.shape[0]}")
     kappa = kappa.to(mu.device, mu.dtype)
 
-    kap = kappa.unsqueeze(0).expand(n_samples, batch)                     # (S, B)
-    z = _wood_accepted_z(kap.detach(), m, generator)                      # (S, B), no grad
+    kap = kappa.unsqueeze(0).expand(n_samples, batch)  # (S, B)
+    z = _wood_accepted_z(kap.detach(), m, generator)  # (S, B), no grad
     b = _wood_b(kap, m)
-    w = (1.0 - (1.0 + b) * z) / (1.0 - (1.0 - b) * z)                     # grad w.r.t. kappa
+    w = (1.0 - (1.0 + b) * z) / (1.0 - (1.0 - b) * z)  # grad w.r.t. kappa
     v = _randn((n_samples, batch, m - 1), generator, mu.device, mu.dtype)
     v = v / v.norm(dim=-1, keepdim=True)
     radial = torch.sqrt(((1.0 - w) * (1.0 + w)).clamp(min=1e-30))
-    x = torch.cat([w.unsqueeze(-1), radial.unsqueeze(-1) * v], dim=-1)   # around e1
+    x = torch.cat([w.unsqueeze(-1), radial.unsqueeze(-1) * v], dim=-1)  # around e1
     # Householder reflection H = I - 2 u u^T with u = (e1 - mu)/||e1 - mu|| maps e1 to mu.
     e1 = torch.zeros_like(mu2)
     e1[:, 0] = 1.0

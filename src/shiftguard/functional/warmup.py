@@ -59,8 +59,9 @@ def warm_up(dtype: torch.dtype = torch.float32, evaluation_only: bool = False) -
         x = x.requires_grad_(True)
         # a layer's training step (the pass that moves the running statistics), then its backward
         rs = Q.default_statistics(ch, n_tau, n_samples, dtype)
-        Q.quantile_activation(x, *rs, training=True, n_tau=n_tau, c=c, n_samples=n_samples,
-                              generator=gen).sum().backward()
+        Q.quantile_activation(
+            x, *rs, training=True, n_tau=n_tau, c=c, n_samples=n_samples, generator=gen
+        ).sum().backward()
         with torch.no_grad():  # a training step without a gradient: the separate running update
             Q.quantile_activation(x, *rs, training=True, n_tau=n_tau, c=c, n_samples=n_samples, generator=gen)
         # no running statistics

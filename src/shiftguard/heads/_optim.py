@@ -37,9 +37,13 @@ def one_blas_thread():
     return _CONTROLLER[0][0].limit(limits=1, user_api="blas")
 
 
-def minimize_lbfgs(loss_fn: Callable[[torch.Tensor], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
-                   x0: torch.Tensor, max_iter: int = 500,
-                   gtol: float = 1e-8, with_grad: bool = False) -> tuple[torch.Tensor, float, int]:
+def minimize_lbfgs(
+    loss_fn: Callable[[torch.Tensor], Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]],
+    x0: torch.Tensor,
+    max_iter: int = 500,
+    gtol: float = 1e-8,
+    with_grad: bool = False,
+) -> tuple[torch.Tensor, float, int]:
     """Minimise ``loss_fn(params)`` from ``x0`` (float64, 1-D); returns ``(params, loss, n_iter)``.
 
     ``with_grad``: ``loss_fn`` returns ``(loss, gradient)`` itself (an analytic gradient); otherwise
@@ -56,6 +60,11 @@ def minimize_lbfgs(loss_fn: Callable[[torch.Tensor], Union[torch.Tensor, tuple[t
         return float(loss.detach()), grad.detach().cpu().numpy().astype(np.float64)
 
     with one_blas_thread():
-        res = minimize(fun, x0.detach().cpu().double().numpy(), jac=True, method="L-BFGS-B",
-                       options={"maxiter": max_iter, "gtol": gtol, "ftol": 1e-15})
+        res = minimize(
+            fun,
+            x0.detach().cpu().double().numpy(),
+            jac=True,
+            method="L-BFGS-B",
+            options={"maxiter": max_iter, "gtol": gtol, "ftol": 1e-15},
+        )
     return torch.from_numpy(res.x).to(device), float(res.fun), int(res.nit)

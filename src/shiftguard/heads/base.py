@@ -80,8 +80,10 @@ class Head:
     def _no_validation(self, val_x, val_labels, what: Optional[str] = None) -> None:
         """Refuse ``val_*`` given to a head whose fit does not read them."""
         if val_x is not None or val_labels is not None:
-            raise ValueError(f"{what or 'val_' + self.input}: {type(self).__name__} does not use validation "
-                             "data (its fit reads the training data only); leave val_* unset")
+            raise ValueError(
+                f"{what or 'val_' + self.input}: {type(self).__name__} does not use validation "
+                "data (its fit reads the training data only); leave val_* unset"
+            )
 
     def _check_is_fitted(self) -> None:
         if not hasattr(self, "num_classes_"):
@@ -107,8 +109,9 @@ class EmbeddingHead(Head):
     input = "embeddings"
 
     # -- helpers for subclasses -----------------------------------------------------------------
-    def _check_fit_inputs(self, embeddings, labels, name="train_embeddings", label_name="train_labels",
-                          require_all_classes: bool = True):
+    def _check_fit_inputs(
+        self, embeddings, labels, name="train_embeddings", label_name="train_labels", require_all_classes: bool = True
+    ):
         emb = _compute_dtype(check_tensor(embeddings, name, ndim=2, floating=True, finite=True, nonempty=True))
         y = check_labels(labels, label_name, num_classes=self.num_classes)
         check_same_length([(name, emb), (label_name, y)])
@@ -131,8 +134,9 @@ class EmbeddingHead(Head):
             raise ValueError("val_embeddings and val_labels: give both or neither")
         if val_embeddings is None:
             return None, None
-        emb = _compute_dtype(check_tensor(val_embeddings, "val_embeddings", ndim=2, floating=True, finite=True,
-                                          nonempty=True))
+        emb = _compute_dtype(
+            check_tensor(val_embeddings, "val_embeddings", ndim=2, floating=True, finite=True, nonempty=True)
+        )
         y = check_labels(val_labels, "val_labels", num_classes=num_classes)
         check_same_length([("val_embeddings", emb), ("val_labels", y)])
         if emb.shape[1] != dim:

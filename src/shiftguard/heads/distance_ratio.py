@@ -40,12 +40,18 @@ _SQ_DIST_FLOOR = {torch.float64: 1e-300, torch.float32: 1e-37, torch.float16: 1e
 def _exact_sq_dists(x: torch.Tensor, reps: torch.Tensor, max_elems: int = 4_000_000) -> torch.Tensor:
     """``||x_i - r_c||^2`` by direct differences (exact 0 at a representative), chunked over rows."""
     rows = max(1, max_elems // max(1, reps.shape[0] * reps.shape[1]))
-    return torch.cat([(x[s:s + rows].unsqueeze(1) - reps.unsqueeze(0)).pow(2).sum(-1)
-                      for s in range(0, x.shape[0], rows)]) if x.shape[0] else x.new_zeros(0, reps.shape[0])
+    return (
+        torch.cat(
+            [(x[s : s + rows].unsqueeze(1) - reps.unsqueeze(0)).pow(2).sum(-1) for s in range(0, x.shape[0], rows)]
+        )
+        if x.shape[0]
+        else x.new_zeros(0, reps.shape[0])
+    )
 
 
-def distance_ratio_log_probs(embeddings: torch.Tensor, representatives: torch.Tensor,
-                             rho: torch.Tensor | float) -> torch.Tensor:
+def distance_ratio_log_probs(
+    embeddings: torch.Tensor, representatives: torch.Tensor, rho: torch.Tensor | float
+) -> torch.Tensor:
     """[Kim, Art. II, eq. (5)] in log space: ``log p (N, C)`` for embeddings ``(N, D)``, reps ``(C, D)``.
 
     Finite for every finite input: out-of-range magnitudes are rescaled by a common power of two
@@ -74,8 +80,13 @@ class DistanceRatioHead(EmbeddingHead):
 
     _param_names = ("init_log_rho", "num_classes")
 
-    def __init__(self, proxies: Optional[torch.Tensor] = None, init_log_rho: float = 2.0,
-                 max_iter: int = 100, num_classes: Optional[int] = None):
+    def __init__(
+        self,
+        proxies: Optional[torch.Tensor] = None,
+        init_log_rho: float = 2.0,
+        max_iter: int = 100,
+        num_classes: Optional[int] = None,
+    ):
         super().__init__(num_classes)
         self.proxies = proxies
         self.init_log_rho = float(init_log_rho)
@@ -83,8 +94,9 @@ class DistanceRatioHead(EmbeddingHead):
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         self._no_validation(val_embeddings, val_labels)
-        emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels,
-                                                     require_all_classes=self.proxies is None)
+        emb, y, num_classes = self._check_fit_inputs(
+            train_embeddings, train_labels, require_all_classes=self.proxies is None
+        )
         if self.proxies is not None:
             reps = check_tensor(self.proxies, "proxies", ndim=2, floating=True, finite=True, nonempty=True)
             if reps.shape[1] != emb.shape[1]:
@@ -113,13 +125,17 @@ class DistanceRatioHead(EmbeddingHead):
         log_d = 0.5 * torch.log(sq.clamp(min=_SQ_DIST_FLOOR[torch.float64]))
         theta, _, _ = minimize_lbfgs(
             lambda p: F.nll_loss(F.log_softmax(-torch.exp(p[0]) * log_d, dim=1), t),
-            torch.tensor([self.init_log_rho], dtype=torch.float64, device=x.device), max_iter=self.max_iter)
+            torch.tensor([self.init_log_rho], dtype=torch.float64, device=x.device),
+            max_iter=self.max_iter,
+        )
         self.rho_ = float(torch.exp(theta[0]))
         if not 0.0 < self.rho_ < math.inf:
             name = "val_embeddings" if val_emb is not None else "train_embeddings"
-            raise ValueError(f"{name}: the NLL of rho has no finite minimiser here (L-BFGS reached "
-                             f"ln rho = {float(theta[0]):.4g}); every point is much nearer its own class "
-                             "representative than the others, so the DR head cannot fit rho")
+            raise ValueError(
+                f"{name}: the NLL of rho has no finite minimiser here (L-BFGS reached "
+                f"ln rho = {float(theta[0]):.4g}); every point is much nearer its own class "
+                "representative than the others, so the DR head cannot fit rho"
+            )
         self.representatives_ = reps
         self.num_classes_ = num_classes
         return self

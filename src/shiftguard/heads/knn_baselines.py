@@ -51,13 +51,19 @@ class KNNHeadBase(EmbeddingHead):
 
     _param_names: tuple[str, ...] = ("k", "backend", "num_classes")
 
-    def __init__(self, k: int = 10, backend: str = "torch", num_classes: Optional[int] = None,
-                 searches: Optional[SearchCache] = None):
+    def __init__(
+        self,
+        k: int = 10,
+        backend: str = "torch",
+        num_classes: Optional[int] = None,
+        searches: Optional[SearchCache] = None,
+    ):
         super().__init__(num_classes)
         check_positive(k, "k", integer=True)
         if searches is not None and not isinstance(searches, SearchCache):
-            raise TypeError(f"searches: expected a shiftguard.neighbors.SearchCache or None, got "
-                            f"{type(searches).__name__}")
+            raise TypeError(
+                f"searches: expected a shiftguard.neighbors.SearchCache or None, got {type(searches).__name__}"
+            )
         self.k = k
         self.backend = backend
         self.searches = searches
@@ -108,8 +114,9 @@ class OneNN(KNNHeadBase):
 
     _param_names = ("backend", "num_classes")
 
-    def __init__(self, backend: str = "torch", num_classes: Optional[int] = None,
-                 searches: Optional[SearchCache] = None):
+    def __init__(
+        self, backend: str = "torch", num_classes: Optional[int] = None, searches: Optional[SearchCache] = None
+    ):
         super().__init__(k=1, backend=backend, num_classes=num_classes, searches=searches)
 
     def _neighbour_weights(self, sq_dist):
@@ -128,8 +135,14 @@ class WeightedKNN(KNNHeadBase):
 
     _param_names = ("k", "kind", "backend", "num_classes")
 
-    def __init__(self, k: int = 10, kind: str = "dudani", backend: str = "torch",
-                 num_classes: Optional[int] = None, searches: Optional[SearchCache] = None):
+    def __init__(
+        self,
+        k: int = 10,
+        kind: str = "dudani",
+        backend: str = "torch",
+        num_classes: Optional[int] = None,
+        searches: Optional[SearchCache] = None,
+    ):
         super().__init__(k=k, backend=backend, num_classes=num_classes, searches=searches)
         if kind not in ("dudani", "gou"):
             raise ValueError(f"kind: expected 'dudani' or 'gou', got {kind!r}")

@@ -42,8 +42,14 @@ class LogisticRegressionHead(EmbeddingHead):
 
     _param_names = ("C", "standardize", "max_iter", "num_classes")
 
-    def __init__(self, C: float = 1.0, standardize: bool = True, max_iter: int = 500,
-                 tol: float = 1e-6, num_classes: Optional[int] = None):
+    def __init__(
+        self,
+        C: float = 1.0,
+        standardize: bool = True,
+        max_iter: int = 500,
+        tol: float = 1e-6,
+        num_classes: Optional[int] = None,
+    ):
         super().__init__(num_classes)
         check_positive(C, "C")
         self.C = C
@@ -73,7 +79,7 @@ class LogisticRegressionHead(EmbeddingHead):
             # f = mean_i [logsumexp(z_i) - z_{i, y_i}] + ||W||^2 / (2 C n),  z = x W^T + b,
             # with its gradient df/dW = (softmax(z) - onehot(y))^T x / n + W / (C n), df/db = column sums / n.
             w = theta[: num_classes * d].view(num_classes, d)
-            b = theta[num_classes * d:]
+            b = theta[num_classes * d :]
             z = torch.addmm(b, x, w.t())
             lse = torch.logsumexp(z, dim=1)
             loss = (lse.sum() - z.gather(1, y.unsqueeze(1)).sum()) / n + 0.5 * (w * w).sum() / (self.C * n)
@@ -82,10 +88,11 @@ class LogisticRegressionHead(EmbeddingHead):
             return loss, torch.cat([grad_w.reshape(-1), g.sum(0)])
 
         theta0 = torch.zeros(num_classes * (d + 1), dtype=torch.float64, device=x.device)
-        theta, _, self.n_iter_ = minimize_lbfgs(objective, theta0, max_iter=self.max_iter, gtol=self.tol,
-                                                with_grad=True)
+        theta, _, self.n_iter_ = minimize_lbfgs(
+            objective, theta0, max_iter=self.max_iter, gtol=self.tol, with_grad=True
+        )
         self.coef_ = theta[: num_classes * d].view(num_classes, d).clone()
-        self.intercept_ = theta[num_classes * d:].clone()
+        self.intercept_ = theta[num_classes * d :].clone()
         self.num_classes_ = num_classes
         return self
 

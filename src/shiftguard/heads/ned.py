@@ -49,12 +49,16 @@ from shiftguard.neighbors import PrunedKNNIndex, SearchCache, knn_search
 __all__ = ["NED", "ned_probabilities", "ned_nll"]
 
 
-def ned_probabilities(sq_dist: torch.Tensor, nbr_labels: torch.Tensor, temperature: float,
-                      num_classes: int) -> torch.Tensor:
+def ned_probabilities(
+    sq_dist: torch.Tensor, nbr_labels: torch.Tensor, temperature: float, num_classes: int
+) -> torch.Tensor:
     """[NED, eq. (3)]: class probabilities ``(N, C)`` from sorted squared distances ``(N, k)``."""
     finfo = torch.finfo(sq_dist.dtype)
-    ordinary = finfo.tiny <= temperature <= finfo.max and bool(torch.isfinite(sq_dist).all()) and (
-        sq_dist.numel() == 0 or float(sq_dist.max()) / temperature < finfo.max)
+    ordinary = (
+        finfo.tiny <= temperature <= finfo.max
+        and bool(torch.isfinite(sq_dist).all())
+        and (sq_dist.numel() == 0 or float(sq_dist.max()) / temperature < finfo.max)
+    )
     if ordinary:
         w = torch.softmax(-sq_dist / temperature, dim=1)
     else:
@@ -113,9 +117,17 @@ class NED(KNNHeadBase):
     _param_names = ("k", "fit_mode", "holdout_fraction", "backend", "max_fit_queries", "num_classes")
     uses_validation = True
 
-    def __init__(self, k: int = 10, fit_mode: str = "loo", holdout_fraction: float = 0.2,
-                 backend: str = "torch", max_fit_queries: Optional[int] = 5000, seed: int = 0,
-                 num_classes: Optional[int] = None, searches: Optional[SearchCache] = None):
+    def __init__(
+        self,
+        k: int = 10,
+        fit_mode: str = "loo",
+        holdout_fraction: float = 0.2,
+        backend: str = "torch",
+        max_fit_queries: Optional[int] = 5000,
+        seed: int = 0,
+        num_classes: Optional[int] = None,
+        searches: Optional[SearchCache] = None,
+    ):
         super().__init__(k=k, backend=backend, num_classes=num_classes, searches=searches)
         if fit_mode not in ("loo", "holdout"):
             raise ValueError(f"fit_mode: expected 'loo' or 'holdout', got {fit_mode!r}")
@@ -154,8 +166,9 @@ class NED(KNNHeadBase):
             if self.k > n - 1:
                 raise ValueError(f"k: leave-one-out needs k <= {n - 1} (support size - 1), got {self.k}")
             rows = subset(n)
-            d, idx = knn_search(support[rows], support, self.k, backend=self.backend, exclude=rows,
-                                index=self.knn_index_)
+            d, idx = knn_search(
+                support[rows], support, self.k, backend=self.backend, exclude=rows, index=self.knn_index_
+            )
             same = y[idx] == y[rows].unsqueeze(1)
         elif val_emb is not None:
             rows = subset(val_emb.shape[0])
@@ -175,8 +188,10 @@ class NED(KNNHeadBase):
             temperature = float(ldexp(torch.tensor(temperature, dtype=torch.float64), 2 * e))
             if not 0.0 < temperature < math.inf:
                 m = float(self.support_embeddings_.abs().max())
-                raise ValueError(f"train_embeddings: values reach {m:.3g}; the fitted temperature in squared-"
-                                 f"distance units ({temperature:.3g}) is not a finite positive float64")
+                raise ValueError(
+                    f"train_embeddings: values reach {m:.3g}; the fitted temperature in squared-"
+                    f"distance units ({temperature:.3g}) is not a finite positive float64"
+                )
         self.temperature_ = temperature
         return self
 
@@ -192,8 +207,12 @@ class NED(KNNHeadBase):
             # and no value is preferred; keep the data scale (median squared neighbour distance).
             return scale, 0.0, n_excluded
         centre = math.log(scale)
-        res = minimize_scalar(lambda lt: ned_nll(sq_dist, same, lt), bounds=(centre - 12.0, centre + 12.0),
-                              method="bounded", options={"xatol": 1e-5})
+        res = minimize_scalar(
+            lambda lt: ned_nll(sq_dist, same, lt),
+            bounds=(centre - 12.0, centre + 12.0),
+            method="bounded",
+            options={"xatol": 1e-5},
+        )
         return float(math.exp(res.x)), float(res.fun), n_excluded
 
     def _neighbour_weights(self, sq_dist):

@@ -19,9 +19,16 @@ from shiftguard.nn import QuantileClassifier
 __all__ = ["QuantileClassifierHead", "fit_quantile_classifier"]
 
 
-def fit_quantile_classifier(classifier: QuantileClassifier, train_embeddings, train_labels, epochs: int = 30,
-                            batch_size: int = 256, lr: float = 1e-2, weight_decay: float = 0.0,
-                            seed: int = 0) -> QuantileClassifier:
+def fit_quantile_classifier(
+    classifier: QuantileClassifier,
+    train_embeddings,
+    train_labels,
+    epochs: int = 30,
+    batch_size: int = 256,
+    lr: float = 1e-2,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+) -> QuantileClassifier:
     """Train ``classifier`` in place on frozen training embeddings [QACT, Sec. 4, Remark] and return it.
 
     Adam on :meth:`QuantileClassifier.loss` [QACT, Sec. 3] over shuffled mini-batches; each mini-batch
@@ -69,7 +76,7 @@ def fit_quantile_classifier(classifier: QuantileClassifier, train_embeddings, tr
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen).to(weight.device)
             for start in range(0, n, batch_size):
-                idx = order[start:start + batch_size]
+                idx = order[start : start + batch_size]
                 if idx.numel() < 2:
                     continue
                 opt.zero_grad(set_to_none=True)
@@ -98,8 +105,12 @@ class QuantileClassifierHead(EmbeddingHead):
 
     _param_names = ("num_classes", "classifier_kwargs", "fit_kwargs")
 
-    def __init__(self, num_classes: Optional[int] = None, classifier_kwargs: Optional[dict[str, Any]] = None,
-                 fit_kwargs: Optional[dict[str, Any]] = None):
+    def __init__(
+        self,
+        num_classes: Optional[int] = None,
+        classifier_kwargs: Optional[dict[str, Any]] = None,
+        fit_kwargs: Optional[dict[str, Any]] = None,
+    ):
         super().__init__(num_classes)
         self.classifier_kwargs = dict(classifier_kwargs or {})
         self.fit_kwargs = dict(fit_kwargs or {})

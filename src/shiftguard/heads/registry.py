@@ -23,8 +23,17 @@ from shiftguard.heads.temperature import TemperatureScaling
 from shiftguard.neighbors import SearchCache, check_backend
 from shiftguard.registry import Registry
 
-__all__ = ["HEAD_NAMES", "LOGIT_HEADS", "EMBEDDING_HEADS", "HEAD_REGISTRY", "HeadEntry", "build_head",
-           "canonical_head", "head_class", "head_input"]
+__all__ = [
+    "HEAD_NAMES",
+    "LOGIT_HEADS",
+    "EMBEDDING_HEADS",
+    "HEAD_REGISTRY",
+    "HeadEntry",
+    "build_head",
+    "canonical_head",
+    "head_class",
+    "head_input",
+]
 
 
 @dataclass(frozen=True)
@@ -99,8 +108,9 @@ def head_input(name: str) -> str:
     return head_class(name).input
 
 
-def build_head(name: str, num_classes: int, k: int = 10, backend: str = "torch",
-               searches: Optional[SearchCache] = None) -> Head:
+def build_head(
+    name: str, num_classes: int, k: int = 10, backend: str = "torch", searches: Optional[SearchCache] = None
+) -> Head:
     """A fresh head ``name`` for ``num_classes`` classes; ``k`` neighbours, the kNN search's
     ``backend`` (``shiftguard.neighbors.BACKENDS``) and a shared ``searches`` cache
     (:class:`~shiftguard.neighbors.SearchCache`) for the kNN family (ned, knn, wknn, 1nn).

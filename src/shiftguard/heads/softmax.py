@@ -26,8 +26,10 @@ class SoftmaxHead(LogitHead):
         self._no_validation(val_logits, val_labels, "val_logits")
         if train_logits is None:
             if self.num_classes is None:
-                raise ValueError("train_logits: give the logits (their width is the number of classes) or "
-                                 "construct the head with num_classes")
+                raise ValueError(
+                    "train_logits: give the logits (their width is the number of classes) or "
+                    "construct the head with num_classes"
+                )
             self.num_classes_ = self.num_classes
             return self
         logits = check_tensor(train_logits, "train_logits", ndim=2, floating=True, finite=True)

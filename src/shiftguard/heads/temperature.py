@@ -22,8 +22,11 @@ def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, max_iter: int = 
     """The ``T`` minimising ``mean CE(logits / T, labels)`` (float64 L-BFGS over ``log T`` from 0)."""
     logits = logits.detach().double()
     labels = labels.to(logits.device)
-    params, _, _ = minimize_lbfgs(lambda p: F.cross_entropy(logits * torch.exp(-p[0]), labels),
-                                  torch.zeros(1, dtype=torch.float64), max_iter=max_iter)
+    params, _, _ = minimize_lbfgs(
+        lambda p: F.cross_entropy(logits * torch.exp(-p[0]), labels),
+        torch.zeros(1, dtype=torch.float64),
+        max_iter=max_iter,
+    )
     log_t = params[0]
     return float(torch.exp(log_t.detach()))
 
@@ -47,8 +50,12 @@ class TemperatureScaling(LogitHead):
     uses_validation = True
     needs_validation = True
 
-    def __init__(self, logit_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
-                 num_classes: Optional[int] = None, max_iter: int = 100):
+    def __init__(
+        self,
+        logit_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+        num_classes: Optional[int] = None,
+        max_iter: int = 100,
+    ):
         super().__init__(num_classes)
         self.logit_fn = logit_fn
         self.max_iter = max_iter
@@ -64,8 +71,11 @@ class TemperatureScaling(LogitHead):
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         if (val_embeddings is None) != (val_labels is None):
             raise ValueError("val_embeddings and val_labels: give both or neither")
-        x, y, name = ((val_embeddings, val_labels, "val_embeddings") if val_embeddings is not None
-                      else (train_embeddings, train_labels, "train_embeddings"))
+        x, y, name = (
+            (val_embeddings, val_labels, "val_embeddings")
+            if val_embeddings is not None
+            else (train_embeddings, train_labels, "train_embeddings")
+        )
         logits = self._logits(x, name)
         y = check_labels(y, name.replace("embeddings", "labels"), num_classes=logits.shape[1])
         check_same_length([(name, logits), ("labels", y)])

@@ -50,11 +50,33 @@ from shiftguard.losses.watershed import WatershedLoss
 from shiftguard.registry import Registry
 
 __all__ = [
-    "EmbeddingLoss", "WatershedLoss", "DRLoss", "ProxyDRLoss", "RecallAtKSurrogate", "SmoothAPLoss",
-    "MCInfoNCELoss", "HIBLoss", "ELKLoss", "NivMFProxyLoss", "PMLLoss", "CrossEntropyLoss", "dr_log_probs",
-    "sd_softmax_log_probs", "build_loss", "LOSS_NAMES", "LOSS_REGISTRY", "SPCELoss", "TightnessLoss",
-    "MomentumMeanClassifier", "ESupConLoss", "ESupConTerms", "InfoNCELoss",
-    "CORRLoss", "NormFaceLoss", "EMAProxies", "hierarchy_proxies",
+    "EmbeddingLoss",
+    "WatershedLoss",
+    "DRLoss",
+    "ProxyDRLoss",
+    "RecallAtKSurrogate",
+    "SmoothAPLoss",
+    "MCInfoNCELoss",
+    "HIBLoss",
+    "ELKLoss",
+    "NivMFProxyLoss",
+    "PMLLoss",
+    "CrossEntropyLoss",
+    "dr_log_probs",
+    "sd_softmax_log_probs",
+    "build_loss",
+    "LOSS_NAMES",
+    "LOSS_REGISTRY",
+    "SPCELoss",
+    "TightnessLoss",
+    "MomentumMeanClassifier",
+    "ESupConLoss",
+    "ESupConTerms",
+    "InfoNCELoss",
+    "CORRLoss",
+    "NormFaceLoss",
+    "EMAProxies",
+    "hierarchy_proxies",
 ]
 
 #: The losses :func:`build_loss` builds by name: ``name -> builder(embedding_dim, num_classes, **kw)``.
@@ -116,6 +138,7 @@ def _normalized_softmax(embedding_dim, num_classes, **kw):
 
 def _without_dims(cls: type) -> Callable[..., nn.Module]:
     """A builder for a loss without per-class parameters: the dimensions are not passed on."""
+
     def build(embedding_dim, num_classes, **kw):
         return cls(**kw)
 

@@ -49,8 +49,9 @@ __all__ = [
 DIST_EPS = 1e-10
 
 
-def validate_batch(embeddings, labels, *, min_dim: int = 1,
-                   check_values: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def validate_batch(
+    embeddings, labels, *, min_dim: int = 1, check_values: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate ``(embeddings (N, D) float finite, labels (N,) int)``; return them (labels as int64).
 
     ``check_values=False``: the finiteness and label-range checks (host synchronisations) are skipped."""

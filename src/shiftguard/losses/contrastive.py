@@ -48,8 +48,9 @@ def _check_dims(num_classes, embedding_dim) -> None:
     check_positive(embedding_dim, "embedding_dim", integer=True)
 
 
-def _check_batch_against(embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int, dim: int,
-                         check_values: bool = True) -> None:
+def _check_batch_against(
+    embeddings: torch.Tensor, labels: torch.Tensor, num_classes: int, dim: int, check_values: bool = True
+) -> None:
     """``ValueError`` naming ``labels`` / ``embeddings`` for labels ``>= num_classes`` (read only with
     ``check_values``: a host synchronisation) or a wrong width."""
     if check_values and labels.numel() and int(labels.max()) >= num_classes:
@@ -132,8 +133,15 @@ class SPCELoss(EmbeddingLoss):
     class_weights_: torch.Tensor
     fitted_: torch.Tensor
 
-    def __init__(self, num_classes: int, embedding_dim: int, *, temperature: float = 1.0, normalize: bool = False,
-                 validate_args: bool = True):
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        *,
+        temperature: float = 1.0,
+        normalize: bool = False,
+        validate_args: bool = True,
+    ):
         super().__init__(validate_args=validate_args)
         _check_dims(num_classes, embedding_dim)
         check_positive(temperature, "temperature")
@@ -145,8 +153,10 @@ class SPCELoss(EmbeddingLoss):
         self.register_buffer("fitted_", torch.tensor(False))
 
     def extra_repr(self) -> str:
-        return (f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
-                f"temperature={self.temperature}, normalize={self.normalize}")
+        return (
+            f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}, "
+            f"temperature={self.temperature}, normalize={self.normalize}"
+        )
 
     def _prepare(self, z: torch.Tensor) -> torch.Tensor:
         return normalize_rows(z) if self.normalize else z
@@ -172,8 +182,9 @@ class SPCELoss(EmbeddingLoss):
             msg = str(exc).replace("embeddings:", "reference:", 1).replace("labels:", "reference_labels:", 1)
             raise type(exc)(msg) from None
         if lab.numel() and int(lab.max()) >= self.num_classes:
-            raise ValueError(f"reference_labels: must be < num_classes={self.num_classes}, "
-                             f"got maximum {int(lab.max())}")
+            raise ValueError(
+                f"reference_labels: must be < num_classes={self.num_classes}, got maximum {int(lab.max())}"
+            )
         if ref.shape[1] != self.embedding_dim:
             raise ValueError(f"reference: expected {self.embedding_dim} features, got shape {tuple(ref.shape)}")
         z = self._prepare(ref.to(self.class_weights_.dtype))
@@ -225,8 +236,16 @@ class TightnessLoss(EmbeddingLoss):
         stop_gradient: detach the embeddings inside ``l_tt``.
     """
 
-    def __init__(self, num_classes: int, embedding_dim: int, *, base: Optional[nn.Module] = None,
-                 temperature: float = 1.0, stop_gradient: bool = True, validate_args: bool = True):
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        *,
+        base: Optional[nn.Module] = None,
+        temperature: float = 1.0,
+        stop_gradient: bool = True,
+        validate_args: bool = True,
+    ):
         super().__init__(validate_args=validate_args)
         _check_dims(num_classes, embedding_dim)
         check_positive(temperature, "temperature")
@@ -238,12 +257,13 @@ class TightnessLoss(EmbeddingLoss):
         self.prototypes = nn.Parameter(torch.zeros(num_classes, embedding_dim))
 
     def extra_repr(self) -> str:
-        return (f"num_classes={self.prototypes.shape[0]}, embedding_dim={self.prototypes.shape[1]}, "
-                f"temperature={self.temperature}, stop_gradient={self.stop_gradient}")
+        return (
+            f"num_classes={self.prototypes.shape[0]}, embedding_dim={self.prototypes.shape[1]}, "
+            f"temperature={self.temperature}, stop_gradient={self.stop_gradient}"
+        )
 
     def compute(self, embeddings, labels):
-        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1],
-                             self.validate_args)
+        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1], self.validate_args)
         z = normalize_rows(embeddings.detach() if self.stop_gradient else embeddings)
         theta = self.prototypes.to(z.dtype)
         loss = -(z * theta[labels]).sum(1).mean()
@@ -295,8 +315,10 @@ class MomentumMeanClassifier(nn.Module):
         self.register_buffer("steps_", torch.zeros((), dtype=torch.long))
 
     def extra_repr(self) -> str:
-        return (f"num_classes={self.prototypes.shape[0]}, embedding_dim={self.prototypes.shape[1]}, "
-                f"eta={self.eta}, temperature={self.temperature}")
+        return (
+            f"num_classes={self.prototypes.shape[0]}, embedding_dim={self.prototypes.shape[1]}, "
+            f"eta={self.eta}, temperature={self.temperature}"
+        )
 
     @torch.no_grad()
     def update(self, embeddings, labels) -> "MomentumMeanClassifier":
@@ -372,8 +394,7 @@ class ESupConLoss(EmbeddingLoss):
     sample or a single class still gives a finite loss (the prototype term always exists).
     """
 
-    def __init__(self, num_classes: int, embedding_dim: int, *, temperature: float = 0.1,
-                 validate_args: bool = True):
+    def __init__(self, num_classes: int, embedding_dim: int, *, temperature: float = 0.1, validate_args: bool = True):
         super().__init__(validate_args=validate_args)
         _check_dims(num_classes, embedding_dim)
         check_positive(temperature, "temperature")
@@ -381,8 +402,10 @@ class ESupConLoss(EmbeddingLoss):
         self.prototypes = nn.Parameter(torch.randn(num_classes, embedding_dim) / math.sqrt(embedding_dim))
 
     def extra_repr(self) -> str:
-        return (f"num_classes={self.prototypes.shape[0]}, embedding_dim={self.prototypes.shape[1]}, "
-                f"temperature={self.temperature}")
+        return (
+            f"num_classes={self.prototypes.shape[0]}, embedding_dim={self.prototypes.shape[1]}, "
+            f"temperature={self.temperature}"
+        )
 
     def _terms(self, embeddings: torch.Tensor, labels: torch.Tensor) -> ESupConTerms:
         m = embeddings.shape[0]
@@ -414,8 +437,7 @@ class ESupConLoss(EmbeddingLoss):
         return self._terms(emb, lab)
 
     def compute(self, embeddings, labels):
-        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1],
-                             self.validate_args)
+        _check_batch_against(embeddings, labels, self.prototypes.shape[0], self.prototypes.shape[1], self.validate_args)
         t = self._terms(embeddings, labels)
         k = self.prototypes.shape[0]
         counts = torch.bincount(labels, minlength=k).to(t.prototype.dtype)  # 2N_k

@@ -61,8 +61,10 @@ def sd_softmax_log_probs(distances: torch.Tensor) -> torch.Tensor:
     sq = distances.pow(2)
     if bool((torch.isinf(sq) & torch.isfinite(distances)).any()):
         big = float(distances[torch.isfinite(distances)].abs().max())
-        raise ValueError(f"distances: values reach {big:.3g}; their squares overflow {distances.dtype} "
-                         "in the squared-distance softmax [Kim, Art. II, eq. (4)]")
+        raise ValueError(
+            f"distances: values reach {big:.3g}; their squares overflow {distances.dtype} "
+            "in the squared-distance softmax [Kim, Art. II, eq. (4)]"
+        )
     return torch.log_softmax(-sq, dim=-1)
 
 
@@ -107,8 +109,10 @@ def leave_one_out_prototype_distances(embeddings: torch.Tensor, labels: torch.Te
         dist, target, valid = _loo_prototype_distances(wide, labels, eps)
         out = dist.to(embeddings.dtype)
         if not bool(torch.isfinite(out).all()):
-            raise ValueError(f"embeddings: values reach {float(embeddings.detach().abs().max()):.3g}; "
-                             f"the prototype distances overflow {embeddings.dtype}")
+            raise ValueError(
+                f"embeddings: values reach {float(embeddings.detach().abs().max()):.3g}; "
+                f"the prototype distances overflow {embeddings.dtype}"
+            )
         return out, target, valid
     return _loo_prototype_distances(embeddings, labels, eps)
 

@@ -87,13 +87,17 @@ def hierarchy_proxies(
         evals, evecs = torch.linalg.eigh(sim)
         tol = 1e-9 * max(1.0, float(evals.abs().max()))
         if float(evals.min()) < -tol:
-            raise ValueError(f"hierarchy: its similarity 1 - d_LCS is not positive semi-definite (eigenvalue "
-                             f"{float(evals.min()):.3g}); use height='longest' or method='mds'")
+            raise ValueError(
+                f"hierarchy: its similarity 1 - d_LCS is not positive semi-definite (eigenvalue "
+                f"{float(evals.min()):.3g}); use height='longest' or method='mds'"
+            )
         keep = evals > tol
         rank = int(keep.sum())
         if rank > embedding_dim:
-            raise ValueError(f"embedding_dim: the hierarchy's similarity has rank {rank}; exact proxies need "
-                             f"embedding_dim >= {rank}, got {embedding_dim} (method='mds' fits any dimension)")
+            raise ValueError(
+                f"embedding_dim: the hierarchy's similarity has rank {rank}; exact proxies need "
+                f"embedding_dim >= {rank}, got {embedding_dim} (method='mds' fits any dimension)"
+            )
         factor = evecs[:, keep] * evals[keep].sqrt()
         out = torch.zeros(hierarchy.num_classes, embedding_dim, dtype=torch.float64)
         out[:, :rank] = factor
@@ -155,8 +159,7 @@ class EMAProxies(nn.Module):
 
     proxies: torch.Tensor
 
-    def __init__(self, num_classes: int, embedding_dim: int, alpha: float = 0.001,
-                 init: Optional[torch.Tensor] = None):
+    def __init__(self, num_classes: int, embedding_dim: int, alpha: float = 0.001, init: Optional[torch.Tensor] = None):
         super().__init__()
         check_positive(num_classes, "num_classes", integer=True)
         check_positive(embedding_dim, "embedding_dim", integer=True)
@@ -183,8 +186,9 @@ class EMAProxies(nn.Module):
         ema_proxy_update_(self.proxies, emb, lab, self.alpha)
 
 
-def _check_against_proxies(embeddings: torch.Tensor, labels: torch.Tensor, proxies: torch.Tensor,
-                           check_values: bool = True) -> None:
+def _check_against_proxies(
+    embeddings: torch.Tensor, labels: torch.Tensor, proxies: torch.Tensor, check_values: bool = True
+) -> None:
     # the label bound reads a value (a host synchronisation): only with check_values (validate_args)
     if check_values and int(labels.max()) >= proxies.shape[0]:
         raise ValueError(f"labels: must be < num_classes={proxies.shape[0]}, got {int(labels.max())}")
@@ -209,9 +213,16 @@ class CORRLoss(EmbeddingLoss):
 
     proxies: torch.Tensor
 
-    def __init__(self, hierarchy: Optional[ClassHierarchy] = None, num_classes: Optional[int] = None,
-                 embedding_dim: Optional[int] = None, proxies: Union[str, torch.Tensor] = "similarity", *,
-                 validate_args: bool = True, **proxy_kw):
+    def __init__(
+        self,
+        hierarchy: Optional[ClassHierarchy] = None,
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        proxies: Union[str, torch.Tensor] = "similarity",
+        *,
+        validate_args: bool = True,
+        **proxy_kw,
+    ):
         super().__init__(validate_args=validate_args)
         if hierarchy is None:
             if num_classes is None:
@@ -227,8 +238,9 @@ class CORRLoss(EmbeddingLoss):
         else:
             w = check_tensor(proxies, "proxies", ndim=2, floating=True, finite=True).detach().double()
             if w.shape[0] != hierarchy.num_classes or (embedding_dim is not None and w.shape[1] != embedding_dim):
-                raise ValueError(f"proxies: expected shape ({hierarchy.num_classes}, {embedding_dim or 'D'}), "
-                                 f"got {tuple(w.shape)}")
+                raise ValueError(
+                    f"proxies: expected shape ({hierarchy.num_classes}, {embedding_dim or 'D'}), got {tuple(w.shape)}"
+                )
             if bool((w.norm(dim=1) == 0).any()):
                 raise ValueError("proxies: a zero row has no direction")
             w = F.normalize(w, dim=1)
@@ -307,9 +319,19 @@ class NormFaceLoss(EmbeddingLoss):
     _adam_v: torch.Tensor
     _adam_t: torch.Tensor
 
-    def __init__(self, num_classes: int, embedding_dim: int, scale: float = 10.0, dynamic: bool = False,
-                 dynamic_rule: str = "adam", dynamic_lr: float = 0.01, ema_alpha: Optional[float] = None,
-                 proxies: Optional[torch.Tensor] = None, *, validate_args: bool = True):
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        scale: float = 10.0,
+        dynamic: bool = False,
+        dynamic_rule: str = "adam",
+        dynamic_lr: float = 0.01,
+        ema_alpha: Optional[float] = None,
+        proxies: Optional[torch.Tensor] = None,
+        *,
+        validate_args: bool = True,
+    ):
         super().__init__(validate_args=validate_args)
         check_positive(num_classes, "num_classes", integer=True)
         check_positive(embedding_dim, "embedding_dim", integer=True)
@@ -318,8 +340,9 @@ class NormFaceLoss(EmbeddingLoss):
         if dynamic_rule not in ("adam", "adacos"):
             raise ValueError(f"dynamic_rule: expected 'adam' or 'adacos', got {dynamic_rule!r}")
         if dynamic and num_classes < 3 and dynamic_rule == "adacos":
-            raise ValueError(f"num_classes: the AdaCos scale needs at least 3 classes (ln(C - 1) > 0), "
-                             f"got {num_classes}")
+            raise ValueError(
+                f"num_classes: the AdaCos scale needs at least 3 classes (ln(C - 1) > 0), got {num_classes}"
+            )
         if dynamic and num_classes < 2:
             raise ValueError(f"num_classes: the dynamic scale needs at least 2 classes, got {num_classes}")
         if proxies is not None and ema_alpha is not None:
@@ -338,8 +361,11 @@ class NormFaceLoss(EmbeddingLoss):
         else:
             self.weight = nn.Parameter(torch.randn(num_classes, embedding_dim))
         if dynamic:
-            s0 = (math.sqrt(2.0) * math.log(num_classes - 1) if dynamic_rule == "adacos"
-                  else normface_initial_scale(num_classes))
+            s0 = (
+                math.sqrt(2.0) * math.log(num_classes - 1)
+                if dynamic_rule == "adacos"
+                else normface_initial_scale(num_classes)
+            )
         else:
             s0 = float(scale)
         self.register_buffer("scale", torch.tensor(s0, dtype=torch.float64))
@@ -354,8 +380,10 @@ class NormFaceLoss(EmbeddingLoss):
 
     def extra_repr(self) -> str:
         w = self.proxies
-        return (f"num_classes={w.shape[0]}, embedding_dim={w.shape[1]}, scale={float(self.scale):.4g}, "
-                f"dynamic={self.dynamic}, ema={self.ema is not None}")
+        return (
+            f"num_classes={w.shape[0]}, embedding_dim={w.shape[1]}, scale={float(self.scale):.4g}, "
+            f"dynamic={self.dynamic}, ema={self.ema is not None}"
+        )
 
     def cosines(self, embeddings: torch.Tensor) -> torch.Tensor:
         """``cos theta_y`` ``(N, C)`` between normalised embeddings and normalised proxies."""

@@ -40,8 +40,15 @@ __all__ = ["PMLLoss", "CrossEntropyLoss", "make_pml_loss", "PML_LOSSES"]
 class PMLLoss(EmbeddingLoss):
     """Wrap a pytorch-metric-learning loss (and optional miner) as ``loss(embeddings, labels) -> scalar``."""
 
-    def __init__(self, loss: nn.Module, miner: Optional[nn.Module] = None, num_classes: Optional[int] = None,
-                 embedding_dim: Optional[int] = None, *, validate_args: bool = True):
+    def __init__(
+        self,
+        loss: nn.Module,
+        miner: Optional[nn.Module] = None,
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        *,
+        validate_args: bool = True,
+    ):
         super().__init__(validate_args=validate_args)
         self.loss = loss
         self.miner = miner
@@ -50,8 +57,9 @@ class PMLLoss(EmbeddingLoss):
 
     def compute(self, embeddings, labels):
         if self.embedding_dim is not None and embeddings.shape[1] != self.embedding_dim:
-            raise ValueError(f"embeddings: expected {self.embedding_dim} features (embedding_dim), "
-                             f"got {embeddings.shape[1]}")
+            raise ValueError(
+                f"embeddings: expected {self.embedding_dim} features (embedding_dim), got {embeddings.shape[1]}"
+            )
         if self.validate_args and self.num_classes is not None and int(labels.max()) >= self.num_classes:
             raise ValueError(f"labels: must be < num_classes={self.num_classes}, got {int(labels.max())}")
         if self.miner is not None:
@@ -71,8 +79,10 @@ class CrossEntropyLoss(EmbeddingLoss):
 
     def compute(self, embeddings, labels):
         if embeddings.shape[1] != self.classifier.in_features:
-            raise ValueError(f"embeddings: expected {self.classifier.in_features} features (embedding_dim), "
-                             f"got {embeddings.shape[1]}")
+            raise ValueError(
+                f"embeddings: expected {self.classifier.in_features} features (embedding_dim), "
+                f"got {embeddings.shape[1]}"
+            )
         if self.validate_args and int(labels.max()) >= self.classifier.out_features:
             raise ValueError(f"labels: must be < num_classes={self.classifier.out_features}, got {int(labels.max())}")
         w = self.classifier.weight.to(embeddings.dtype)
@@ -100,8 +110,7 @@ def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: O
         miner = pml_miners.TripletMarginMiner(margin=margin, type_of_triplets=kw.pop("type_of_triplets", "semihard"))
         return PMLLoss(pml_losses.TripletMarginLoss(margin=margin, **kw), miner, validate_args=validate_args)
     if name == "supcon":
-        return PMLLoss(pml_losses.SupConLoss(temperature=kw.pop("temperature", 0.1), **kw),
-                       validate_args=validate_args)
+        return PMLLoss(pml_losses.SupConLoss(temperature=kw.pop("temperature", 0.1), **kw), validate_args=validate_args)
     _need(embedding_dim, num_classes, name)
     if name == "proxy_nca":
         loss = pml_losses.ProxyNCALoss(num_classes, embedding_dim, **kw)
@@ -110,11 +119,13 @@ def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: O
         check_positive(temperature, "temperature")
         loss = pml_losses.ProxyNCALoss(num_classes, embedding_dim, softmax_scale=1.0 / temperature, **kw)
     elif name == "proxy_anchor":
-        loss = pml_losses.ProxyAnchorLoss(num_classes, embedding_dim, margin=kw.pop("margin", 0.1),
-                                          alpha=kw.pop("alpha", 32), **kw)
+        loss = pml_losses.ProxyAnchorLoss(
+            num_classes, embedding_dim, margin=kw.pop("margin", 0.1), alpha=kw.pop("alpha", 32), **kw
+        )
     elif name == "normface":
-        loss = pml_losses.NormalizedSoftmaxLoss(num_classes, embedding_dim, temperature=kw.pop("temperature", 0.05),
-                                                **kw)
+        loss = pml_losses.NormalizedSoftmaxLoss(
+            num_classes, embedding_dim, temperature=kw.pop("temperature", 0.05), **kw
+        )
     else:  # pragma: no cover - guarded by the registry
         raise ValueError(f"name: unknown pytorch-metric-learning loss {name!r}")
     return PMLLoss(loss, num_classes=num_classes, embedding_dim=embedding_dim, validate_args=validate_args)

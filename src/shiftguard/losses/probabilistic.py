@@ -87,9 +87,11 @@ def _split_vmf_large(embeddings: torch.Tensor, large: torch.Tensor, eps: float):
     norm_scaled = (scaled.pow(2).sum(1) + eps * 2.0 ** (-2 * k)).sqrt()  # the eps term may underflow: exact limit
     big_kappa = ldexp(norm_scaled, k)
     if not bool(torch.isfinite(big_kappa).all()):
-        raise ValueError(f"embeddings: row norms exceed the {embeddings.dtype} range (values reach "
-                         f"{float(big.detach().abs().max()):.3g}); the vMF concentration kappa = ||e|| "
-                         "[Kirchhof, App. A, Sec. 3.2] is not representable")
+        raise ValueError(
+            f"embeddings: row norms exceed the {embeddings.dtype} range (values reach "
+            f"{float(big.detach().abs().max()):.3g}); the vMF concentration kappa = ||e|| "
+            "[Kirchhof, App. A, Sec. 3.2] is not representable"
+        )
     mu = torch.empty_like(embeddings)
     kappa = embeddings.new_empty(embeddings.shape[0])
     mu = mu.index_put((large,), scaled / norm_scaled.unsqueeze(1))
@@ -109,8 +111,9 @@ def _finite_loss(loss: torch.Tensor, embeddings: torch.Tensor, check: bool = Tru
     return loss
 
 
-def draw_vmf_samples(mu: torch.Tensor, kappa: torch.Tensor, n_samples: int,
-                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def draw_vmf_samples(
+    mu: torch.Tensor, kappa: torch.Tensor, n_samples: int, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """``n_samples`` reparametrised vMF samples per row, shape ``(n_samples, N, D)`` (via ``sample_vmf``)."""
     z = sample_vmf(mu, kappa, n_samples, generator=generator)
     n, d = mu.shape
@@ -118,8 +121,9 @@ def draw_vmf_samples(mu: torch.Tensor, kappa: torch.Tensor, n_samples: int,
         return z
     if z.shape == (n, n_samples, d):
         return z.transpose(0, 1)
-    raise RuntimeError(f"sample_vmf returned shape {tuple(z.shape)}; expected ({n_samples}, {n}, {d}) or "
-                       f"({n}, {n_samples}, {d})")
+    raise RuntimeError(
+        f"sample_vmf returned shape {tuple(z.shape)}; expected ({n_samples}, {n}, {d}) or ({n}, {n_samples}, {d})"
+    )
 
 
 def _pairs_and_negatives(labels: torch.Tensor):
@@ -158,8 +162,14 @@ class MCInfoNCELoss(_VMFSampleLoss):
     are skipped; a batch with neither gives an exact 0.
     """
 
-    def __init__(self, kappa_pos: float = 20.0, n_samples: int = 16, generator: Optional[torch.Generator] = None,
-                 *, validate_args: bool = True):
+    def __init__(
+        self,
+        kappa_pos: float = 20.0,
+        n_samples: int = 16,
+        generator: Optional[torch.Generator] = None,
+        *,
+        validate_args: bool = True,
+    ):
         super().__init__(n_samples, generator, validate_args)
         check_positive(kappa_pos, "kappa_pos")
         self.kappa_pos = float(kappa_pos)
@@ -191,8 +201,15 @@ class HIBLoss(_VMFSampleLoss):
         n_samples: MC samples per embedding (8, within the 5-10 range [Kirchhof] cites for HIB).
     """
 
-    def __init__(self, a: float = 4.0, b: float = -2.0, n_samples: int = 8,
-                 generator: Optional[torch.Generator] = None, *, validate_args: bool = True):
+    def __init__(
+        self,
+        a: float = 4.0,
+        b: float = -2.0,
+        n_samples: int = 8,
+        generator: Optional[torch.Generator] = None,
+        *,
+        validate_args: bool = True,
+    ):
         super().__init__(n_samples, generator, validate_args)
         check_positive(a, "a")
         if not math.isfinite(b):
@@ -233,10 +250,15 @@ def el_vmf_distance(mu1, kappa1, mu2, kappa2) -> torch.Tensor:
     if e:
         norm_sum = ldexp(norm_sum, e)
         if not bool(torch.isfinite(norm_sum).all()):
-            raise ValueError(f"kappa1, kappa2: concentrations reach {top:.3g}; ||kappa1 mu1 + kappa2 mu2|| "
-                             f"exceeds the {kappa1.dtype} range")
-    return (log_vmf_normalizer(norm_sum, d) - log_vmf_normalizer(kappa1, d).unsqueeze(1)
-            - log_vmf_normalizer(kappa2, d).unsqueeze(0))
+            raise ValueError(
+                f"kappa1, kappa2: concentrations reach {top:.3g}; ||kappa1 mu1 + kappa2 mu2|| "
+                f"exceeds the {kappa1.dtype} range"
+            )
+    return (
+        log_vmf_normalizer(norm_sum, d)
+        - log_vmf_normalizer(kappa1, d).unsqueeze(1)
+        - log_vmf_normalizer(kappa2, d).unsqueeze(0)
+    )
 
 
 class ELKLoss(EmbeddingLoss):
@@ -262,8 +284,10 @@ class ELKLoss(EmbeddingLoss):
             return zero_loss(embeddings)
         mu, kappa = split_vmf(embeddings)
         if not bool(torch.isfinite(2.0 * kappa.detach()).all()):
-            raise ValueError(f"embeddings: row norms reach {float(kappa.detach().max()):.3g}; the sum of two "
-                             f"concentrations in d_EL-vMF [Kirchhof, eq. (35)] exceeds the {kappa.dtype} range")
+            raise ValueError(
+                f"embeddings: row norms reach {float(kappa.detach().max()):.3g}; the sum of two "
+                f"concentrations in d_EL-vMF [Kirchhof, eq. (35)] exceeds the {kappa.dtype} range"
+            )
         logits = -self.kappa_pos * el_vmf_distance(mu, kappa, mu, kappa)  # (N, N)
         lse_neg = torch.logsumexp(logits.masked_fill(~neg, float("-inf")), dim=1)
         pos = logits[a_idx, p_idx]
@@ -299,9 +323,17 @@ class NivMFProxyLoss(_VMFSampleLoss):
     "N ~ 10").
     """
 
-    def __init__(self, num_classes: int, embedding_dim: int, n_samples: int = 10, init_kappa: float = 16.0,
-                 init_temperature: float = 1.0, generator: Optional[torch.Generator] = None, *,
-                 validate_args: bool = True):
+    def __init__(
+        self,
+        num_classes: int,
+        embedding_dim: int,
+        n_samples: int = 10,
+        init_kappa: float = 16.0,
+        init_temperature: float = 1.0,
+        generator: Optional[torch.Generator] = None,
+        *,
+        validate_args: bool = True,
+    ):
         super().__init__(n_samples, generator, validate_args)
         check_positive(num_classes, "num_classes", integer=True)
         check_positive(embedding_dim, "embedding_dim", integer=True)

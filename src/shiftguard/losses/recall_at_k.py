@@ -91,9 +91,17 @@ class RecallAtKSurrogate(EmbeddingLoss):
     Zero-norm embeddings normalise to zero (all similarities 0): finite.
     """
 
-    def __init__(self, k: Optional[Sequence[int]] = None, tau1: float = 1.0, tau2: float = 0.01,
-                 simix: bool = False, normalize: bool = True, generator: Optional[torch.Generator] = None, *,
-                 validate_args: bool = True):
+    def __init__(
+        self,
+        k: Optional[Sequence[int]] = None,
+        tau1: float = 1.0,
+        tau2: float = 0.01,
+        simix: bool = False,
+        normalize: bool = True,
+        generator: Optional[torch.Generator] = None,
+        *,
+        validate_args: bool = True,
+    ):
         super().__init__(validate_args=validate_args)
         ks = tuple(DEFAULT_K_SIMIX if simix else DEFAULT_K) if k is None else tuple(k)
         if not ks:

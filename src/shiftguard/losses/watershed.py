@@ -117,8 +117,12 @@ def watershed_propagate(dist: torch.Tensor, seeds: torch.Tensor, seed_labels: to
     if _numba.AVAILABLE:
         out = np.full(n, -1, dtype=np.int64)
         if seeds.numel():
-            _grow_forest(np.ascontiguousarray(d), seeds.cpu().numpy().astype(np.int64),
-                         seed_labels.cpu().numpy().astype(np.int64), out)
+            _grow_forest(
+                np.ascontiguousarray(d),
+                seeds.cpu().numpy().astype(np.int64),
+                seed_labels.cpu().numpy().astype(np.int64),
+                out,
+            )
         return torch.as_tensor(out, device=seed_labels.device)
     return _scipy_forest(d, seeds, seed_labels)
 
@@ -156,8 +160,9 @@ class WatershedLoss(EmbeddingLoss):
     Bad batches: a single class or only singleton classes -> exact 0 (no pair to contrast).
     """
 
-    def __init__(self, n_seeds_per_class: int = 1, generator: Optional[torch.Generator] = None, *,
-                 validate_args: bool = True):
+    def __init__(
+        self, n_seeds_per_class: int = 1, generator: Optional[torch.Generator] = None, *, validate_args: bool = True
+    ):
         super().__init__(validate_args=validate_args)
         check_positive(n_seeds_per_class, "n_seeds_per_class", integer=True)
         self.n_seeds_per_class = n_seeds_per_class
@@ -183,9 +188,14 @@ class WatershedLoss(EmbeddingLoss):
         # nn_dist[i, l] = min_{j in S_l, j != i} ||f_i - f_j||: an (N, N) -> (N, C) scatter-min, never (N, N, C).
         masked = torch.where(in_set, dist, torch.full_like(dist, big))
         nn_dist = torch.full((n, n_cls), big, dtype=dist.dtype, device=dist.device).scatter_reduce(
-            1, target.unsqueeze(0).expand(n, n), masked, reduce="amin", include_self=True)
-        available = torch.zeros((n, n_cls), dtype=dist.dtype, device=dist.device).scatter_reduce(
-            1, target.unsqueeze(0).expand(n, n), in_set.to(dist.dtype), reduce="amax", include_self=True) > 0
+            1, target.unsqueeze(0).expand(n, n), masked, reduce="amin", include_self=True
+        )
+        available = (
+            torch.zeros((n, n_cls), dtype=dist.dtype, device=dist.device).scatter_reduce(
+                1, target.unsqueeze(0).expand(n, n), in_set.to(dist.dtype), reduce="amax", include_self=True
+            )
+            > 0
+        )
         valid = available.gather(1, target.unsqueeze(1)).squeeze(1)
         if not bool(valid.any()):
             return zero_loss(embeddings)

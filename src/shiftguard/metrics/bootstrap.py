@@ -70,7 +70,8 @@ def _counts(idx: torch.Tensor, n: int, device, dtype=torch.float64) -> torch.Ten
     """Resampling counts ``(rows, n)``: entry ``[b, i]`` = how often image ``i`` occurs in resample ``b``."""
     idx = idx.to(device)
     return torch.zeros(idx.shape[0], n, dtype=dtype, device=device).scatter_add_(
-        1, idx, torch.ones(idx.shape, dtype=dtype, device=device))
+        1, idx, torch.ones(idx.shape, dtype=dtype, device=device)
+    )
 
 
 def _percentile_interval(replicates: torch.Tensor, level: float) -> tuple[float, float]:
@@ -79,8 +80,9 @@ def _percentile_interval(replicates: torch.Tensor, level: float) -> tuple[float,
     return float(lo), float(hi)
 
 
-def bootstrap_ci(statistic: Callable[[torch.Tensor], float], n: int, *, n_boot: int = 1000,
-                 level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ci(
+    statistic: Callable[[torch.Tensor], float], n: int, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
     """Percentile bootstrap interval of any statistic of ``n`` test images.
 
     Args:
@@ -132,8 +134,7 @@ def _as_rows(x, name: str) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() == 1 else t
 
 
-def bootstrap_mean_ci(values, *, n_boot: int = 1000, level: float = 0.95,
-                      seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_mean_ci(values, *, n_boot: int = 1000, level: float = 0.95, seed: int = 0) -> tuple[float, float, float]:
     """Percentile bootstrap interval of a mean score over test images, rows resampled jointly.
 
     Args:
@@ -158,7 +159,7 @@ def bootstrap_mean_ci(values, *, n_boot: int = 1000, level: float = 0.95,
     check_tensor(v, "values", finite=True)
     _check_common(n_boot, level, seed)
     m, n = v.shape
-    col = v.sum(0)                                   # (n,): per-image sum over rows
+    col = v.sum(0)  # (n,): per-image sum over rows
     total = m * n
     estimate = float(col.sum() / total)
     reps = [_counts(block, n, v.device) @ col / total for block in _resample_blocks(n, n_boot, seed)]
@@ -166,8 +167,9 @@ def bootstrap_mean_ci(values, *, n_boot: int = 1000, level: float = 0.95,
     return estimate, lo, hi
 
 
-def bootstrap_ece_ci(confidence, correct, *, n_bins: int = 15, n_boot: int = 1000, level: float = 0.95,
-                     seed: int = 0) -> tuple[float, float, float]:
+def bootstrap_ece_ci(
+    confidence, correct, *, n_bins: int = 15, n_boot: int = 1000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float, float]:
     """Percentile bootstrap interval of the top-label ECE with equal-width bins, images resampled.
 
     The ECE is that of :func:`shiftguard.metrics.ece` with ``kind="top-label"``, ``binning="width"``
@@ -212,12 +214,14 @@ def bootstrap_ece_ci(confidence, correct, *, n_bins: int = 15, n_boot: int = 100
     flat_conf, flat_hit = conf.reshape(-1), hit.reshape(-1)
     estimate = calibration_error_1d(flat_conf, flat_hit, n_bins, "width")
     bins, _ = bin_assignments(flat_conf, n_bins, "width")
-    image = torch.arange(n, device=conf.device).repeat(m)           # image of each flattened pair
+    image = torch.arange(n, device=conf.device).repeat(m)  # image of each flattened pair
     # gap[i, k] = sum over the pairs of image i that fall in bin k of (hit - conf).
-    gap = torch.zeros(n * n_bins, dtype=torch.float64, device=conf.device).index_add_(
-        0, image * n_bins + bins, flat_hit - flat_conf).reshape(n, n_bins)
+    gap = (
+        torch.zeros(n * n_bins, dtype=torch.float64, device=conf.device)
+        .index_add_(0, image * n_bins + bins, flat_hit - flat_conf)
+        .reshape(n, n_bins)
+    )
     total = m * n
-    reps = [(_counts(block, n, conf.device) @ gap).abs().sum(1) / total
-            for block in _resample_blocks(n, n_boot, seed)]
+    reps = [(_counts(block, n, conf.device) @ gap).abs().sum(1) / total for block in _resample_blocks(n, n_boot, seed)]
     lo, hi = _percentile_interval(torch.cat(reps), level)
     return estimate, lo, hi

@@ -56,7 +56,7 @@ def bin_assignments(scores: torch.Tensor, n_bins: int, binning: str = "width"):
     # numpy.array_split sizes: the first n % parts groups hold one extra element.
     sizes = torch.full((parts,), n // parts, dtype=torch.long)
     sizes[: n % parts] += 1
-    ends = torch.cumsum(sizes, 0)[:-1].to(s.device)            # first index of groups 2..parts
+    ends = torch.cumsum(sizes, 0)[:-1].to(s.device)  # first index of groups 2..parts
     bounds = (sorted_s[ends - 1] + sorted_s[ends]) / 2.0
     bounds = torch.unique(torch.cat([bounds, torch.ones(1, dtype=s.dtype, device=s.device)]))
     idx = torch.searchsorted(bounds, s, right=False).clamp_(max=bounds.numel() - 1)
@@ -68,22 +68,30 @@ def binned_statistics(scores: torch.Tensor, hits: torch.Tensor, n_bins: int, bin
     idx, upper = bin_assignments(scores, n_bins, binning)
     nb = upper.numel()
     count = torch.zeros(nb, dtype=torch.float64, device=scores.device).index_add_(
-        0, idx, torch.ones_like(scores, dtype=torch.float64))
+        0, idx, torch.ones_like(scores, dtype=torch.float64)
+    )
     conf = torch.zeros_like(count).index_add_(0, idx, scores.double())
     acc = torch.zeros_like(count).index_add_(0, idx, hits.double())
     safe = count.clamp(min=1)
     return count, conf / safe, acc / safe, upper
 
 
-def calibration_error_1d(scores: torch.Tensor, hits: torch.Tensor, n_bins: int = 15, binning: str = "width",
-                         p: int = 1, debiased: bool = False) -> float:
+def calibration_error_1d(
+    scores: torch.Tensor,
+    hits: torch.Tensor,
+    n_bins: int = 15,
+    binning: str = "width",
+    p: int = 1,
+    debiased: bool = False,
+) -> float:
     """Binned calibration error of scores in [0, 1] against 0/1 outcomes (the ``ce_1d`` of Kumar et al.)."""
     count, conf, acc, _ = binned_statistics(scores, hits, n_bins, binning)
     return float(_error_from_bins(count, conf, acc, p, debiased))
 
 
-def _error_from_bins(count: torch.Tensor, conf: torch.Tensor, acc: torch.Tensor, p: int,
-                     debiased: bool) -> torch.Tensor:
+def _error_from_bins(
+    count: torch.Tensor, conf: torch.Tensor, acc: torch.Tensor, p: int, debiased: bool
+) -> torch.Tensor:
     """The calibration error of each row of per-bin ``(count, mean score, mean hit)`` (``(..., bins)``):
     ``(sum_b w_b |acc_b - conf_b|^p)^(1/p)``, or Kumar et al.'s debiased L2 estimate."""
     weight = count / count.sum(-1, keepdim=True)
@@ -94,8 +102,9 @@ def _error_from_bins(count: torch.Tensor, conf: torch.Tensor, acc: torch.Tensor,
     return (weight * (acc - conf).abs().pow(p)).sum(-1).pow(1.0 / p)
 
 
-def _marginal_width_errors(prob: torch.Tensor, onehot: torch.Tensor, n_bins: int, p: int,
-                           debiased: bool) -> torch.Tensor:
+def _marginal_width_errors(
+    prob: torch.Tensor, onehot: torch.Tensor, n_bins: int, p: int, debiased: bool
+) -> torch.Tensor:
     """:func:`calibration_error_1d` of every class's column with equal-width bins, ``(C,)``: the
     same bins (``bin_assignments`` of all the scores at once) and per-bin sums, one pass for all
     classes instead of one per class."""
@@ -108,12 +117,23 @@ def _marginal_width_errors(prob: torch.Tensor, onehot: torch.Tensor, n_bins: int
     conf = zeros.index_add(0, flat, scores.reshape(-1).double())
     acc = zeros.index_add(0, flat, onehot.t().reshape(-1).double())
     safe = count.clamp(min=1)
-    return _error_from_bins(count.view(c, n_bins), (conf / safe).view(c, n_bins), (acc / safe).view(c, n_bins),
-                            p, debiased)
+    return _error_from_bins(
+        count.view(c, n_bins), (conf / safe).view(c, n_bins), (acc / safe).view(c, n_bins), p, debiased
+    )
 
 
-def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str = "width",
-        p: int = 1, debiased: bool = False, one_vs_rest: bool = False, *, validate_args: bool = True) -> float:
+def ece(
+    probs,
+    labels,
+    n_bins: int = 15,
+    kind: str = "top-label",
+    binning: str = "width",
+    p: int = 1,
+    debiased: bool = False,
+    one_vs_rest: bool = False,
+    *,
+    validate_args: bool = True,
+) -> float:
     """Expected calibration error of ``probs (N, C)`` against ``labels (N,)`` (see module docstring).
 
     Args:
@@ -149,8 +169,11 @@ def ece(probs, labels, n_bins: int = 15, kind: str = "top-label", binning: str =
     if binning == "width":
         per_class = _marginal_width_errors(prob, onehot, n_bins, p, debiased).pow(p)
     else:  # equal-mass bins are each class's own
-        per_class = torch.tensor([
-            calibration_error_1d(prob[:, c], onehot[:, c], n_bins, binning, p, debiased) ** p
-            for c in range(prob.shape[1])
-        ], dtype=torch.float64)
+        per_class = torch.tensor(
+            [
+                calibration_error_1d(prob[:, c], onehot[:, c], n_bins, binning, p, debiased) ** p
+                for c in range(prob.shape[1])
+            ],
+            dtype=torch.float64,
+        )
     return float(per_class.mean() ** (1.0 / p))

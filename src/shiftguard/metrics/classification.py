@@ -14,8 +14,14 @@ from shiftguard._validation import check_labels, check_probabilities, check_same
 __all__ = ["accuracy", "nll", "brier", "check_probs_labels"]
 
 
-def check_probs_labels(probs, labels, probs_name: str = "probs", labels_name: str = "labels", simplex: bool = True,
-                       validate_args: bool = True):
+def check_probs_labels(
+    probs,
+    labels,
+    probs_name: str = "probs",
+    labels_name: str = "labels",
+    simplex: bool = True,
+    validate_args: bool = True,
+):
     """Validate ``probs (N, C)`` (rows on the simplex unless ``simplex=False``) and ``labels (N,)`` in ``[0, C)``
     (the value checks only with ``validate_args``; the shapes always)."""
     p = check_probabilities(probs, probs_name, simplex=simplex, check_values=validate_args)

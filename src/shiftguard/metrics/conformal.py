@@ -62,8 +62,9 @@ def set_sizes(sets) -> dict:
     return {"mean": float(size.mean()), "median": float(size.median()), "empty": float((size == 0).double().mean())}
 
 
-def size_stratified_coverage(sets, labels, alpha: float,
-                             strata: Sequence[tuple[int, int]] = DEFAULT_SIZE_STRATA) -> dict:
+def size_stratified_coverage(
+    sets, labels, alpha: float, strata: Sequence[tuple[int, int]] = DEFAULT_SIZE_STRATA
+) -> dict:
     """Coverage within strata of set size and their worst deviation from ``1 - alpha``.
 
     Returns ``{"strata": [{"sizes": (lo, hi), "n": count, "coverage": float}], "sscv": float}``;
@@ -100,5 +101,4 @@ def class_coverage_gap(sets, labels, alpha: float) -> dict:
         mask = y == c
         per.append(float(hit[mask].mean()) if bool(mask.any()) else math.nan)
     dev = [abs(c - (1.0 - a)) for c in per if not math.isnan(c)]
-    return {"gap": sum(dev) / len(dev) if dev else math.nan, "worst": max(dev) if dev else math.nan,
-            "per_class": per}
+    return {"gap": sum(dev) / len(dev) if dev else math.nan, "worst": max(dev) if dev else math.nan, "per_class": per}

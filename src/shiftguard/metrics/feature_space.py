@@ -101,8 +101,9 @@ def embedding_change_ratios(x_origin, x_new, labels, support: Optional[torch.Ten
     else:
         sup = torch.as_tensor(support, device=a.device)
         if sup.dtype != torch.bool or sup.shape != y.shape:
-            raise ValueError(f"support: expected a bool mask of shape {tuple(y.shape)}, got "
-                             f"{sup.dtype} {tuple(sup.shape)}")
+            raise ValueError(
+                f"support: expected a bool mask of shape {tuple(y.shape)}, got {sup.dtype} {tuple(sup.shape)}"
+            )
         qry = ~sup
         if not bool(qry.any()):
             raise ValueError("support: every point is a support point; there is no query")

@@ -187,7 +187,7 @@ def hierarchical_similarity_at_k(
     hs_sums = {k: 0.0 for k in cuts}
     ahs_sum = 0.0
     for start in range(0, q.shape[0], chunk_size):
-        qb, yb = q[start:start + chunk_size], y[start:start + chunk_size]
+        qb, yb = q[start : start + chunk_size], y[start : start + chunk_size]
         dist = torch.cdist(qb.double(), r.double())
         if self_ref:
             rows = torch.arange(qb.shape[0], device=q.device)
@@ -213,8 +213,9 @@ def _average_ranks(x: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(rankdata(x.detach().cpu().numpy(), axis=1), dtype=torch.float64)
 
 
-def mean_rank_correlation(learned, reference, include_diagonal: bool = False,
-                          skip_constant_reference: bool = False) -> float:
+def mean_rank_correlation(
+    learned, reference, include_diagonal: bool = False, skip_constant_reference: bool = False
+) -> float:
     """Mean correlation (MC) of two distance matrices [Kim, Art. IV, "Mean correlations"; Ch. 5.1].
 
     Spearman's rank correlation between the c-th rows of ``learned`` and ``reference`` (both ``(C, C)``),
@@ -234,8 +235,9 @@ def mean_rank_correlation(learned, reference, include_diagonal: bool = False,
     a = check_tensor(learned, "learned", ndim=2, finite=True).double()
     b = check_tensor(reference, "reference", ndim=2, finite=True).double()
     if a.shape != b.shape or a.shape[0] != a.shape[1]:
-        raise ValueError(f"learned, reference: expected two square matrices of one shape, got "
-                         f"{tuple(a.shape)} and {tuple(b.shape)}")
+        raise ValueError(
+            f"learned, reference: expected two square matrices of one shape, got {tuple(a.shape)} and {tuple(b.shape)}"
+        )
     c = a.shape[0]
     if c < 3:
         raise ValueError(f"learned: need at least 3 classes for a rank correlation per row, got {c}")
@@ -259,8 +261,11 @@ def mean_rank_correlation(learned, reference, include_diagonal: bool = False,
     # rho = <u, v> for the unit centred rank vectors, written as 1 - |u - v|^2 / 2 so that equal ranks give
     # exactly 1 (and reversed ranks exactly -1): arctanh is infinite there and must not see 1 - 1e-16.
     u, v = ra / na.unsqueeze(1), rb / nb.unsqueeze(1)
-    rho = torch.where((u - v).abs().sum(1) <= (u + v).abs().sum(1),
-                      1.0 - (u - v).pow(2).sum(1) / 2.0, (u + v).pow(2).sum(1) / 2.0 - 1.0).clamp(-1.0, 1.0)
+    rho = torch.where(
+        (u - v).abs().sum(1) <= (u + v).abs().sum(1),
+        1.0 - (u - v).pow(2).sum(1) / 2.0,
+        (u + v).pow(2).sum(1) / 2.0 - 1.0,
+    ).clamp(-1.0, 1.0)
     z = torch.atanh(rho)
     if bool(torch.isposinf(z).any()) and bool(torch.isneginf(z).any()):
         raise ValueError("learned: some rows correlate at +1 and others at -1; the Fisher mean is undefined")
@@ -286,9 +291,14 @@ def class_prototypes(embeddings, labels, num_classes: int, normalize: bool = Tru
     return torch.nn.functional.normalize(mu, dim=1) if normalize else mu
 
 
-def representative_correlation(representatives, hierarchy: HierarchyLike, normalize: bool = True,
-                               include_diagonal: bool = False, skip_constant_reference: bool = False,
-                               decimals: Optional[int] = None) -> float:
+def representative_correlation(
+    representatives,
+    hierarchy: HierarchyLike,
+    normalize: bool = True,
+    include_diagonal: bool = False,
+    skip_constant_reference: bool = False,
+    decimals: Optional[int] = None,
+) -> float:
     """Mean correlation between the class representatives' distances and ``d_H`` [Kim, Art. IV].
 
     ``representatives``: ``(C, D)`` proxies or prototypes (row c represents class c); ``D_L`` is their
@@ -306,12 +316,14 @@ def representative_correlation(representatives, hierarchy: HierarchyLike, normal
     d_l = torch.cdist(w, w)
     if decimals is not None:
         d_l = torch.round(d_l, decimals=int(decimals))
-    return mean_rank_correlation(d_l, d_h, include_diagonal=include_diagonal,
-                                 skip_constant_reference=skip_constant_reference)
+    return mean_rank_correlation(
+        d_l, d_h, include_diagonal=include_diagonal, skip_constant_reference=skip_constant_reference
+    )
 
 
-def hierarchy_metrics(scores, labels, hierarchy: HierarchyLike, ks: Sequence[int] = (1, 5),
-                      hp_ks: Sequence[int] = (5,)) -> dict[str, float]:
+def hierarchy_metrics(
+    scores, labels, hierarchy: HierarchyLike, ks: Sequence[int] = (1, 5), hp_ks: Sequence[int] = (5,)
+) -> dict[str, float]:
     """Top-k accuracy and AHD@k for every k in ``ks``, and HP@k for every k in ``hp_ks``, from class
     scores ``(N, C)``.
 

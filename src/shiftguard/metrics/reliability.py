@@ -32,8 +32,13 @@ class ReliabilityData:
     ece: float
 
     def as_dict(self) -> dict:
-        return {"bin_edges": self.bin_edges.tolist(), "confidence": self.confidence.tolist(),
-                "accuracy": self.accuracy.tolist(), "counts": self.counts.tolist(), "ece": self.ece}
+        return {
+            "bin_edges": self.bin_edges.tolist(),
+            "confidence": self.confidence.tolist(),
+            "accuracy": self.accuracy.tolist(),
+            "counts": self.counts.tolist(),
+            "ece": self.ece,
+        }
 
 
 def _draw(data: ReliabilityData, title: Optional[str]):
@@ -49,11 +54,28 @@ def _draw(data: ReliabilityData, title: Optional[str]):
     acc = torch.nan_to_num(data.accuracy).numpy()
     conf = torch.nan_to_num(data.confidence).numpy()
     filled = data.counts.numpy() > 0
-    ax.bar(left[filled], acc[filled], width=width[filled], align="edge", color="tab:blue",
-           edgecolor="black", label="accuracy")
+    ax.bar(
+        left[filled],
+        acc[filled],
+        width=width[filled],
+        align="edge",
+        color="tab:blue",
+        edgecolor="black",
+        label="accuracy",
+    )
     gap_lo = acc.clip(max=conf)
-    ax.bar(left[filled], (abs(conf - acc))[filled], bottom=gap_lo[filled], width=width[filled], align="edge",
-           color="tab:red", alpha=0.35, edgecolor="tab:red", hatch="//", label="gap to confidence")
+    ax.bar(
+        left[filled],
+        (abs(conf - acc))[filled],
+        bottom=gap_lo[filled],
+        width=width[filled],
+        align="edge",
+        color="tab:red",
+        alpha=0.35,
+        edgecolor="tab:red",
+        hatch="//",
+        label="gap to confidence",
+    )
     ax.plot([0, 1], [0, 1], "k--", lw=1, label="perfect calibration")
     ax.set_ylim(0, 1)
     ax.set_ylabel("accuracy")
@@ -67,8 +89,9 @@ def _draw(data: ReliabilityData, title: Optional[str]):
     return fig
 
 
-def reliability_diagram(probs, labels, n_bins: int = 15, binning: str = "width", path=None,
-                        title: Optional[str] = None) -> ReliabilityData:
+def reliability_diagram(
+    probs, labels, n_bins: int = 15, binning: str = "width", path=None, title: Optional[str] = None
+) -> ReliabilityData:
     """Bin the top-label confidence and return the diagram's data; draw it to ``path`` (PNG) if given.
 
     Args:

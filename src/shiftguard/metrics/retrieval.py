@@ -49,8 +49,9 @@ __all__ = ["retrieval_metrics"]
 _BYTES_PER_ENTRY = 128
 
 
-def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int],
-               r_metrics: bool = True) -> dict[str, torch.Tensor]:
+def _per_query(
+    rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int], r_metrics: bool = True
+) -> dict[str, torch.Tensor]:
     """Per-query metric values ``(Q,)`` float64 from the relevance matrix ``rel (Q, L)`` (bool) and
     ``R_q (Q,)`` (``L >= R_q`` with ``r_metrics``; ``L >= max(ks)``).
 
@@ -59,8 +60,8 @@ def _per_query(rel: torch.Tensor, r: torch.Tensor, ks: Sequence[int],
     length = rel.shape[1]
     relf = rel.double()
     pos = torch.arange(1, length + 1, device=rel.device, dtype=torch.float64)
-    cum = relf.cumsum(1)                     # relevant among the first j (exact integers)
-    ap_cum = (cum / pos * relf).cumsum(1)    # sum_{i<=j} P@i rel_i
+    cum = relf.cumsum(1)  # relevant among the first j (exact integers)
+    ap_cum = (cum / pos * relf).cumsum(1)  # sum_{i<=j} P@i rel_i
     rd = r.double()
     out = {"precision@1": relf[:, 0]}
     if r_metrics:
@@ -92,9 +93,15 @@ def _check_ks(ks) -> list[int]:
     return out
 
 
-def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), backend: str = "auto",
-                      memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES, r_metrics: bool = True,
-                      return_nearest: bool = False):
+def retrieval_metrics(
+    embeddings,
+    labels,
+    ks: Sequence[int] = (1, 2, 4, 8),
+    backend: str = "auto",
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    r_metrics: bool = True,
+    return_nearest: bool = False,
+):
     """Recall@K, MAP@K, MAP@R, R-precision and precision@1 of ``embeddings (N, D)`` (see module doc).
 
     Args:
@@ -137,12 +144,16 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
     n = emb.shape[0]
     if max(ks) > n - 1:
         raise ValueError(f"ks: cut-off {max(ks)} exceeds the {n - 1} other samples")
-    r_all = torch.bincount(y)[y] - 1                                        # R_q per query
+    r_all = torch.bincount(y)[y] - 1  # R_q per query
     used = torch.nonzero(r_all > 0).squeeze(1)
     if used.numel() == 0:
         raise ValueError("labels: every class has a single sample; no query has a relevant neighbour")
-    keys = ([f"recall@{k}" for k in ks] + [f"map@{k}" for k in ks]
-            + (["map@r", "r_precision"] if r_metrics else []) + ["precision@1"])
+    keys = (
+        [f"recall@{k}" for k in ks]
+        + [f"map@{k}" for k in ks]
+        + (["map@r", "r_precision"] if r_metrics else [])
+        + ["precision@1"]
+    )
     # Per-query values of the non-lone queries, in the order of ``used``; nothing else is kept.
     per_query = {key: torch.empty(used.numel(), dtype=torch.float64, device=emb.device) for key in keys}
     index = KNNIndex(emb, backend)  # what every query chunk searches against, built once
@@ -167,7 +178,7 @@ def retrieval_metrics(embeddings, labels, ks: Sequence[int] = (1, 2, 4, 8), back
         while rows > 1 and rows * list_length(start + rows - 1) * _BYTES_PER_ENTRY > memory_budget_bytes:
             rows //= 2
         length = list_length(start + rows - 1)
-        pos = order[start:start + rows]
+        pos = order[start : start + rows]
         q_rows = used[pos]
         _, idx = index.search(emb[q_rows], length, exclude=q_rows, memory_budget_bytes=memory_budget_bytes)
         if nearest is not None:

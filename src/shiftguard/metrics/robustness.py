@@ -70,8 +70,10 @@ def _cells(x, name: str) -> dict[tuple[Hashable, Hashable], float]:
     other types or a mapping that mixes both forms, ``ValueError`` for an empty mapping or a bad cell.
     """
     if not isinstance(x, Mapping):
-        raise TypeError(f"{name}: expected a mapping {{(corruption, severity): value}} or "
-                        f"{{corruption: [values by severity]}}, got {type(x).__name__}")
+        raise TypeError(
+            f"{name}: expected a mapping {{(corruption, severity): value}} or "
+            f"{{corruption: [values by severity]}}, got {type(x).__name__}"
+        )
     if len(x) == 0:
         raise ValueError(f"{name}: expected at least one cell, got an empty mapping")
     cells: dict[tuple[Hashable, Hashable], float] = {}
@@ -85,8 +87,9 @@ def _cells(x, name: str) -> dict[tuple[Hashable, Hashable], float]:
             if t.dim() == 1:
                 seq = t
             elif t.dim() > 1:
-                raise ValueError(f"{name}: value for {key!r} should be a number or a 1-D sequence, "
-                                 f"got shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"{name}: value for {key!r} should be a number or a 1-D sequence, got shape {tuple(t.shape)}"
+                )
         if seq is not None:
             forms.add("sequence")
             if len(seq) == 0:
@@ -138,8 +141,10 @@ def mean_corruption_accuracy(accuracy) -> float:
         severities = list(dict.fromkeys(s for sev in by_c.values() for s in sev))
         missing = [(c, s) for c in by_c for s in severities if s not in by_c[c]]
         if missing:
-            raise ValueError(f"accuracy: the cells do not form a complete corruptions x severities grid; "
-                             f"missing {_format_cells(missing)}")
+            raise ValueError(
+                f"accuracy: the cells do not form a complete corruptions x severities grid; "
+                f"missing {_format_cells(missing)}"
+            )
         values = [v for sev in by_c.values() for v in sev.values()]
         return math.fsum(values) / len(values)
     if isinstance(accuracy, (list, tuple)):
@@ -158,8 +163,9 @@ def mean_corruption_accuracy(accuracy) -> float:
     bad = ~torch.isfinite(t) | (t < 0) | (t > 1)
     if bool(bad.any()):
         i, j = (int(k) for k in bad.nonzero()[0])
-        raise ValueError(f"accuracy: cell (corruption {i}, severity index {j}) = {float(t[i, j])} is not a "
-                         f"finite value in [0, 1]")
+        raise ValueError(
+            f"accuracy: cell (corruption {i}, severity index {j}) = {float(t[i, j])} is not a finite value in [0, 1]"
+        )
     return float(t.mean())
 
 
@@ -204,8 +210,9 @@ def corruption_errors(errors, baseline_errors, *, clean_error=None, baseline_cle
             parts.append(f"only in errors: {_format_cells(only_f)}")
         if only_b:
             parts.append(f"only in baseline_errors: {_format_cells(only_b)}")
-        raise ValueError("errors, baseline_errors: must cover the same (corruption, severity) cells; "
-                         + "; ".join(parts))
+        raise ValueError(
+            "errors, baseline_errors: must cover the same (corruption, severity) cells; " + "; ".join(parts)
+        )
     if (clean_error is None) != (baseline_clean_error is None):
         missing = "baseline_clean_error" if baseline_clean_error is None else "clean_error"
         raise ValueError(f"{missing}: the relative CE needs both clean_error and baseline_clean_error")
@@ -217,8 +224,7 @@ def corruption_errors(errors, baseline_errors, *, clean_error=None, baseline_cle
         e_clean = _cell_value(clean_error, "clean_error")
         b_clean = _cell_value(baseline_clean_error, "baseline_clean_error")
         rce = {
-            c: _ratio(math.fsum(v - e_clean for v in sev.values()),
-                      math.fsum(base_c[c][s] - b_clean for s in sev))
+            c: _ratio(math.fsum(v - e_clean for v in sev.values()), math.fsum(base_c[c][s] - b_clean for s in sev))
             for c, sev in by_c.items()
         }
         out["relative_ce"] = rce

@@ -114,10 +114,10 @@ def aurc(uncertainty, is_error) -> float:
     _, inverse, counts = torch.unique_consecutive(us, return_inverse=True, return_counts=True)
     group_err = torch.zeros(counts.numel(), dtype=torch.float64, device=us.device).index_add_(0, inverse, es)
     group_end = torch.cumsum(counts, 0)
-    err_before = torch.cumsum(group_err, 0) - group_err                 # errors in earlier groups
-    start = group_end - counts                                           # accepted before the group
+    err_before = torch.cumsum(group_err, 0) - group_err  # errors in earlier groups
+    start = group_end - counts  # accepted before the group
     pos = torch.arange(1, n + 1, device=us.device, dtype=torch.float64)  # coverage count i
-    within = pos - start[inverse].double()                               # 1..size inside the group
+    within = pos - start[inverse].double()  # 1..size inside the group
     expected_err = err_before[inverse] + group_err[inverse] * within / counts[inverse].double()
     return float((expected_err / pos).mean())
 

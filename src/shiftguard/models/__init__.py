@@ -28,15 +28,29 @@ from .resnet import ResNet, resnet18
 from .vgg import VGG, vgg11, vgg16
 
 __all__ = [
-    "ACTIVATIONS", "MODELS", "EmbeddingClassifier", "LeNet5", "MLP", "ResNet", "VGG", "DenseNet",
-    "resnet18", "vgg11", "vgg16", "densenet121", "build_model", "build_user_model", "model_names",
+    "ACTIVATIONS",
+    "MODELS",
+    "EmbeddingClassifier",
+    "LeNet5",
+    "MLP",
+    "ResNet",
+    "VGG",
+    "DenseNet",
+    "resnet18",
+    "vgg11",
+    "vgg16",
+    "densenet121",
+    "build_model",
+    "build_user_model",
+    "model_names",
     "MODEL_REGISTRY",
 ]
 
 #: The architectures :func:`build_model` builds by name: ``name -> constructor``. Names are matched
 #: ignoring case, ``-`` and ``_``; ``lenet5``, ``resnet`` and ``densenet`` are aliases.
 MODEL_REGISTRY: Registry[Callable[..., EmbeddingClassifier]] = Registry(
-    "model", argument="arch", hint="or a factory 'package.module:function'")
+    "model", argument="arch", hint="or a factory 'package.module:function'"
+)
 MODEL_REGISTRY.register("lenet", LeNet5, aliases=("lenet5",))
 MODEL_REGISTRY.register("mlp", MLP)
 MODEL_REGISTRY.register("resnet18", resnet18, aliases=("resnet",))
@@ -54,8 +68,15 @@ def model_names() -> list[str]:
     return MODEL_REGISTRY.names()
 
 
-def build_model(name: str, activation: str = "relu", num_classes: int = 10, in_channels: int = 1, *,
-                example_input: Optional[torch.Tensor] = None, **kw) -> nn.Module:
+def build_model(
+    name: str,
+    activation: str = "relu",
+    num_classes: int = 10,
+    in_channels: int = 1,
+    *,
+    example_input: Optional[torch.Tensor] = None,
+    **kw,
+) -> nn.Module:
     """Build a registered architecture by name (see :data:`MODEL_REGISTRY`), or a user factory.
 
     Registered names: extra keywords go to the constructor (``embedding_dim``, ``width`` for LeNet,
@@ -122,8 +143,10 @@ def _resolve_factory(spec: str, what: str) -> Callable:
     try:
         obj = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"{what} {spec!r}: cannot import module {module_name!r} ({exc}); it must be importable "
-                         "from sys.path or the current directory") from None
+        raise ValueError(
+            f"{what} {spec!r}: cannot import module {module_name!r} ({exc}); it must be importable "
+            "from sys.path or the current directory"
+        ) from None
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}")
@@ -141,19 +164,31 @@ def _accepted(factory: Callable, offered: dict) -> dict:
         return {}
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return dict(offered)
-    takes = {n for n, p in params.items() if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                         inspect.Parameter.KEYWORD_ONLY)}
+    takes = {
+        n
+        for n, p in params.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
     return {k: v for k, v in offered.items() if k in takes}
 
 
-def build_user_model(spec: str, activation: str = "relu", num_classes: int = 10, in_channels: int = 1, *,
-                     example_input: Optional[torch.Tensor] = None, what: str = "arch", **kw) -> nn.Module:
+def build_user_model(
+    spec: str,
+    activation: str = "relu",
+    num_classes: int = 10,
+    in_channels: int = 1,
+    *,
+    example_input: Optional[torch.Tensor] = None,
+    what: str = "arch",
+    **kw,
+) -> nn.Module:
     """``build_model`` for a factory spec ``"package.module:factory"``; errors name ``what`` (the
     config key or command-line option the spec came from)."""
     with _cwd_importable():
         factory = _resolve_factory(spec, what)
-        implicit = _accepted(factory, {"num_classes": num_classes, "in_channels": in_channels,
-                                       "activation": activation})
+        implicit = _accepted(
+            factory, {"num_classes": num_classes, "in_channels": in_channels, "activation": activation}
+        )
         converted = "activation" not in implicit and str(activation).lower() != "relu"
         activation_kwargs = None
         if converted and "activation_kwargs" in kw and not _accepted(factory, {"activation_kwargs": None}):
@@ -162,8 +197,10 @@ def build_user_model(spec: str, activation: str = "relu", num_classes: int = 10,
         try:  # a TypeError raised inside the factory is the factory's own and keeps its traceback
             inspect.signature(factory).bind(**implicit, **kw)
         except TypeError as exc:
-            raise ValueError(f"{what} {spec!r}: the factory does not take these arguments ({exc}); "
-                             f"passed: {', '.join(sorted({**implicit, **kw})) or 'none'}") from None
+            raise ValueError(
+                f"{what} {spec!r}: the factory does not take these arguments ({exc}); "
+                f"passed: {', '.join(sorted({**implicit, **kw})) or 'none'}"
+            ) from None
         except ValueError:  # no introspectable signature: the call itself checks
             pass
         model = factory(**implicit, **kw)
@@ -173,12 +210,18 @@ def build_user_model(spec: str, activation: str = "relu", num_classes: int = 10,
         try:
             from shiftguard.nn import convert_activations
         except ImportError:
-            raise ValueError(f"{what} {spec!r}: activation {activation!r} needs shiftguard.nn.convert_activations, "
-                             "which this installation lacks; use activation = 'relu' or a factory taking "
-                             "an activation argument") from None
+            raise ValueError(
+                f"{what} {spec!r}: activation {activation!r} needs shiftguard.nn.convert_activations, "
+                "which this installation lacks; use activation = 'relu' or a factory taking "
+                "an activation argument"
+            ) from None
         try:
-            model = convert_activations(model, to=str(activation).lower(), example_input=example_input,
-                                        **check_activation_kwargs(activation_kwargs))
+            model = convert_activations(
+                model,
+                to=str(activation).lower(),
+                example_input=example_input,
+                **check_activation_kwargs(activation_kwargs),
+            )
         except (ValueError, TypeError) as exc:  # e.g. an activation name or argument it does not know
             if isinstance(exc, TypeError) and activation_kwargs is None:
                 raise

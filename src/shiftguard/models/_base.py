@@ -27,8 +27,14 @@ from shiftguard.nn.qact import ACTIVATION_REGISTRY
 
 ACTIVATIONS = ACTIVATION_NAMES  # the names shiftguard.nn.make_activation builds
 
-__all__ = ["ACTIVATIONS", "EmbeddingClassifier", "activation", "norm_activation", "check_activation",
-           "check_activation_kwargs"]
+__all__ = [
+    "ACTIVATIONS",
+    "EmbeddingClassifier",
+    "activation",
+    "norm_activation",
+    "check_activation",
+    "check_activation_kwargs",
+]
 
 
 def check_activation(name: str) -> str:

@@ -20,7 +20,8 @@ class DenseLayer(nn.Module):
     def __init__(self, in_ch: int, growth: int, act: str, bn_size: int = 4, act_kwargs: dict | None = None):
         super().__init__()
         self.body = nn.Sequential(
-            norm_activation(act, in_ch, kwargs=act_kwargs), nn.Conv2d(in_ch, bn_size * growth, 1, bias=False),
+            norm_activation(act, in_ch, kwargs=act_kwargs),
+            nn.Conv2d(in_ch, bn_size * growth, 1, bias=False),
             norm_activation(act, bn_size * growth, kwargs=act_kwargs),
             nn.Conv2d(bn_size * growth, growth, 3, padding=1, bias=False),
         )
@@ -31,8 +32,9 @@ class DenseLayer(nn.Module):
 
 class Transition(nn.Sequential):
     def __init__(self, in_ch: int, out_ch: int, act: str, act_kwargs: dict | None = None):
-        super().__init__(norm_activation(act, in_ch, kwargs=act_kwargs), nn.Conv2d(in_ch, out_ch, 1, bias=False),
-                         nn.AvgPool2d(2))
+        super().__init__(
+            norm_activation(act, in_ch, kwargs=act_kwargs), nn.Conv2d(in_ch, out_ch, 1, bias=False), nn.AvgPool2d(2)
+        )
 
 
 class DenseNet(EmbeddingClassifier):

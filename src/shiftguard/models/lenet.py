@@ -43,14 +43,21 @@ class LeNet5(EmbeddingClassifier):
         c1, c2, h = 6 * width, 16 * width, 120 * width
         self.features = nn.Sequential(
             # padding=2 keeps the classic 32x32 geometry for 28x28 MNIST digits.
-            nn.Conv2d(in_channels, c1, 5, padding=2), make_act(self.activation, c1, kw), MaxPool2d(2),
-            nn.Conv2d(c1, c2, 5), make_act(self.activation, c2, kw), MaxPool2d(2),
+            nn.Conv2d(in_channels, c1, 5, padding=2),
+            make_act(self.activation, c1, kw),
+            MaxPool2d(2),
+            nn.Conv2d(c1, c2, 5),
+            make_act(self.activation, c2, kw),
+            MaxPool2d(2),
             # 28x28 gives 5x5 here already; 32x32 gives 6x6: pool to the classic 5x5.
-            AdaptiveAvgPool2d(5), nn.Flatten(),
+            AdaptiveAvgPool2d(5),
+            nn.Flatten(),
         )
         self.fc = nn.Sequential(
-            nn.Linear(c2 * 25, h), make_act(self.activation, h, kw),
-            nn.Linear(h, embedding_dim), make_act(self.activation, embedding_dim, kw),
+            nn.Linear(c2 * 25, h),
+            make_act(self.activation, h, kw),
+            nn.Linear(h, embedding_dim),
+            make_act(self.activation, embedding_dim, kw),
         )
         self.embedding_dim = int(embedding_dim)
         self.classifier = nn.Linear(self.embedding_dim, num_classes)

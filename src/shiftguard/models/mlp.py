@@ -52,7 +52,5 @@ class MLP(EmbeddingClassifier):
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 4 and x[0].numel() != self.in_features:
-            raise ValueError(
-                f"x: expected {self.in_features} values per sample, got shape {tuple(x.shape)}"
-            )
+            raise ValueError(f"x: expected {self.in_features} values per sample, got shape {tuple(x.shape)}")
         return self.body(x)

@@ -53,8 +53,10 @@ class ResNet(EmbeddingClassifier):
         check_channels(in_channels, num_classes)
         self.activation = check_activation(activation)
         self.activation_kwargs = kw = check_activation_kwargs(activation_kwargs)
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, base_width, 3, 1, 1, bias=False),
-                                  norm_activation(self.activation, base_width, kwargs=kw))
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, base_width, 3, 1, 1, bias=False),
+            norm_activation(self.activation, base_width, kwargs=kw),
+        )
         stages, in_planes = [], base_width
         for i, n in enumerate(blocks):
             planes = base_width * 2**i

@@ -99,8 +99,13 @@ class SearchCache:
 
         Raises the errors of :func:`knn_search`, naming the argument.
         """
-        if not (isinstance(query, torch.Tensor) and isinstance(support, torch.Tensor)
-                and query.ndim == 2 and support.ndim == 2 and query.dtype == support.dtype):
+        if not (
+            isinstance(query, torch.Tensor)
+            and isinstance(support, torch.Tensor)
+            and query.ndim == 2
+            and support.ndim == 2
+            and query.dtype == support.dtype
+        ):
             return knn_search(query, support, k, backend=backend)
         resolved = resolve_backend(backend, support.shape[0], query.shape[0], query.device)
         if self._query is None or self._query[0] is not query or self._query[1] != query._version:

@@ -34,8 +34,9 @@ __all__ = [
 DEFAULT_MEMORY_BUDGET_BYTES = 32 * 2**20
 
 
-def default_chunk_size(n_support: int, dtype: torch.dtype = torch.float32,
-                       memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
+def default_chunk_size(
+    n_support: int, dtype: torch.dtype = torch.float32, memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES
+) -> int:
     """Number of query rows whose ``(rows, n_support)`` distance block of ``dtype`` fits
     ``memory_budget_bytes`` (at least 1).
 
@@ -47,8 +48,12 @@ def default_chunk_size(n_support: int, dtype: torch.dtype = torch.float32,
     return max(1, int(memory_budget_bytes // bytes_per_row))
 
 
-def exact_sq_dist(query: torch.Tensor, support: torch.Tensor, idx: torch.Tensor,
-                  memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> torch.Tensor:
+def exact_sq_dist(
+    query: torch.Tensor,
+    support: torch.Tensor,
+    idx: torch.Tensor,
+    memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+) -> torch.Tensor:
     """``||q_i - s_{idx[i, j]}||^2`` for the selected neighbours only.
 
     Args:
@@ -86,8 +91,9 @@ def key_centre(support: torch.Tensor) -> torch.Tensor:
     return support.mean(0, dtype=torch.float64).to(support.dtype)
 
 
-def key_rows(support: torch.Tensor, centre: Optional[torch.Tensor] = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def key_rows(
+    support: torch.Tensor, centre: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(centre (D,), support - centre (Ns, D), ||support - centre||^2 (Ns,))``: what the torch back
     end ranks with; callers that search one support many times build it once."""
     centre = key_centre(support) if centre is None else centre
@@ -95,8 +101,9 @@ def key_rows(support: torch.Tensor, centre: Optional[torch.Tensor] = None
     return centre, sc, sc.pow(2).sum(1)
 
 
-def torch_knn(query: torch.Tensor, support: torch.Tensor, k: int, self_index: Optional[torch.Tensor],
-              chunk_size: int, keys=None) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_knn(
+    query: torch.Tensor, support: torch.Tensor, k: int, self_index: Optional[torch.Tensor], chunk_size: int, keys=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked exact kNN on trusted input (``query`` of the support's dtype and device, ``1 <= k`` and
     enough candidate rows).
 
@@ -113,17 +120,17 @@ def torch_knn(query: torch.Tensor, support: torch.Tensor, k: int, self_index: Op
     out_d = torch.empty((n_q, k), dtype=query.dtype, device=query.device)
     out_i = torch.empty((n_q, k), dtype=torch.long, device=query.device)
     for start in range(0, n_q, chunk_size):
-        q = query[start:start + chunk_size]
+        q = query[start : start + chunk_size]
         # ||s||^2 - 2 q.s ranks the support rows like ||q - s||^2 (||q||^2 is constant per row);
         # the exact distances of the k winners are recomputed below.
         block = torch.addmm(s_sq.unsqueeze(0), q - centre, sc.t(), alpha=-2.0)
         if self_index is not None:
             rows = torch.arange(q.shape[0], device=q.device)
-            block[rows, self_index[start:start + chunk_size]] = float("inf")
+            block[rows, self_index[start : start + chunk_size]] = float("inf")
         _, idx = smallest_k(block, k)
         del block
         d = exact_sq_dist(q, support, idx)
         d, idx = resort(d, idx)
-        out_d[start:start + chunk_size] = d
-        out_i[start:start + chunk_size] = idx
+        out_d[start : start + chunk_size] = d
+        out_i[start : start + chunk_size] = idx
     return out_d, out_i

@@ -48,13 +48,14 @@ def faiss_index(support: torch.Tensor):
     # Added in blocks of rows: the index holds the one float32 copy of the support, and no centred
     # copy of the whole support exists beside it (1M x 128 float32 would be another 512 MB).
     for start in range(0, support.shape[0], _ADD_BLOCK_ROWS):
-        block = support[start:start + _ADD_BLOCK_ROWS] - centre
+        block = support[start : start + _ADD_BLOCK_ROWS] - centre
         index.add(np.ascontiguousarray(block.detach().cpu().numpy(), dtype=np.float32))
     return centre, index
 
 
-def faiss_knn(query: torch.Tensor, support: torch.Tensor, k: int, self_index: Optional[torch.Tensor],
-              keys=None) -> tuple[torch.Tensor, torch.Tensor]:
+def faiss_knn(
+    query: torch.Tensor, support: torch.Tensor, k: int, self_index: Optional[torch.Tensor], keys=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact kNN through faiss on trusted CPU input; ``self_index`` ``(Nq,)`` (the support row to leave
     out per query) or None; ``keys``: :func:`faiss_index` of ``support`` if the caller has it."""
     centre, index = faiss_index(support) if keys is None else keys

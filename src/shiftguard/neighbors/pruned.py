@@ -119,12 +119,12 @@ def _topk_smallest(key: torch.Tensor, k: int, group: int = 64):
 def _unit_roundoff(dtype: torch.dtype, device: torch.device) -> Optional[float]:
     """Unit roundoff of the ``addmm`` that computes the keys; None when pruning should be off."""
     if dtype == torch.float64:
-        return 2.0 ** -53
+        return 2.0**-53
     if dtype == torch.float32:
         reduced = torch.get_float32_matmul_precision() != "highest"
         if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
             reduced = True
-        return 2.0 ** -8 if reduced else 2.0 ** -24
+        return 2.0**-8 if reduced else 2.0**-24
     return None
 
 
@@ -145,8 +145,14 @@ class PrunedKNNIndex:
     pruned part), ``fallback_queries`` (queries searched by brute force after the fallback rule).
     """
 
-    def __init__(self, support: torch.Tensor, n_clusters: Optional[int] = None, proj_dim: int = 16,
-                 kmeans_iters: int = 8, seed: int = 0):
+    def __init__(
+        self,
+        support: torch.Tensor,
+        n_clusters: Optional[int] = None,
+        proj_dim: int = 16,
+        kmeans_iters: int = 8,
+        seed: int = 0,
+    ):
         self.support = support
         self._support_version = support._version
         n, dim = support.shape
@@ -209,7 +215,7 @@ class PrunedKNNIndex:
         self.w = torch.where(nrm > 0, w / nrm.clamp(min=1e-300), torch.zeros_like(w))  # (H, C, m)
         self.top = torch.empty(n_c, n_c, dtype=torch.float64)
         for c in range(n_c):
-            zc = z[self.starts[c]:self.starts[c + 1]]
+            zc = z[self.starts[c] : self.starts[c + 1]]
             self.top[:, c] = (zc @ self.w[:, c, :].t()).amax(0)
         self.last_stats: dict = {}
 
@@ -222,14 +228,14 @@ class PrunedKNNIndex:
         """Lloyd's k-means (CPU) on a subsample; returns (labels of all rows, centroids)."""
         n = x.shape[0]
         n_c = max(1, min(n_c, n))
-        fit = x if n <= 64 * n_c else x[torch.randperm(n, generator=gen)[:64 * n_c]]
+        fit = x if n <= 64 * n_c else x[torch.randperm(n, generator=gen)[: 64 * n_c]]
         cent = fit[torch.randperm(fit.shape[0], generator=gen)[:n_c]].clone()
         for _ in range(iters):
             lab = torch.cdist(fit, cent).argmin(1)
             sums = torch.zeros_like(cent).index_add_(0, lab, fit)
             cnt = torch.bincount(lab, minlength=n_c).unsqueeze(1)
             cent = torch.where(cnt > 0, sums / cnt.clamp(min=1), cent)
-        lab = torch.cat([torch.cdist(x[i:i + 16384], cent).argmin(1) for i in range(0, n, 16384)])
+        lab = torch.cat([torch.cdist(x[i : i + 16384], cent).argmin(1) for i in range(0, n, 16384)])
         return lab, cent
 
     @staticmethod
@@ -240,14 +246,14 @@ class PrunedKNNIndex:
     def _chunked_mean(x: torch.Tensor) -> torch.Tensor:
         total = torch.zeros(x.shape[1], dtype=torch.float64)
         for i in range(0, x.shape[0], 16384):
-            total += x[i:i + 16384].double().sum(0).cpu()
+            total += x[i : i + 16384].double().sum(0).cpu()
         return total / x.shape[0]
 
     def _project(self, x: torch.Tensor):
         """float64 (CPU) ``z = P(x - o)``, ``t = ||P_perp(x - o)||``, ``||x - o||``, ``||x - m||`` (key row)."""
         zs, ts, nos, nrs = [], [], [], []
         for i in range(0, x.shape[0], 8192):
-            xc = x[i:i + 8192].cpu()
+            xc = x[i : i + 8192].cpu()
             # norm of the key row x - m, rounded in the dtype as the addmm sees it
             nrs.append(torch.linalg.vector_norm(xc - self.centre.cpu(), dim=1, dtype=torch.float64))
             xd = xc.to(torch.float64, copy=True).sub_(self.origin)  # a copy: never modify the input
@@ -260,11 +266,20 @@ class PrunedKNNIndex:
 
     # ------------------------------------------------------------------ search
 
-    def search(self, query: torch.Tensor, k: int, self_index: Optional[torch.Tensor] = None,
-               block_rows: int = 512, first_cols: int = 0, group_cols: int = 8192,
-               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
-               fallback_min_queries: int = 256, fallback_fraction: float = 0.7,
-               core_fraction: float = 0.5, query_chunk: int = 65536):
+    def search(
+        self,
+        query: torch.Tensor,
+        k: int,
+        self_index: Optional[torch.Tensor] = None,
+        block_rows: int = 512,
+        first_cols: int = 0,
+        group_cols: int = 8192,
+        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+        fallback_min_queries: int = 256,
+        fallback_fraction: float = 0.7,
+        core_fraction: float = 0.5,
+        query_chunk: int = 65536,
+    ):
         """Exact ``(distances, indices)`` ``(Nq, k)`` like ``knn_search`` (validated input expected:
         ``query`` of the support's dtype and device, ``1 <= k <= Ns`` or ``Ns - 1`` with
         ``self_index``, the support row to leave out per query, or None).
@@ -280,16 +295,32 @@ class PrunedKNNIndex:
             parts: list[tuple[torch.Tensor, torch.Tensor]] = []
             total: dict[str, int] = {}
             for i in range(0, n_q, query_chunk):
-                parts.append(self.search(query[i:i + query_chunk], k,
-                                         None if self_index is None else self_index[i:i + query_chunk],
-                                         block_rows, first_cols, group_cols, memory_budget_bytes,
-                                         fallback_min_queries, fallback_fraction, core_fraction, query_chunk))
+                parts.append(
+                    self.search(
+                        query[i : i + query_chunk],
+                        k,
+                        None if self_index is None else self_index[i : i + query_chunk],
+                        block_rows,
+                        first_cols,
+                        group_cols,
+                        memory_budget_bytes,
+                        fallback_min_queries,
+                        fallback_fraction,
+                        core_fraction,
+                        query_chunk,
+                    )
+                )
                 total = {key: total.get(key, 0) + val for key, val in self.last_stats.items()}
             self.last_stats = total
             return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         chunk = max(1, int(memory_budget_bytes // (max(1, n) * query.element_size())))
-        stats = {"products": 0, "brute_products": n_q * n, "cluster_visits": 0,
-                 "block_cluster_pairs": 0, "fallback_queries": 0}
+        stats = {
+            "products": 0,
+            "brute_products": n_q * n,
+            "cluster_visits": 0,
+            "block_cluster_pairs": 0,
+            "fallback_queries": 0,
+        }
         self.last_stats = stats
         u = _unit_roundoff(query.dtype, query.device)
         # The bounds are evaluated on the CPU: other devices search by brute force.
@@ -302,13 +333,13 @@ class PrunedKNNIndex:
         zq, tq, noq, nrq = self._project(query)
         qc = query - self.centre  # the key rows of the queries
         # Home = nearest centroid; blocks of at most block_rows queries with the same home.
-        home = torch.cat([torch.cdist(zq[i:i + 8192], self.c).argmin(1) for i in range(0, n_q, 8192)])
+        home = torch.cat([torch.cdist(zq[i : i + 8192], self.c).argmin(1) for i in range(0, n_q, 8192)])
         order = torch.argsort(home, stable=True)
         homes, per_home = torch.unique_consecutive(home[order], return_counts=True)
         blocks, lo = [], 0
         for h, cnt in zip(homes.tolist(), per_home.tolist()):
             for s in range(lo, lo + cnt, block_rows):
-                blocks.append((h, order[s:min(s + block_rows, lo + cnt)]))
+                blocks.append((h, order[s : min(s + block_rows, lo + cnt)]))
             lo += cnt
         # Visit blocks in a fixed pseudo-random order so the fallback rule sees a fair sample.
         visit = torch.randperm(len(blocks), generator=torch.Generator().manual_seed(0)).tolist()
@@ -329,12 +360,21 @@ class PrunedKNNIndex:
             lb = self._lower_bounds(h, zq[rows], tq[rows])
             # Key of any row x of cluster C >= LB - ||q||^2 - slack (see the module docstring).
             nq = nrq[rows].unsqueeze(1)
-            slack = (g_key * ((nq + self.max_norm_key).pow(2) + 2.0 * (nq + self.max_norm_key.max()).pow(2))
-                     + 1e-5 * (noq[rows].unsqueeze(1) + self.max_norm_o).pow(2))
+            slack = g_key * ((nq + self.max_norm_key).pow(2) + 2.0 * (nq + self.max_norm_key.max()).pow(2)) + 1e-5 * (
+                noq[rows].unsqueeze(1) + self.max_norm_o
+            ).pow(2)
             thr = lb - nrq[rows].pow(2).unsqueeze(1) - slack
             bk, bp, visited, products = self._search_block(
-                qc[rows_dev], k, None if self_pos is None else self_pos[rows_dev], lb, thr,
-                first_cols, group_cols, core_fraction, memory_budget_bytes)
+                qc[rows_dev],
+                k,
+                None if self_pos is None else self_pos[rows_dev],
+                lb,
+                thr,
+                first_cols,
+                group_cols,
+                core_fraction,
+                memory_budget_bytes,
+            )
             best_key[rows_dev], best_pos[rows_dev] = bk, bp
             thr_all[rows] = thr
             visited_all[rows] = torch.tensor(visited)
@@ -353,16 +393,22 @@ class PrunedKNNIndex:
                 r = torch.nonzero(need[:, c]).squeeze(1)
                 r = r[thr_all[r, c] <= best_key[r, -1].double().cpu()]
                 if r.numel():
-                    done_products += self._merge_rows(qc, r.to(query.device), c, self_pos, best_key, best_pos,
-                                                      memory_budget_bytes)
+                    done_products += self._merge_rows(
+                        qc, r.to(query.device), c, self_pos, best_key, best_pos, memory_budget_bytes
+                    )
                     stats["cluster_visits"] += 1
         stats["products"] = done_products
         out_i = self.perm[best_pos]
         if remaining:
             rest = torch.cat(remaining).to(query.device)
-            _, idx = torch_knn(query[rest], self.support, k,
-                                None if self_index is None else self_index[rest], chunk,
-                                keys=key_rows(self.support, self.centre))
+            _, idx = torch_knn(
+                query[rest],
+                self.support,
+                k,
+                None if self_index is None else self_index[rest],
+                chunk,
+                keys=key_rows(self.support, self.centre),
+            )
             out_i[rest] = idx
             stats["fallback_queries"] = rest.numel()
             stats["products"] += rest.numel() * n
@@ -377,7 +423,7 @@ class PrunedKNNIndex:
         k = best_key.shape[1]
         step = max(1, int(budget // ((e - a + k) * query.element_size())))
         for i in range(0, rows.numel(), step):
-            r = rows[i:i + step]
+            r = rows[i : i + step]
             key = torch.addmm(self.x_sq[a:e].unsqueeze(0), query[r], self.x[a:e].t(), alpha=-2.0)
             if self_pos is not None:
                 sp = self_pos[r]
@@ -453,5 +499,3 @@ class PrunedKNNIndex:
             poss.append(j + a)
         val, j = smallest_k(torch.cat(vals, dim=1), k)
         return val, torch.cat(poss, dim=1).gather(1, j)
-
-

@@ -34,8 +34,15 @@ from shiftguard.neighbors.exact import DEFAULT_MEMORY_BUDGET_BYTES, default_chun
 from shiftguard.neighbors.faiss_backend import faiss_index, faiss_knn
 from shiftguard.neighbors.pruned import PrunedKNNIndex
 
-__all__ = ["BACKENDS", "KNNIndex", "PRUNED_MIN_PRODUCTS", "PRUNED_MIN_SUPPORT", "check_backend", "knn_search",
-           "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "KNNIndex",
+    "PRUNED_MIN_PRODUCTS",
+    "PRUNED_MIN_SUPPORT",
+    "check_backend",
+    "knn_search",
+    "resolve_backend",
+]
 
 #: The back ends :func:`knn_search` and :class:`KNNIndex` take.
 BACKENDS = ("torch", "faiss", "pruned", "auto")
@@ -56,8 +63,9 @@ PRUNED_MIN_SUPPORT = 24_000
 PRUNED_MIN_PRODUCTS = 40_000_000
 
 
-def resolve_backend(backend: str, n_support: int, n_queries: int, device: torch.device | str = "cpu",
-                    argument: str = "backend") -> str:
+def resolve_backend(
+    backend: str, n_support: int, n_queries: int, device: torch.device | str = "cpu", argument: str = "backend"
+) -> str:
     """The back end a search of ``n_queries`` rows against ``n_support`` rows on ``device`` runs with:
     ``backend`` itself, except ``"auto"`` -- the one meaning of ``"auto"`` in the library.
 
@@ -91,9 +99,7 @@ def _check_support(support) -> torch.Tensor:
 def _check_query(query, support: torch.Tensor) -> torch.Tensor:
     query = check_tensor(query, "query", ndim=2, floating=True, finite=True)
     if query.shape[1] != support.shape[1]:
-        raise ValueError(
-            f"query and support: embedding dimensions differ ({query.shape[1]} vs {support.shape[1]})"
-        )
+        raise ValueError(f"query and support: embedding dimensions differ ({query.shape[1]} vs {support.shape[1]})")
     if query.device != support.device:
         raise ValueError(f"query and support: on different devices ({query.device} vs {support.device})")
     return query
@@ -110,8 +116,9 @@ def _check_exclusion(exclude_self: bool, exclude, n_q: int, n_s: int, device) ->
         if ex.shape[0] != n_q:
             raise ValueError(f"exclude: expected one support row per query ({n_q}), got shape {tuple(ex.shape)}")
         if ex.numel() and (int(ex.min()) < 0 or int(ex.max()) >= n_s):
-            raise ValueError(f"exclude: support rows must lie in [0, {n_s}), got values in "
-                             f"[{int(ex.min())}, {int(ex.max())}]")
+            raise ValueError(
+                f"exclude: support rows must lie in [0, {n_s}), got values in [{int(ex.min())}, {int(ex.max())}]"
+            )
         if ex.device != device:
             raise ValueError(f"exclude: on {ex.device}, expected the device of query ({device})")
         return ex.long()
@@ -128,8 +135,11 @@ def _check_k(k: int, n_s: int, self_index: Optional[torch.Tensor], exclude_self:
     if k > available:
         raise ValueError(
             f"k: {k} neighbours requested but the support has only {available} candidate rows"
-            + ((" (its own row excluded)" if exclude_self else " (one row excluded per query)")
-               if self_index is not None else "")
+            + (
+                (" (its own row excluded)" if exclude_self else " (one row excluded per query)")
+                if self_index is not None
+                else ""
+            )
         )
 
 
@@ -225,8 +235,10 @@ def knn_search(
         if not isinstance(index, PrunedKNNIndex):
             raise TypeError(f"index: expected a PrunedKNNIndex, got {type(index).__name__}")
         if not index.matches(support):
-            raise ValueError("index: built for a different support tensor (or the support changed since); "
-                             "build PrunedKNNIndex(support) again")
+            raise ValueError(
+                "index: built for a different support tensor (or the support changed since); "
+                "build PrunedKNNIndex(support) again"
+            )
     backend = resolve_backend(backend, n_s, n_q, query.device)
     return _dispatch(query, support, k, backend, self_index, chunk_size, index=index)
 
@@ -264,8 +276,9 @@ class KNNIndex:
         if n_queries is not None:
             check_positive(n_queries, "n_queries", integer=True)
         n_s = self.support.shape[0]
-        self.backend = backend = resolve_backend(backend, n_s, n_s if n_queries is None else n_queries,
-                                                 self.support.device)
+        self.backend = backend = resolve_backend(
+            backend, n_s, n_s if n_queries is None else n_queries, self.support.device
+        )
         self._state: dict = {}
         if backend == "pruned":
             self._state = {"index": PrunedKNNIndex(self.support)}
@@ -275,9 +288,14 @@ class KNNIndex:
             self._state = {"keys": faiss_index(self.support)}
         # faiss on another device: nothing is prepared and search refuses it by name.
 
-    def search(self, query: torch.Tensor, k: int, exclude: Optional[torch.Tensor] = None,
-               chunk_size: Optional[int] = None,
-               memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(
+        self,
+        query: torch.Tensor,
+        k: int,
+        exclude: Optional[torch.Tensor] = None,
+        chunk_size: Optional[int] = None,
+        memory_budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` nearest support rows of every row of ``query`` ``(Nq, D)``, of the support's dtype
         and device; ``exclude``, ``chunk_size``, ``memory_budget_bytes`` and the result as in
         :func:`knn_search`. A ``query`` of another dtype raises ``ValueError`` naming ``query``."""
@@ -293,4 +311,3 @@ class KNNIndex:
         else:
             check_positive(chunk_size, "chunk_size", integer=True)
         return _dispatch(query, support, k, self.backend, self_index, chunk_size, **self._state)
-

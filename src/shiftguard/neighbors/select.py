@@ -98,8 +98,13 @@ def _select_rows(block, k, lo, hi, out_v, out_i):  # pragma: no cover - compiled
 
 def scan_applies(block: torch.Tensor, k: int) -> bool:
     """Whether :func:`smallest_k` runs the compiled scan on ``block`` (else ``torch.topk``)."""
-    return (_numba.AVAILABLE and block.device.type == "cpu" and block.dtype in (torch.float32, torch.float64)
-            and k <= SCAN_MAX_K and not block.requires_grad)
+    return (
+        _numba.AVAILABLE
+        and block.device.type == "cpu"
+        and block.dtype in (torch.float32, torch.float64)
+        and k <= SCAN_MAX_K
+        and not block.requires_grad
+    )
 
 
 def smallest_k(block: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,8 +122,9 @@ def smallest_k(block: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]
         differ only among equal values, which are in column order here.
     """
     if block.ndim != 2 or not 1 <= k <= block.shape[1]:
-        raise ValueError(f"k: expected 1 <= k <= {block.shape[-1]} columns of a 2-D block, got k={k} "
-                         f"for shape {tuple(block.shape)}")
+        raise ValueError(
+            f"k: expected 1 <= k <= {block.shape[-1]} columns of a 2-D block, got k={k} for shape {tuple(block.shape)}"
+        )
     if not scan_applies(block, k):
         val, col = torch.topk(block, k, dim=1, largest=False, sorted=True)
         # topk's order among equal values is its implementation's; make it column order

@@ -68,16 +68,42 @@ __all__ = [
 ]
 
 DEFAULT_ACTIVATION_TYPES: tuple[type, ...] = (
-    nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.PReLU, nn.RReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU,
-    nn.Mish, nn.Hardswish, nn.Softplus,
+    nn.ReLU,
+    nn.ReLU6,
+    nn.LeakyReLU,
+    nn.PReLU,
+    nn.RReLU,
+    nn.ELU,
+    nn.CELU,
+    nn.SELU,
+    nn.GELU,
+    nn.SiLU,
+    nn.Mish,
+    nn.Hardswish,
+    nn.Softplus,
 )
 
 # Functional forms of the activation modules (torch.nn.functional, torch.*, Tensor methods share names).
 _FUNCTIONAL_NAMES: dict[str, type] = {
-    "relu": nn.ReLU, "relu_": nn.ReLU, "relu6": nn.ReLU6, "leaky_relu": nn.LeakyReLU,
-    "leaky_relu_": nn.LeakyReLU, "prelu": nn.PReLU, "rrelu": nn.RReLU, "rrelu_": nn.RReLU, "elu": nn.ELU,
-    "elu_": nn.ELU, "celu": nn.CELU, "celu_": nn.CELU, "selu": nn.SELU, "selu_": nn.SELU, "gelu": nn.GELU,
-    "silu": nn.SiLU, "mish": nn.Mish, "hardswish": nn.Hardswish, "softplus": nn.Softplus,
+    "relu": nn.ReLU,
+    "relu_": nn.ReLU,
+    "relu6": nn.ReLU6,
+    "leaky_relu": nn.LeakyReLU,
+    "leaky_relu_": nn.LeakyReLU,
+    "prelu": nn.PReLU,
+    "rrelu": nn.RReLU,
+    "rrelu_": nn.RReLU,
+    "elu": nn.ELU,
+    "elu_": nn.ELU,
+    "celu": nn.CELU,
+    "celu_": nn.CELU,
+    "selu": nn.SELU,
+    "selu_": nn.SELU,
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+    "mish": nn.Mish,
+    "hardswish": nn.Hardswish,
+    "softplus": nn.Softplus,
 }
 
 # Targets without state are shared by all call sites; the others get one module per call site.
@@ -122,8 +148,9 @@ class ConvertedActivation(nn.Module):
 
     _like: torch.Tensor
 
-    def __init__(self, to: str, block: bool = True, qact_kwargs: Optional[dict] = None,
-                 like: Optional[torch.Tensor] = None):
+    def __init__(
+        self, to: str, block: bool = True, qact_kwargs: Optional[dict] = None, like: Optional[torch.Tensor] = None
+    ):
         super().__init__()
         self.to_name = to
         self.block = bool(block)
@@ -139,8 +166,11 @@ class ConvertedActivation(nn.Module):
     def _make_site(self, num_features: int) -> nn.Module:
         site: nn.Module
         if self.to_name == "qact":
-            site = (QACTBlock(num_features, **self.qact_kwargs) if self.block
-                    else QuantileActivation(num_features=num_features, **self.qact_kwargs))
+            site = (
+                QACTBlock(num_features, **self.qact_kwargs)
+                if self.block
+                else QuantileActivation(num_features=num_features, **self.qact_kwargs)
+            )
         elif self.to_name in _TWINS:
             site = BNActBlock(num_features, _TWINS[self.to_name])
         else:
@@ -152,7 +182,8 @@ class ConvertedActivation(nn.Module):
         if self._active == 0:
             raise RuntimeError(
                 "ConvertedActivation called outside a forward of the model it was converted in (calling "
-                "model.forward(x) bypasses the hooks that count call sites); call model(x)")
+                "model.forward(x) bypasses the hooks that count call sites); call model(x)"
+            )
         i = self._calls
         self._calls += 1
         if i == len(self.sites):
@@ -160,7 +191,8 @@ class ConvertedActivation(nn.Module):
                 raise RuntimeError(
                     f"ConvertedActivation: called {i + 1} times within one forward, but earlier forwards fixed "
                     f"{len(self.sites)} call site(s); converted activations need a static call order "
-                    "(shiftguard.nn.convert)")
+                    "(shiftguard.nn.convert)"
+                )
             if not isinstance(x, torch.Tensor) or x.dim() < 2:
                 shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
                 raise ValueError(f"input: expected a tensor of shape (N, C, *), got {shape}")
@@ -185,8 +217,13 @@ class ConvertedActivation(nn.Module):
         # Blocks not created yet take their channel count from the stored tensors (like Lazy modules).
         if not self._materialised:
             head = prefix + "sites."
-            indices = sorted({int(k[len(head):].split(".", 1)[0]) for k in state_dict
-                              if k.startswith(head) and k[len(head):].split(".", 1)[0].isdigit()})
+            indices = sorted(
+                {
+                    int(k[len(head) :].split(".", 1)[0])
+                    for k in state_dict
+                    if k.startswith(head) and k[len(head) :].split(".", 1)[0].isdigit()
+                }
+            )
             for i in range(len(self.sites), (indices[-1] + 1) if indices else 0):
                 n = self._site_features(state_dict, f"{head}{i}.")
                 if n is None:
@@ -236,8 +273,11 @@ def _install_counting_hooks(module: nn.Module) -> None:
 
 # --------------------------------------------------------------------------- functional detection
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_PASS_THROUGH = {os.path.join(_TORCH_DIR, "overrides.py"), os.path.join(_TORCH_DIR, "nn", "functional.py"),
-                 os.path.join(_TORCH_DIR, "_tensor.py")}
+_PASS_THROUGH = {
+    os.path.join(_TORCH_DIR, "overrides.py"),
+    os.path.join(_TORCH_DIR, "nn", "functional.py"),
+    os.path.join(_TORCH_DIR, "_tensor.py"),
+}
 _ACTIVATION_MODULES_FILE = os.path.join(_TORCH_DIR, "nn", "modules", "activation.py")
 _MODULE_MACHINERY = {_ACTIVATION_MODULES_FILE, os.path.join(_TORCH_DIR, "nn", "modules", "module.py")}
 
@@ -282,11 +322,14 @@ class _FunctionalCalls(TorchFunctionMode):
         self.found[(name, where)] = self.found.get((name, where), 0) + 1
 
     def message(self) -> str:
-        calls = "; ".join(f"{name} at {where}" + (f" ({n} calls)" if n > 1 else "")
-                          for (name, where), n in self.found.items())
-        return (f"convert_activations: activations called as functions (or by modules outside the module tree) "
-                f"cannot be converted and are left as they are: {calls}. Use an activation module registered in "
-                "__init__ (self.act = nn.ReLU(), ...) at these places to have them converted")
+        calls = "; ".join(
+            f"{name} at {where}" + (f" ({n} calls)" if n > 1 else "") for (name, where), n in self.found.items()
+        )
+        return (
+            f"convert_activations: activations called as functions (or by modules outside the module tree) "
+            f"cannot be converted and are left as they are: {calls}. Use an activation module registered in "
+            "__init__ (self.act = nn.ReLU(), ...) at these places to have them converted"
+        )
 
 
 class _FirstForwardCheck:
@@ -320,8 +363,9 @@ def _check_types(types) -> tuple[type, ...]:
     try:
         t = tuple(t)
     except TypeError:
-        raise TypeError(f"types: expected an nn.Module subclass or a tuple of them, "
-                        f"got {type(types).__name__}") from None
+        raise TypeError(
+            f"types: expected an nn.Module subclass or a tuple of them, got {type(types).__name__}"
+        ) from None
     if not t:
         raise ValueError("types: expected at least one nn.Module subclass, got an empty collection")
     for cls in t:
@@ -347,8 +391,10 @@ def _call_model(model: nn.Module, example_input):
         return model(*example_input)
     if isinstance(example_input, dict):
         return model(**example_input)
-    raise TypeError(f"example_input: expected a tensor, a tuple of positional inputs or a dict of keyword "
-                    f"inputs, got {type(example_input).__name__}")
+    raise TypeError(
+        f"example_input: expected a tensor, a tuple of positional inputs or a dict of keyword "
+        f"inputs, got {type(example_input).__name__}"
+    )
 
 
 def _restore_training(flags: dict) -> None:
@@ -376,8 +422,9 @@ def _materialise(model: nn.Module, example_input, watched: frozenset) -> Optiona
     return probe
 
 
-def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, *, types=None,
-                        example_input=None, **kwargs) -> nn.Module:
+def convert_activations(
+    model: nn.Module, to: str = "qact", block: bool = True, *, types=None, example_input=None, **kwargs
+) -> nn.Module:
     """Replace every activation module of ``model`` by QACT [QACT, Alg. 1-2] or by another activation.
 
     Like ``nn.SyncBatchNorm.convert_sync_batchnorm``, ``model`` is converted **in place** and returned
@@ -477,12 +524,18 @@ def convert_activations(model: nn.Module, to: str = "qact", block: bool = True, 
     root = replacement(model) if isinstance(model, classes) else model
     visit(root)
 
-    watched = frozenset(n for n, cls in _FUNCTIONAL_NAMES.items()
-                        if issubclass(cls, classes) and not (target in _STATELESS and cls is _STATELESS[target])
-                        and not (target == "prelu" and cls is nn.PReLU))
+    watched = frozenset(
+        n
+        for n, cls in _FUNCTIONAL_NAMES.items()
+        if issubclass(cls, classes)
+        and not (target in _STATELESS and cls is _STATELESS[target])
+        and not (target == "prelu" and cls is nn.PReLU)
+    )
     if not replaced:
-        message = (f"convert_activations: no activation module of types ({', '.join(c.__name__ for c in classes)}) "
-                   "in model; nothing converted")
+        message = (
+            f"convert_activations: no activation module of types ({', '.join(c.__name__ for c in classes)}) "
+            "in model; nothing converted"
+        )
         if example_input is not None:
             probe = _materialise(root, example_input, watched)
             if probe is not None and probe.found:
@@ -554,7 +607,8 @@ class _OptimizerCheck:
             raise RuntimeError(
                 f"optimizer: it holds the model's parameters from before its first forward but not the {n} parameters "
                 "that its converted activations (convert_activations) created at that forward, which would never be "
-                "trained; build the optimizer after a first forward, or pass example_input to convert_activations")
+                "trained; build the optimizer after a first forward, or pass example_input to convert_activations"
+            )
         self.done = True
 
 
@@ -650,8 +704,9 @@ def _batches(data, batch_size: Optional[int]) -> Iterable:
 def _input_of(batch, device) -> torch.Tensor:
     x = batch[0] if isinstance(batch, (tuple, list)) else batch
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"data: expected batches that are tensors or (input, label, ...) tuples, "
-                        f"got {type(x).__name__}")
+        raise TypeError(
+            f"data: expected batches that are tensors or (input, label, ...) tuples, got {type(x).__name__}"
+        )
     return x if device is None else x.to(device)
 
 
@@ -699,8 +754,15 @@ def fit_context(model: nn.Module, data, *, batch_size: Optional[int] = None, dev
         _materialise(model, first, frozenset())
         flags = {m: m.training for m in model.modules()}
     layers = _qact_modules(model)
-    saved = [(m.momentum, str(m.context), m.num_batches_tracked.clone(),
-              [t.clone() for t in (m.running_quantiles, m.running_samples, m.running_bandwidth)]) for m in layers]
+    saved = [
+        (
+            m.momentum,
+            str(m.context),
+            m.num_batches_tracked.clone(),
+            [t.clone() for t in (m.running_quantiles, m.running_samples, m.running_bandwidth)],
+        )
+        for m in layers
+    ]
     ok = False
     try:
         model.eval()

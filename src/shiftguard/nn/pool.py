@@ -27,11 +27,15 @@ class MaxPool2d(nn.MaxPool2d):
     floor agree)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (not self.return_indices and _pair(self.kernel_size) == (2, 2)
-                and _pair(self.stride) == (2, 2)
-                and _pair(self.padding) == (0, 0) and _pair(self.dilation) == (1, 1)
-                and max_pool2x2_applies(x)
-                and (not self.ceil_mode or (x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0))):
+        if (
+            not self.return_indices
+            and _pair(self.kernel_size) == (2, 2)
+            and _pair(self.stride) == (2, 2)
+            and _pair(self.padding) == (0, 0)
+            and _pair(self.dilation) == (1, 1)
+            and max_pool2x2_applies(x)
+            and (not self.ceil_mode or (x.shape[2] % 2 == 0 and x.shape[3] % 2 == 0))
+        ):
             return max_pool2x2(x)
         return super().forward(x)
 

@@ -51,8 +51,17 @@ from shiftguard.functional.quantile import (
 )
 from shiftguard.registry import Registry, normalize
 
-__all__ = ["QuantileActivation", "QACTBlock", "BNActBlock", "make_activation", "twin_activation", "CONTEXT_MODES",
-           "ACTIVATION_NAMES", "BN_BLOCK_ACTIVATIONS", "TWIN_BASES"]
+__all__ = [
+    "QuantileActivation",
+    "QACTBlock",
+    "BNActBlock",
+    "make_activation",
+    "twin_activation",
+    "CONTEXT_MODES",
+    "ACTIVATION_NAMES",
+    "BN_BLOCK_ACTIVATIONS",
+    "TWIN_BASES",
+]
 
 CONTEXT_MODES = ("batch", "frozen")
 #: The activations a :class:`BNActBlock` can hold (its ``activation`` argument).
@@ -70,11 +79,14 @@ def _base_activation(base: str, num_features: int) -> nn.Module:
 
 def _without_kwargs(name: str, build):
     """The factory of an activation that takes no keyword arguments: any it is given is an error."""
+
     def factory(num_features: int, **kwargs) -> nn.Module:
         if kwargs:
-            raise TypeError(f"activation_kwargs: activation {name!r} takes no keyword arguments, "
-                            f"got {', '.join(sorted(kwargs))}")
+            raise TypeError(
+                f"activation_kwargs: activation {name!r} takes no keyword arguments, got {', '.join(sorted(kwargs))}"
+            )
         return build(num_features)
+
     return factory
 
 
@@ -85,8 +97,10 @@ def _twin_block(base: str, num_features: int) -> nn.Module:
 def _qact_factory(num_features: int, **kwargs) -> nn.Module:
     unknown = sorted(set(kwargs) - set(_QACT_KWARGS))
     if unknown:
-        raise TypeError(f"activation_kwargs: {', '.join(unknown)} not accepted by activation 'qact'; "
-                        f"expected some of {', '.join(_QACT_KWARGS)}")
+        raise TypeError(
+            f"activation_kwargs: {', '.join(unknown)} not accepted by activation 'qact'; "
+            f"expected some of {', '.join(_QACT_KWARGS)}"
+        )
     return QACTBlock(check_positive(num_features, "num_features", integer=True), **kwargs)
 
 
@@ -155,9 +169,16 @@ class QuantileActivation(nn.Module):
     running_bandwidth: torch.Tensor
     num_batches_tracked: torch.Tensor
 
-    def __init__(self, n_tau: int = 100, c: float = 100.0, n_samples: int = 1000, context: str = "batch",
-                 momentum: Optional[float] = 0.1, num_features: Optional[int] = None,
-                 bandwidth: Optional[float] = None):
+    def __init__(
+        self,
+        n_tau: int = 100,
+        c: float = 100.0,
+        n_samples: int = 1000,
+        context: str = "batch",
+        momentum: Optional[float] = 0.1,
+        num_features: Optional[int] = None,
+        bandwidth: Optional[float] = None,
+    ):
         super().__init__()
         self.n_tau = check_positive(n_tau, "n_tau", integer=True)
         self.c = float(check_positive(c, "c"))
@@ -204,8 +225,9 @@ class QuantileActivation(nn.Module):
         x = check_tensor(x, "input", min_ndim=2, floating=True, nonempty=True)
         ch = x.shape[1]
         if self.running_quantiles.shape[0] == 0:
-            s = default_statistics(ch, self.n_tau, self.n_samples, dtype=x.dtype, device=x.device,
-                                   bandwidth=self.bandwidth)
+            s = default_statistics(
+                ch, self.n_tau, self.n_samples, dtype=x.dtype, device=x.device, bandwidth=self.bandwidth
+            )
             self.running_quantiles, self.running_samples, self.running_bandwidth = s
             self.num_features = ch
         elif self.running_quantiles.shape[0] != ch:
@@ -216,8 +238,9 @@ class QuantileActivation(nn.Module):
         gradient and no running update is needed) the KDE sample is skipped."""
         x = check_tensor(x, "x", min_ndim=2, floating=True, nonempty=True, finite=True)
         s = self.n_samples if with_samples else 0
-        return qact_statistics(channel_values(x.detach()), self.n_tau, self.c, s, self._generator(x.device),
-                               bandwidth=self.bandwidth)
+        return qact_statistics(
+            channel_values(x.detach()), self.n_tau, self.c, s, self._generator(x.device), bandwidth=self.bandwidth
+        )
 
     @torch.no_grad()
     def fit_context(self, x: torch.Tensor) -> "QuantileActivation":
@@ -256,10 +279,19 @@ class QuantileActivation(nn.Module):
         batch = self._context == "batch"
         update = self.training and batch
         out = quantile_activation(
-            input, self.running_quantiles, self.running_samples, self.running_bandwidth,
-            training=update, momentum=self._next_momentum() if update else 0.0, context=self._context,
-            n_tau=self.n_tau, c=self.c, n_samples=self.n_samples,
-            generator=self._generator(input.device) if batch else None, bandwidth=self.bandwidth)
+            input,
+            self.running_quantiles,
+            self.running_samples,
+            self.running_bandwidth,
+            training=update,
+            momentum=self._next_momentum() if update else 0.0,
+            context=self._context,
+            n_tau=self.n_tau,
+            c=self.c,
+            n_samples=self.n_samples,
+            generator=self._generator(input.device) if batch else None,
+            bandwidth=self.bandwidth,
+        )
         if update:  # counted once the update is done: an input refused leaves every buffer as it was
             self.num_batches_tracked.add_(1)
         return out
@@ -274,8 +306,10 @@ class QuantileActivation(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
-        return (f"n_tau={self.n_tau}, c={self.c}, n_samples={self.n_samples}, context={self._context!r}, "
-                f"momentum={self.momentum}, bandwidth={self.bandwidth}")
+        return (
+            f"n_tau={self.n_tau}, c={self.c}, n_samples={self.n_samples}, context={self._context!r}, "
+            f"momentum={self.momentum}, bandwidth={self.bandwidth}"
+        )
 
 
 class _BatchNormAnyRank(nn.modules.batchnorm._BatchNorm):

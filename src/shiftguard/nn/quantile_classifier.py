@@ -68,8 +68,15 @@ class QuantileClassifier(nn.Module):
     :meth:`predict_proba` normalises rows to sum 1 (for accuracy/calibration metrics).
     """
 
-    def __init__(self, in_features: int, num_classes: int, n_tau: int = 100, c: float = 100.0,
-                 n_samples: int = 1000, context: str = "batch"):
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        n_tau: int = 100,
+        c: float = 100.0,
+        n_samples: int = 1000,
+        context: str = "batch",
+    ):
         super().__init__()
         check_positive(in_features, "in_features", integer=True)
         check_positive(num_classes, "num_classes", integer=True)
@@ -78,8 +85,7 @@ class QuantileClassifier(nn.Module):
         self.in_features = in_features
         self.num_classes = num_classes
         self.linear = nn.Linear(in_features, num_classes)
-        self.qact = QuantileActivation(n_tau=n_tau, c=c, n_samples=n_samples, context=context,
-                                       num_features=num_classes)
+        self.qact = QuantileActivation(n_tau=n_tau, c=c, n_samples=n_samples, context=context, num_features=num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, K)`` per-class QACT probabilities of ``x (N, D)``, in the parameters' dtype.
@@ -110,7 +116,7 @@ class QuantileClassifier(nn.Module):
             if batch_size is None:
                 return self(x)
             check_positive(batch_size, "batch_size", integer=True)
-            return torch.cat([self(x[s:s + batch_size]) for s in range(0, x.shape[0], batch_size)])
+            return torch.cat([self(x[s : s + batch_size]) for s in range(0, x.shape[0], batch_size)])
         finally:
             self.train(was_training)
 

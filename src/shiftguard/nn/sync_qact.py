@@ -187,12 +187,28 @@ class SyncQuantileActivation(QuantileActivation):
     move freely between the two classes.
     """
 
-    def __init__(self, n_tau: int = 100, c: float = 100.0, n_samples: int = 1000, context: str = "batch",
-                 momentum: Optional[float] = 0.1, num_features: Optional[int] = None,
-                 exact_max: Optional[int] = None, sketch_size: int = 2048, process_group=None,
-                 bandwidth: Optional[float] = None):
-        super().__init__(n_tau=n_tau, c=c, n_samples=n_samples, context=context, momentum=momentum,
-                         num_features=num_features, bandwidth=bandwidth)
+    def __init__(
+        self,
+        n_tau: int = 100,
+        c: float = 100.0,
+        n_samples: int = 1000,
+        context: str = "batch",
+        momentum: Optional[float] = 0.1,
+        num_features: Optional[int] = None,
+        exact_max: Optional[int] = None,
+        sketch_size: int = 2048,
+        process_group=None,
+        bandwidth: Optional[float] = None,
+    ):
+        super().__init__(
+            n_tau=n_tau,
+            c=c,
+            n_samples=n_samples,
+            context=context,
+            momentum=momentum,
+            num_features=num_features,
+            bandwidth=bandwidth,
+        )
         check_positive(sketch_size, "sketch_size", integer=True)
         if sketch_size < 2 or sketch_size % 2:
             raise ValueError(f"sketch_size: expected an even integer >= 2, got {sketch_size}")
@@ -213,9 +229,16 @@ class SyncQuantileActivation(QuantileActivation):
         self._ensure_buffers(x)  # a NaN would reach every process
         stats = self.global_statistics(x)
         # the global statistics are identical on every process, and so are the buffers moved towards them
-        out = quantile_activation(x, self.running_quantiles, self.running_samples, self.running_bandwidth,
-                                  training=True, momentum=self._next_momentum(), statistics=stats,
-                                  bandwidth=self.bandwidth)
+        out = quantile_activation(
+            x,
+            self.running_quantiles,
+            self.running_samples,
+            self.running_bandwidth,
+            training=True,
+            momentum=self._next_momentum(),
+            statistics=stats,
+            bandwidth=self.bandwidth,
+        )
         self.num_batches_tracked.add_(1)
         return out
 
@@ -252,15 +275,17 @@ class SyncQuantileActivation(QuantileActivation):
         neg = torch.stack([h[2:] for h in headers])  # (W, C)
         counts = torch.stack([neg, torch.tensor(sizes, device=neg.device)[:, None] - neg], dim=2)
         self.last_mode, self.last_sent_numel = "sampled", header.numel() + sketch.numel()
-        return sketch_statistics(torch.stack(parts), counts, self.n_tau, self.c, self.n_samples, gen,
-                                 bandwidth=self.bandwidth)
+        return sketch_statistics(
+            torch.stack(parts), counts, self.n_tau, self.c, self.n_samples, gen, bandwidth=self.bandwidth
+        )
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, exact_max={self.exact_max}, sketch_size={self.sketch_size}"
 
 
-def convert_sync_qact(module: nn.Module, process_group=None, exact_max: Optional[int] = None,
-                      sketch_size: int = 2048) -> nn.Module:
+def convert_sync_qact(
+    module: nn.Module, process_group=None, exact_max: Optional[int] = None, sketch_size: int = 2048
+) -> nn.Module:
     """Replace every :class:`QuantileActivation` in ``module`` by a :class:`SyncQuantileActivation`.
 
     Mirrors ``nn.SyncBatchNorm.convert_sync_batchnorm``: configuration, context mode, running
@@ -273,10 +298,13 @@ def convert_sync_qact(module: nn.Module, process_group=None, exact_max: Optional
     exist before this conversion (they are otherwise created at the first forward).
     """
     if not any(isinstance(m, QuantileActivation) for m in module.modules()):
-        warnings.warn("convert_sync_qact: module holds no QuantileActivation; nothing converted. Add QACT with "
-                      "shiftguard.nn.convert_activations(model, example_input=...) first (its blocks are created at "
-                      "the first forward, so pass example_input to create them before this conversion)",
-                      UserWarning, stacklevel=2)
+        warnings.warn(
+            "convert_sync_qact: module holds no QuantileActivation; nothing converted. Add QACT with "
+            "shiftguard.nn.convert_activations(model, example_input=...) first (its blocks are created at "
+            "the first forward, so pass example_input to create them before this conversion)",
+            UserWarning,
+            stacklevel=2,
+        )
         return module
     return _convert_sync(module, process_group, exact_max, sketch_size)
 
@@ -284,11 +312,18 @@ def convert_sync_qact(module: nn.Module, process_group=None, exact_max: Optional
 def _convert_sync(module: nn.Module, process_group, exact_max: Optional[int], sketch_size: int) -> nn.Module:
     out = module
     if isinstance(module, QuantileActivation) and not isinstance(module, SyncQuantileActivation):
-        out = SyncQuantileActivation(n_tau=module.n_tau, c=module.c, n_samples=module.n_samples,
-                                     context=module._context, momentum=module.momentum,
-                                     num_features=module.num_features, exact_max=exact_max,
-                                     sketch_size=sketch_size, process_group=process_group,
-                                     bandwidth=module.bandwidth)
+        out = SyncQuantileActivation(
+            n_tau=module.n_tau,
+            c=module.c,
+            n_samples=module.n_samples,
+            context=module._context,
+            momentum=module.momentum,
+            num_features=module.num_features,
+            exact_max=exact_max,
+            sketch_size=sketch_size,
+            process_group=process_group,
+            bandwidth=module.bandwidth,
+        )
         out.running_quantiles = module.running_quantiles
         out.running_samples = module.running_samples
         out.running_bandwidth = module.running_bandwidth

@@ -9,7 +9,18 @@ from .samplers import ClassBalancedBatchSampler
 from .trainer import Trainer, to_model_input, train_val_split
 
 __all__ = [
-    "Trainer", "multistage_step", "ClassBalancedBatchSampler", "samplers", "train_val_split", "to_model_input",
-    "save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "CheckpointError",
-    "distributed", "DistributedTrainer", "GlobalBatchLoss", "distributed_multistage_step",
+    "Trainer",
+    "multistage_step",
+    "ClassBalancedBatchSampler",
+    "samplers",
+    "train_val_split",
+    "to_model_input",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_latest_checkpoint",
+    "CheckpointError",
+    "distributed",
+    "DistributedTrainer",
+    "GlobalBatchLoss",
+    "distributed_multistage_step",
 ]

@@ -20,8 +20,15 @@ import torch
 
 from shiftguard.io import atomic_write_bytes, atomic_write_text, sha256_file
 
-__all__ = ["save_checkpoint", "load_checkpoint", "load_latest_checkpoint", "list_checkpoints", "CheckpointError",
-           "write_checksum", "checksum_problem"]
+__all__ = [
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_latest_checkpoint",
+    "list_checkpoints",
+    "CheckpointError",
+    "write_checksum",
+    "checksum_problem",
+]
 
 _NAME = re.compile(r"^epoch-(\d{4,})\.pt$")
 

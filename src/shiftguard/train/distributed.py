@@ -131,8 +131,9 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
-def init_distributed(device: str | torch.device = "cpu", backend: Optional[str] = None,
-                     timeout_s: float = 6 * 3600) -> DistributedInfo:
+def init_distributed(
+    device: str | torch.device = "cpu", backend: Optional[str] = None, timeout_s: float = 6 * 3600
+) -> DistributedInfo:
     """Initialise the default process group from torchrun's environment (no-op outside torchrun).
 
     Args:
@@ -152,14 +153,17 @@ def init_distributed(device: str | torch.device = "cpu", backend: Optional[str] 
     rank, world, local = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
     if dev.type == "cuda":
         if torch.cuda.device_count() <= local:
-            raise ValueError(f"device: process {local} on this node needs cuda:{local}, "
-                             f"but only {torch.cuda.device_count()} GPU(s) are visible")
+            raise ValueError(
+                f"device: process {local} on this node needs cuda:{local}, "
+                f"but only {torch.cuda.device_count()} GPU(s) are visible"
+            )
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend=backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
     return DistributedInfo(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend)
 
 
@@ -268,14 +272,30 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def launch_command(argv: Sequence[str], nproc: int, *, module: str = "shiftguard",
-                   master_addr: str = "127.0.0.1", master_port: Optional[int] = None) -> list[str]:
+def launch_command(
+    argv: Sequence[str],
+    nproc: int,
+    *,
+    module: str = "shiftguard",
+    master_addr: str = "127.0.0.1",
+    master_port: Optional[int] = None,
+) -> list[str]:
     """The ``python -m torch.distributed.run`` command line that runs ``python -m module argv``
     in ``nproc`` processes on this machine."""
     check_positive(nproc, "nproc", integer=True)
     port = master_port or find_free_port(master_addr)
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-            f"--master_addr={master_addr}", f"--master_port={port}", "-m", module, *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        f"--master_addr={master_addr}",
+        f"--master_port={port}",
+        "-m",
+        module,
+        *argv,
+    ]
 
 
 def launch(argv: Sequence[str], nproc: int, *, module: str = "shiftguard", env: Optional[dict] = None) -> int:
@@ -298,8 +318,9 @@ def shard_batch(batch: torch.Tensor, rank: Optional[int] = None, world_size: Opt
     return batch[rank::world_size]
 
 
-def make_distributed_loader(dataset, batch_size: int, shuffle: bool = True, *, seed: int = 0,
-                            drop_last: bool = False, **loader_kwargs) -> torch.utils.data.DataLoader:
+def make_distributed_loader(
+    dataset, batch_size: int, shuffle: bool = True, *, seed: int = 0, drop_last: bool = False, **loader_kwargs
+) -> torch.utils.data.DataLoader:
     """A ``DataLoader`` over this process's ``DistributedSampler`` shard of ``dataset``.
 
     ``batch_size`` is per process here (PyTorch's convention for DataLoader-based loops); call
@@ -310,8 +331,14 @@ def make_distributed_loader(dataset, batch_size: int, shuffle: bool = True, *, s
 
     check_positive(batch_size, "batch_size", integer=True)
     if not is_distributed():
-        return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                          generator=torch.Generator().manual_seed(seed), **loader_kwargs)
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            generator=torch.Generator().manual_seed(seed),
+            **loader_kwargs,
+        )
     sampler: DistributedSampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **loader_kwargs)
 
@@ -334,8 +361,9 @@ class MethodDispatch(nn.Module):
         return self.model(x, *rest) if method == "forward" else getattr(self.model, method)(x, *rest)
 
 
-def wrap_ddp(model: nn.Module, device: torch.device | str = "cpu", *, find_unused_parameters: bool = False,
-             process_group=None) -> DistributedDataParallel:
+def wrap_ddp(
+    model: nn.Module, device: torch.device | str = "cpu", *, find_unused_parameters: bool = False, process_group=None
+) -> DistributedDataParallel:
     """``DistributedDataParallel(MethodDispatch(model))`` on ``device`` (params broadcast from rank 0).
 
     Buffers are not re-broadcast before each forward (``broadcast_buffers=False``): QACT buffers
@@ -347,11 +375,15 @@ def wrap_ddp(model: nn.Module, device: torch.device | str = "cpu", *, find_unuse
     # Newer PyTorch renames broadcast_buffers=False to forward_sync_buffers=False (both keep the
     # initial broadcast from rank 0 of parameters; buffers too with the new name, which is fine).
     params = inspect.signature(DistributedDataParallel.__init__).parameters
-    no_fwd_sync: dict[str, Any] = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
-                                   else {"broadcast_buffers": False})
+    no_fwd_sync: dict[str, Any] = (
+        {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
+    )
     return DistributedDataParallel(
-        MethodDispatch(model), device_ids=[dev.index] if dev.type == "cuda" else None,
-        find_unused_parameters=find_unused_parameters, process_group=process_group, **no_fwd_sync,
+        MethodDispatch(model),
+        device_ids=[dev.index] if dev.type == "cuda" else None,
+        find_unused_parameters=find_unused_parameters,
+        process_group=process_group,
+        **no_fwd_sync,
     )
 
 
@@ -364,8 +396,9 @@ class _TrainingView:
     ``ddp(x, y, method="training_loss")``.
     """
 
-    def __init__(self, ddp: DistributedDataParallel, model: nn.Module, with_embed: bool,
-                 with_training_loss: bool = False):
+    def __init__(
+        self, ddp: DistributedDataParallel, model: nn.Module, with_embed: bool, with_training_loss: bool = False
+    ):
         self._ddp, self._model = ddp, model
         if with_embed:
             self.embed = lambda x: ddp(x, method="embed")
@@ -412,7 +445,7 @@ class _GatherRows(torch.autograd.Function):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
         start = sum(ctx.sizes[: ctx.rank])
-        return grad[start:start + ctx.sizes[ctx.rank]], None, None
+        return grad[start : start + ctx.sizes[ctx.rank]], None, None
 
 
 def _all_sizes(n: int, device, group=None) -> list[int]:
@@ -506,8 +539,10 @@ def distributed_multistage_step(
         sizes = [inputs.shape[0]]
     n_chunks = math.ceil(max(sizes) / chunk_size)
     if min(sizes) < n_chunks:
-        raise ValueError(f"inputs: every process needs at least {n_chunks} samples for {n_chunks} chunks, "
-                         f"got per-process sizes {sizes}")
+        raise ValueError(
+            f"inputs: every process needs at least {n_chunks} samples for {n_chunks} chunks, "
+            f"got per-process sizes {sizes}"
+        )
     chunks = torch.tensor_split(inputs, n_chunks)
 
     module = ddp_model.module if isinstance(ddp_model, DistributedDataParallel) else ddp_model
@@ -526,15 +561,15 @@ def distributed_multistage_step(
     if grad is None:
         raise ValueError("loss_fn: the loss does not depend on the embeddings; nothing to back-propagate")
     start = sum(sizes[:rank])
-    grad = grad[start:start + inputs.shape[0]] * world
+    grad = grad[start : start + inputs.shape[0]] * world
 
     offset = 0
     sync_ctx = ddp_model.no_sync if isinstance(ddp_model, DistributedDataParallel) else contextlib.nullcontext
     for i, (x, state) in enumerate(zip(chunks, states)):
         _set_rng_state(state, device)
-        g = grad[offset:offset + x.shape[0]]
+        g = grad[offset : offset + x.shape[0]]
         offset += x.shape[0]
-        with (sync_ctx() if i < len(chunks) - 1 else contextlib.nullcontext()):
+        with sync_ctx() if i < len(chunks) - 1 else contextlib.nullcontext():
             embed_fn(x).backward(g)
     _set_rng_state(after_pass1, device)
     return loss.detach()
@@ -559,10 +594,19 @@ class DistributedTrainer(Trainer):
         process_group: the group to train over (default: the world).
     """
 
-    def __init__(self, model: nn.Module, loss: nn.Module | str = "cross_entropy", *, sync_qact: bool = True,
-                 qact_exact_max: Optional[int] = None, qact_sketch_size: int = 2048,
-                 sync_batchnorm: Optional[bool] = None, global_loss: bool = True, process_group=None,
-                 **trainer_kwargs):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss: nn.Module | str = "cross_entropy",
+        *,
+        sync_qact: bool = True,
+        qact_exact_max: Optional[int] = None,
+        qact_sketch_size: int = 2048,
+        sync_batchnorm: Optional[bool] = None,
+        global_loss: bool = True,
+        process_group=None,
+        **trainer_kwargs,
+    ):
         self.rank = dist.get_rank(process_group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(process_group) if dist.is_initialized() else 1
         self.process_group = process_group
@@ -578,8 +622,9 @@ class DistributedTrainer(Trainer):
         super().__init__(model, loss, **trainer_kwargs)
         self.ddp = None
         if self.world_size > 1:
-            self.ddp = wrap_ddp(self.model, self.device, find_unused_parameters=self.loss_on != "logits",
-                                process_group=process_group)
+            self.ddp = wrap_ddp(
+                self.model, self.device, find_unused_parameters=self.loss_on != "logits", process_group=process_group
+            )
             if global_loss and self.loss_on == "embeddings":
                 self.loss_fn = GlobalBatchLoss(self.loss_fn, process_group)
 
@@ -589,9 +634,9 @@ class DistributedTrainer(Trainer):
         if ddp is None:
             return super()._multistage_step(x, y)
         loss = self.loss_fn.loss if isinstance(self.loss_fn, GlobalBatchLoss) else self.loss_fn
-        return distributed_multistage_step(ddp, loss, x, y, self.chunk_size,
-                                           embed=lambda t: ddp(t, method="embed"),
-                                           process_group=self.process_group)
+        return distributed_multistage_step(
+            ddp, loss, x, y, self.chunk_size, embed=lambda t: ddp(t, method="embed"), process_group=self.process_group
+        )
 
     # Each global batch of the single-process trainer, split across processes.
     def batches(self, labels: torch.Tensor, epoch: int) -> Iterator[torch.Tensor]:
@@ -605,8 +650,9 @@ class DistributedTrainer(Trainer):
         if self.ddp is None:
             return super()._train_epoch(images, labels, epoch, num_classes)
         model = self.model
-        self.model = _TrainingView(self.ddp, model, with_embed=self.loss_on == "embeddings",
-                                   with_training_loss=self.loss_on == "model")
+        self.model = _TrainingView(
+            self.ddp, model, with_embed=self.loss_on == "embeddings", with_training_loss=self.loss_on == "model"
+        )
         try:
             out = super()._train_epoch(images, labels, epoch, num_classes)
         finally:

@@ -55,8 +55,13 @@ def _set_rng_state(state, device: torch.device):
         torch.cuda.set_rng_state(cuda, device)
 
 
-def embed_chunks_without_grad(model: nn.Module, embed_fn: Callable[[torch.Tensor], torch.Tensor], chunks,
-                              device: torch.device, restore_buffers: bool = True):
+def embed_chunks_without_grad(
+    model: nn.Module,
+    embed_fn: Callable[[torch.Tensor], torch.Tensor],
+    chunks,
+    device: torch.device,
+    restore_buffers: bool = True,
+):
     """Pass 1 of a multistage step: embed every chunk without gradients.
 
     Records the RNG state before each chunk (pass 2 replays it, so dropout / QACT's KDE sampling see
@@ -103,8 +108,10 @@ def multistage_step(
     check_positive(chunk_size, "chunk_size", integer=True)
     inputs = check_tensor(inputs, "inputs", min_ndim=1, nonempty=True)
     if not isinstance(labels, torch.Tensor) or labels.dim() != 1 or labels.shape[0] != inputs.shape[0]:
-        raise ValueError(f"labels: expected shape ({inputs.shape[0]},), got "
-                         f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}")
+        raise ValueError(
+            f"labels: expected shape ({inputs.shape[0]},), got "
+            f"{tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__}"
+        )
     embed_fn = embed if embed is not None else _default_embed(model)
     chunks = inputs.split(chunk_size)
     device = inputs.device
@@ -124,7 +131,7 @@ def multistage_step(
     for x, state in zip(chunks, states):
         _set_rng_state(state, device)
         out = embed_fn(x)
-        g = grad[start:start + out.shape[0]]
+        g = grad[start : start + out.shape[0]]
         start += out.shape[0]
         if out.requires_grad:
             out.backward(g)

@@ -48,7 +48,8 @@ class ClassBalancedBatchSampler(Sampler[list]):
         if eligible.numel() < self.classes_per_batch:
             raise ValueError(
                 f"labels: need at least {self.classes_per_batch} classes with >= m={m} samples for batch_size="
-                f"{batch_size}, found {eligible.numel()}")
+                f"{batch_size}, found {eligible.numel()}"
+            )
         self.m = m
         self.batch_size = batch_size
         self.seed = int(seed)

@@ -138,17 +138,22 @@ class Trainer:
         if isinstance(loss, str):
             if loss == "model":
                 if not callable(getattr(model, "training_loss", None)):
-                    raise TypeError("model: loss='model' trains with model.training_loss(x, y), which this "
-                                    f"{type(model).__name__} does not have")
+                    raise TypeError(
+                        "model: loss='model' trains with model.training_loss(x, y), which this "
+                        f"{type(model).__name__} does not have"
+                    )
                 if loss_on not in (None, "model"):
-                    raise ValueError(f"loss_on: loss='model' computes its own loss; leave loss_on unset, "
-                                     f"got {loss_on!r}")
+                    raise ValueError(
+                        f"loss_on: loss='model' computes its own loss; leave loss_on unset, got {loss_on!r}"
+                    )
                 loss_on = "model"
             elif loss == "cross_entropy":
                 loss_fn = nn.CrossEntropyLoss()
             else:
-                raise ValueError("loss: a string loss must be 'cross_entropy' or 'model'; build others with "
-                                 f"shiftguard.losses.build_loss, got {loss!r}")
+                raise ValueError(
+                    "loss: a string loss must be 'cross_entropy' or 'model'; build others with "
+                    f"shiftguard.losses.build_loss, got {loss!r}"
+                )
         else:
             loss_fn = loss
         if loss_on is None:
@@ -174,23 +179,25 @@ class Trainer:
             raise ValueError("chunk_size: multistage steps [Patel, Sec. 5.3.2] need an embedding loss")
         self.chunk_size = int(chunk_size)
         if two_views and (loss_on != "embeddings" or chunk_size):
-            raise ValueError("two_views: two augmented views with instance ids need an embedding loss and no "
-                             "chunk_size")
+            raise ValueError(
+                "two_views: two augmented views with instance ids need an embedding loss and no chunk_size"
+            )
         self.two_views = bool(two_views)
         self._views_gen: Optional[torch.Generator] = None
         self._views_epoch = -1
         self.augmix = _build_augmix(augmix, augmix_suite)
         if self.augmix is not None and two_views:
             raise ValueError("augmix: two_views draws its own augmented views; use one of augmix and two_views")
-        if (isinstance(jsd_weight, bool) or not isinstance(jsd_weight, (int, float))
-                or not 0.0 <= jsd_weight < math.inf):
+        if isinstance(jsd_weight, bool) or not isinstance(jsd_weight, (int, float)) or not 0.0 <= jsd_weight < math.inf:
             raise ValueError(f"jsd_weight: expected a finite number >= 0, got {jsd_weight!r}")
         if jsd_weight > 0 and self.augmix is None:
             raise ValueError("jsd_weight: the Jensen-Shannon consistency term compares AugMix views; enable augmix")
         if jsd_weight > 0 and (loss_on != "logits" or chunk_size):
-            raise ValueError(f"jsd_weight: the Jensen-Shannon consistency term needs class logits (a logit loss "
-                             f"such as cross-entropy, no chunk_size), got loss_on={loss_on!r}; use jsd_weight=0 "
-                             "for plain AugMix views")
+            raise ValueError(
+                f"jsd_weight: the Jensen-Shannon consistency term needs class logits (a logit loss "
+                f"such as cross-entropy, no chunk_size), got loss_on={loss_on!r}; use jsd_weight=0 "
+                "for plain AugMix views"
+            )
         self.jsd_weight = float(jsd_weight)
         self._augmix_gen: Optional[torch.Generator] = None
         self._augmix_epoch = -1
@@ -204,8 +211,14 @@ class Trainer:
         params = list(self.model.parameters()) + [p for p in getattr(self.loss_fn, "parameters", lambda: [])()]
         self.optimizer = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            self.optimizer, mode="max", factor=lr_factor, patience=lr_patience, cooldown=lr_cooldown,
-            threshold=lr_threshold, threshold_mode="abs", min_lr=min_lr,
+            self.optimizer,
+            mode="max",
+            factor=lr_factor,
+            patience=lr_patience,
+            cooldown=lr_cooldown,
+            threshold=lr_threshold,
+            threshold_mode="abs",
+            min_lr=min_lr,
         )
         self.history: list[dict] = []
 
@@ -220,8 +233,9 @@ class Trainer:
         if self.class_balanced:
             from .samplers import ClassBalancedBatchSampler
 
-            sampler = ClassBalancedBatchSampler(labels, m=self.samples_per_class, batch_size=self.batch_size,
-                                                seed=self.seed * 100_003)
+            sampler = ClassBalancedBatchSampler(
+                labels, m=self.samples_per_class, batch_size=self.batch_size, seed=self.seed * 100_003
+            )
             sampler.set_epoch(epoch)
             for batch in sampler:
                 yield torch.as_tensor(batch, dtype=torch.long)
@@ -245,8 +259,13 @@ class Trainer:
         self._emb_sum: Optional[torch.Tensor] = None
         self._emb_cnt = torch.zeros(num_classes, device=self.device)
         # A bar on a terminal only: in a log the epoch line (fit) is the progress record.
-        with progress(self.num_batches(labels), f"{self.desc} epoch {epoch}/{self.epochs}", unit="batch",
-                      enabled=self.progress and self.is_main_process, lines=False) as bar:
+        with progress(
+            self.num_batches(labels),
+            f"{self.desc} epoch {epoch}/{self.epochs}",
+            unit="batch",
+            enabled=self.progress and self.is_main_process,
+            lines=False,
+        ) as bar:
             total_loss, n_seen, n_correct = self._train_batches(bar, images, labels, epoch, num_classes)
         out = {"train_loss": total_loss / max(n_seen, 1)}
         if self.loss_on == "logits":
@@ -299,8 +318,10 @@ class Trainer:
                 self._accumulate_means(emb.detach().float(), y, num_classes)
             if not torch.isfinite(loss):
                 lr = self.optimizer.param_groups[0]["lr"]
-                raise FloatingPointError(f"{self.desc}: the training diverged (loss {loss.item()} at epoch {epoch}, "
-                                         f"learning rate {lr:g}); lower the learning rate")
+                raise FloatingPointError(
+                    f"{self.desc}: the training diverged (loss {loss.item()} at epoch {epoch}, "
+                    f"learning rate {lr:g}); lower the learning rate"
+                )
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -418,9 +439,11 @@ class Trainer:
     def _log_epoch(self, h: dict) -> None:
         """One line per epoch: epoch, loss, train/val accuracy, learning rate, seconds."""
         acc = f" train_acc={h['train_acc']:.4f}" if "train_acc" in h else ""
-        line = (f"{self.desc} epoch {h['epoch']}/{self.epochs}: loss={h['train_loss']:.4f}{acc} "
-                f"val_acc={h['val_acc']:.4f} lr={h['lr']:.2g} {h['seconds']:.1f} s"
-                f"{' (early stop)' if self.stopped else ''}")
+        line = (
+            f"{self.desc} epoch {h['epoch']}/{self.epochs}: loss={h['train_loss']:.4f}{acc} "
+            f"val_acc={h['val_acc']:.4f} lr={h['lr']:.2g} {h['seconds']:.1f} s"
+            f"{' (early stop)' if self.stopped else ''}"
+        )
         if callable(self.log):
             self.log(line)
         else:
@@ -484,10 +507,15 @@ class Trainer:
                 self.bad_epochs += 1
                 if self.early_stopping_patience > 0 and self.bad_epochs >= self.early_stopping_patience:
                     self.stopped = True
-            self.history.append({
-                "epoch": epoch, **stats, "val_acc": val_acc,
-                "lr": self.optimizer.param_groups[0]["lr"], "seconds": time.perf_counter() - te,
-            })
+            self.history.append(
+                {
+                    "epoch": epoch,
+                    **stats,
+                    "val_acc": val_acc,
+                    "lr": self.optimizer.param_groups[0]["lr"],
+                    "seconds": time.perf_counter() - te,
+                }
+            )
             if self.log and self.is_main_process:
                 self._log_epoch(self.history[-1])
             if self.checkpoint_dir is not None and self.is_main_process:
@@ -517,8 +545,10 @@ def _build_augmix(augmix, augmix_suite: Optional[str]) -> "Optional[AugMix]":
         return None
     if augmix is True:
         if augmix_suite is None:
-            raise ValueError("augmix_suite: AugMix's operations depend on the corruption suite the model is tested "
-                             "on; pass augmix_suite ('mnist-c', 'cifar-c', ...)")
+            raise ValueError(
+                "augmix_suite: AugMix's operations depend on the corruption suite the model is tested "
+                "on; pass augmix_suite ('mnist-c', 'cifar-c', ...)"
+            )
         return AugMix(augmix_suite)
     if isinstance(augmix, AugMix):
         if augmix_suite is not None and AugMix(augmix_suite).suite != augmix.suite:

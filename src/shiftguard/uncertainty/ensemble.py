@@ -71,7 +71,7 @@ class EnsembleHead(nn.Module):
         """``(N, K, C)`` log-softmax of each member's logits."""
         outs = []
         for k, head in enumerate(self.heads):
-            e = emb if self.chunk is None else emb[:, k * self.chunk:(k + 1) * self.chunk]
+            e = emb if self.chunk is None else emb[:, k * self.chunk : (k + 1) * self.chunk]
             outs.append(F.log_softmax(head(e), dim=-1))
         return torch.stack(outs, dim=1)
 
@@ -79,7 +79,7 @@ class EnsembleHead(nn.Module):
         """``(N, K, C)`` logits of each member."""
         outs = []
         for k, head in enumerate(self.heads):
-            e = emb if self.chunk is None else emb[:, k * self.chunk:(k + 1) * self.chunk]
+            e = emb if self.chunk is None else emb[:, k * self.chunk : (k + 1) * self.chunk]
             outs.append(head(e))
         return torch.stack(outs, dim=1)
 
@@ -112,9 +112,17 @@ class DeepEnsemble(UncertaintyEstimator):
     default_uncertainty = "entropy"
     classifier: EnsembleHead
 
-    def __init__(self, backbone: nn.Module, num_members: int = 10, *, independent: bool = False,
-                 objective: str = "mean", num_classes: Optional[int] = None,
-                 embedding_dim: Optional[int] = None, seed: int = 0):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_members: int = 10,
+        *,
+        independent: bool = False,
+        objective: str = "mean",
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        seed: int = 0,
+    ):
         super().__init__()
         spec = resolve_backbone(backbone, embedding_dim, num_classes)
         check_positive(num_members, "num_members", integer=True)
@@ -155,8 +163,7 @@ class DeepEnsemble(UncertaintyEstimator):
             self.classifier = EnsembleHead(heads, chunk=None)
 
     def extra_repr(self) -> str:
-        return (f"num_members={self.num_members}, independent={self.independent}, "
-                f"objective={self.objective!r}")
+        return f"num_members={self.num_members}, independent={self.independent}, objective={self.objective!r}"
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """``(N, D)`` shared embedding, or ``(N, K * D)`` concatenated member embeddings."""

@@ -135,14 +135,19 @@ def resolve_backbone(backbone, embedding_dim: Optional[int] = None, num_classes:
     if isinstance(backbone, EmbeddingClassifier):
         classifier = backbone.classifier
         if not isinstance(classifier, nn.Linear):
-            raise TypeError(f"backbone: expected backbone.classifier to be an nn.Linear, got "
-                            f"{type(classifier).__name__}")
+            raise TypeError(
+                f"backbone: expected backbone.classifier to be an nn.Linear, got {type(classifier).__name__}"
+            )
         if embedding_dim is not None and embedding_dim != classifier.in_features:
-            raise ValueError(f"embedding_dim: the backbone's embeddings have {classifier.in_features} "
-                             f"features, got embedding_dim={embedding_dim}")
+            raise ValueError(
+                f"embedding_dim: the backbone's embeddings have {classifier.in_features} "
+                f"features, got embedding_dim={embedding_dim}"
+            )
         if num_classes is not None and num_classes != classifier.out_features:
-            raise ValueError(f"num_classes: the backbone's classifier has {classifier.out_features} "
-                             f"classes, got num_classes={num_classes}")
+            raise ValueError(
+                f"num_classes: the backbone's classifier has {classifier.out_features} "
+                f"classes, got num_classes={num_classes}"
+            )
         embedding_dim, num_classes = classifier.in_features, classifier.out_features
     else:
         if embedding_dim is None:

@@ -59,8 +59,9 @@ class HETXLHead(nn.Module):
     ``covariance`` is the ``nn.Linear(D, D * R + D)`` producing ``V`` and the pre-softplus ``d``.
     """
 
-    def __init__(self, linear: nn.Linear, rank: int = 1, num_samples: int = 16, temperature: float = 1.0,
-                 seed: int = 0):
+    def __init__(
+        self, linear: nn.Linear, rank: int = 1, num_samples: int = 16, temperature: float = 1.0, seed: int = 0
+    ):
         super().__init__()
         d = linear.in_features
         self.linear = linear
@@ -84,8 +85,8 @@ class HETXLHead(nn.Module):
         """``V (N, D, R)`` and ``d (N, D)`` with ``Sigma = V V^T + diag(d)``."""
         n, dim = emb.shape
         out = self.covariance(emb)
-        v = out[:, :dim * self.rank].reshape(n, dim, self.rank)
-        return v, F.softplus(out[:, dim * self.rank:])
+        v = out[:, : dim * self.rank].reshape(n, dim, self.rank)
+        return v, F.softplus(out[:, dim * self.rank :])
 
     def noise(self, emb: torch.Tensor) -> torch.Tensor:
         """Samples ``eps (N, S, D)`` of ``N(0, Sigma(e))`` (train: fresh; eval: from ``seed``)."""
@@ -149,8 +150,17 @@ class HETXL(UncertaintyEstimator):
     default_uncertainty = "log_det_cov"
     classifier: HETXLHead
 
-    def __init__(self, backbone: nn.Module, rank: int = 1, num_samples: int = 16, temperature: float = 1.0, *,
-                 num_classes: Optional[int] = None, embedding_dim: Optional[int] = None, seed: int = 0):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        rank: int = 1,
+        num_samples: int = 16,
+        temperature: float = 1.0,
+        *,
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        seed: int = 0,
+    ):
         super().__init__()
         spec = resolve_backbone(backbone, embedding_dim, num_classes)
         check_positive(rank, "rank", integer=True)

@@ -34,8 +34,9 @@ from shiftguard.uncertainty.estimator import UncertaintyEstimator, _entropy, bac
 __all__ = ["LossPredictionHead", "loss_ranking_loss", "LossPredictionL2", "loss_prediction_l2_loss"]
 
 
-def loss_ranking_loss(u1: torch.Tensor, u2: torch.Tensor, loss1: torch.Tensor, loss2: torch.Tensor,
-                      margin: float = 0.1) -> torch.Tensor:
+def loss_ranking_loss(
+    u1: torch.Tensor, u2: torch.Tensor, loss1: torch.Tensor, loss2: torch.Tensor, margin: float = 0.1
+) -> torch.Tensor:
     """Mean pairwise ranking loss of [Kirchhof, Ch. 5, eqs. (3)-(4)] (Yoo & Kweon 2019), see module doc."""
     sign = torch.where(loss1 > loss2, 1.0, -1.0).to(u1.dtype)
     return torch.clamp(margin - sign * (u1 - u2), min=0).mean()
@@ -55,9 +56,17 @@ class LossPredictionHead(nn.Module):
     uncertainties (higher = larger expected loss), also available as ``forward``.
     """
 
-    def __init__(self, in_features: int, hidden: tuple[int, ...] = (512, 512), margin: float = 0.1,
-                 epochs: int = 20, batch_size: int = 256, lr: float = 1e-3, weight_decay: float = 1e-2,
-                 seed: int = 0):
+    def __init__(
+        self,
+        in_features: int,
+        hidden: tuple[int, ...] = (512, 512),
+        margin: float = 0.1,
+        epochs: int = 20,
+        batch_size: int = 256,
+        lr: float = 1e-3,
+        weight_decay: float = 1e-2,
+        seed: int = 0,
+    ):
         super().__init__()
         check_positive(in_features, "in_features", integer=True)
         check_positive(margin, "margin")
@@ -116,11 +125,11 @@ class LossPredictionHead(nn.Module):
             perm = torch.randperm(n, generator=gen).to(emb.device)
             total = 0.0
             for s in range(steps_per_epoch):
-                idx = perm[s * bs:(s + 1) * bs]
+                idx = perm[s * bs : (s + 1) * bs]
                 if idx.numel() < 2:
                     continue
                 half = idx.numel() // 2
-                i1, i2 = idx[:half], idx[half:2 * half]
+                i1, i2 = idx[:half], idx[half : 2 * half]
                 u = self(emb[torch.cat([i1, i2])])
                 loss = loss_ranking_loss(u[:half], u[half:], target[i1], target[i2], self.margin)
                 opt.zero_grad()
@@ -182,9 +191,17 @@ class LossPredictionL2(UncertaintyEstimator):
     uncertainty_names = ("predicted_loss", "entropy")
     default_uncertainty = "predicted_loss"
 
-    def __init__(self, backbone: nn.Module, loss_weight: float = 0.5, hidden: tuple[int, ...] = (512, 512, 512), *,
-                 detach_embedding: bool = False, num_classes: Optional[int] = None,
-                 embedding_dim: Optional[int] = None, seed: int = 0):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        loss_weight: float = 0.5,
+        hidden: tuple[int, ...] = (512, 512, 512),
+        *,
+        detach_embedding: bool = False,
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        seed: int = 0,
+    ):
         super().__init__()
         spec = resolve_backbone(backbone, embedding_dim, num_classes)
         check_positive(loss_weight, "loss_weight", strict=False)
@@ -201,8 +218,7 @@ class LossPredictionL2(UncertaintyEstimator):
         self.loss_weight = float(loss_weight)
         self.detach_embedding = detach_embedding
         with seeded(seed):
-            linear = spec.classifier if spec.classifier is not None else nn.Linear(spec.embedding_dim,
-                                                                                  spec.num_classes)
+            linear = spec.classifier if spec.classifier is not None else nn.Linear(spec.embedding_dim, spec.num_classes)
             layers: list[nn.Module] = []
             width = spec.embedding_dim
             for h in widths:

@@ -102,8 +102,16 @@ class MCDropout(UncertaintyEstimator):
     default_uncertainty = "entropy"
     classifier: MCDropoutHead
 
-    def __init__(self, backbone: nn.Module, rate: float = 0.1, num_samples: int = 10, *,
-                 num_classes: Optional[int] = None, embedding_dim: Optional[int] = None, seed: int = 0):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        rate: float = 0.1,
+        num_samples: int = 10,
+        *,
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        seed: int = 0,
+    ):
         super().__init__()
         spec = resolve_backbone(backbone, embedding_dim, num_classes)
         rate = _check_rate(rate)

@@ -54,8 +54,9 @@ def margin_uncertainty(probs) -> torch.Tensor:
     return 1.0 - (top2[:, 0] - top2[:, 1])
 
 
-def knn_distance_uncertainty(embeddings, support, k: int = 1, backend: str = "torch",
-                             exclude_self: bool = False) -> torch.Tensor:
+def knn_distance_uncertainty(
+    embeddings, support, k: int = 1, backend: str = "torch", exclude_self: bool = False
+) -> torch.Tensor:
     """Mean squared Euclidean distance to the ``k`` nearest ``support`` embeddings [NED, Sec. 2]."""
     check_positive(k, "k", integer=True)
     d, _ = knn_search(embeddings, support, k, backend=backend, exclude_self=exclude_self)

@@ -66,8 +66,7 @@ class SpectralNormBound(nn.Module):
     u: torch.Tensor
     v: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bound: float = 0.95, n_power_iterations: int = 1,
-                 eps: float = 1e-12):
+    def __init__(self, weight: torch.Tensor, bound: float = 0.95, n_power_iterations: int = 1, eps: float = 1e-12):
         super().__init__()
         self.bound = bound
         self.n_power_iterations = n_power_iterations
@@ -97,8 +96,9 @@ class SpectralNormBound(nn.Module):
         return weight * torch.clamp(self.bound / sigma, max=1.0)
 
 
-def spectral_normalize(module: nn.Module, bound: float = 0.95, n_power_iterations: int = 1,
-                       exclude: Iterable[nn.Module] = ()) -> int:
+def spectral_normalize(
+    module: nn.Module, bound: float = 0.95, n_power_iterations: int = 1, exclude: Iterable[nn.Module] = ()
+) -> int:
     """Register :class:`SpectralNormBound` on the weight of every ``Linear`` / ``Conv1-3d`` in ``module``.
 
     Modules in ``exclude`` and modules already parametrised are skipped. Returns the number of
@@ -132,9 +132,18 @@ class RandomFeatureGP(nn.Module):
     precision: torch.Tensor
     num_covariance_samples: torch.Tensor
 
-    def __init__(self, in_features: int, num_classes: int, num_features: int = 1024, *, ridge: float = 1.0,
-                 mean_field_factor: float = math.pi / 8, normalize_input: bool = True,
-                 length_scale: float = 1.0, seed: int = 0):
+    def __init__(
+        self,
+        in_features: int,
+        num_classes: int,
+        num_features: int = 1024,
+        *,
+        ridge: float = 1.0,
+        mean_field_factor: float = math.pi / 8,
+        normalize_input: bool = True,
+        length_scale: float = 1.0,
+        seed: int = 0,
+    ):
         super().__init__()
         check_positive(in_features, "in_features", integer=True)
         check_positive(num_classes, "num_classes", integer=True)
@@ -161,9 +170,11 @@ class RandomFeatureGP(nn.Module):
         self._cache: Optional[torch.Tensor] = None
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, num_classes={self.num_classes}, "
-                f"num_features={self.num_features}, ridge={self.ridge}, "
-                f"mean_field_factor={self.mean_field_factor:.6g}, length_scale={self.length_scale}")
+        return (
+            f"in_features={self.in_features}, num_classes={self.num_classes}, "
+            f"num_features={self.num_features}, ridge={self.ridge}, "
+            f"mean_field_factor={self.mean_field_factor:.6g}, length_scale={self.length_scale}"
+        )
 
     def random_features(self, h: torch.Tensor) -> torch.Tensor:
         """``phi(h) = sqrt(2 / M) cos(W h' + b)``, ``(N, M)``."""
@@ -240,10 +251,22 @@ class SNGP(UncertaintyEstimator):
     default_uncertainty = "entropy"
     classifier: RandomFeatureGP
 
-    def __init__(self, backbone: nn.Module, num_features: int = 1024, *, spectral_norm: bool = True,
-                 spectral_bound: float = 0.95, power_iterations: int = 1, ridge: float = 1.0,
-                 mean_field_factor: float = math.pi / 8, normalize_input: bool = True, length_scale: float = 1.0,
-                 num_classes: Optional[int] = None, embedding_dim: Optional[int] = None, seed: int = 0):
+    def __init__(
+        self,
+        backbone: nn.Module,
+        num_features: int = 1024,
+        *,
+        spectral_norm: bool = True,
+        spectral_bound: float = 0.95,
+        power_iterations: int = 1,
+        ridge: float = 1.0,
+        mean_field_factor: float = math.pi / 8,
+        normalize_input: bool = True,
+        length_scale: float = 1.0,
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        seed: int = 0,
+    ):
         super().__init__()
         spec = resolve_backbone(backbone, embedding_dim, num_classes)
         if not isinstance(spectral_norm, bool):
@@ -261,9 +284,16 @@ class SNGP(UncertaintyEstimator):
             exclude = [spec.classifier] if spec.classifier is not None else []
             with seeded(seed):
                 spectral_normalize(spec.module, spectral_bound, power_iterations, exclude=exclude)
-        self.classifier = RandomFeatureGP(spec.embedding_dim, spec.num_classes, num_features, ridge=ridge,
-                                          mean_field_factor=mean_field_factor, normalize_input=normalize_input,
-                                          length_scale=length_scale, seed=seed)
+        self.classifier = RandomFeatureGP(
+            spec.embedding_dim,
+            spec.num_classes,
+            num_features,
+            ridge=ridge,
+            mean_field_factor=mean_field_factor,
+            normalize_input=normalize_input,
+            length_scale=length_scale,
+            seed=seed,
+        )
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         return backbone_embed(self.backbone, x)

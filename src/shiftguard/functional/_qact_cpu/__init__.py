@@ -69,6 +69,15 @@ from shiftguard.functional._qact_cpu.sort import all_finite, sorted_context_fini
 # The stages' entry points (the callers in ``quantile.py``). The compiled kernels behind them stay in
 # their stage modules (``from shiftguard.functional._qact_cpu import sort``; ``sort._row_range``).
 __all__ = [
-    "AVAILABLE", "lerp_rows_", "sorted_grounded_context", "all_finite", "sorted_context_finite", "grounded_quantiles",
-    "counts_output", "grounded_samples", "kde_grid", "kde_density_times", "batch_channels",
+    "AVAILABLE",
+    "lerp_rows_",
+    "sorted_grounded_context",
+    "all_finite",
+    "sorted_context_finite",
+    "grounded_quantiles",
+    "counts_output",
+    "grounded_samples",
+    "kde_grid",
+    "kde_density_times",
+    "batch_channels",
 ]

@@ -44,9 +44,31 @@ def _lerp_rows(c0, c1, run, new, m):
 
 
 @njit(nogil=True, cache=True)
-def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, truncate, max_points,
-                    values_by_count, kk, ww, q_out, s_dim, samples, bandwidth, out3, dens3, momentum, run_q, run_s,
-                    run_b, fixed_h):
+def _batch_channels(
+    c0,
+    c1,
+    ctx,
+    x3,
+    seed,
+    c_bound,
+    points_per_bandwidth,
+    truncate,
+    max_points,
+    values_by_count,
+    kk,
+    ww,
+    q_out,
+    s_dim,
+    samples,
+    bandwidth,
+    out3,
+    dens3,
+    momentum,
+    run_q,
+    run_s,
+    run_b,
+    fixed_h,
+):
     # everything the batch context computes for a channel, one channel at a time with its
     # scratch in cache (no per-pass arrays, no Python between passes): the quantiles
     # (_channel_quantiles), the KDE draws and bandwidth (_channel_samples), the KDE grid
@@ -88,13 +110,21 @@ def _batch_channels(c0, c1, ctx, x3, seed, c_bound, points_per_bandwidth, trunca
             h = fixed_h
         bandwidth[c] = h
         xmin, xmax = _row_range(row, c_bound)
-        lo, d, g_dim = _layout(np.float64(sample_row[0]), np.float64(sample_row[s_dim - 1]), h, xmin, xmax,
-                               points_per_bandwidth, truncate, max_points)
+        lo, d, g_dim = _layout(
+            np.float64(sample_row[0]),
+            np.float64(sample_row[s_dim - 1]),
+            h,
+            xmin,
+            xmax,
+            points_per_bandwidth,
+            truncate,
+            max_points,
+        )
         _channel_grid(scratch, row, tally, sample_row, _tallied(k_dim, s_dim), lo, d, h, g_dim, truncate, row_grid)
         if momentum > 0.0:
             _lerp_row(run_q[c], q_out[c], momentum)
             _lerp_row(run_s[c], sample_row, momentum)
-            _lerp_row(run_b[c:c + 1], bandwidth[c:c + 1], momentum)
+            _lerp_row(run_b[c : c + 1], bandwidth[c : c + 1], momentum)
         inv_d = 1.0 / d
         q_lo, inv_w, few = _cell_table(q_out[c], qp, start, n_lut, xmin, xmax)
         g_top = g_dim - 1
@@ -130,10 +160,21 @@ def _sort_and_pass(c0: int, c1: int, ctx: np.ndarray, x3: np.ndarray, seed: int,
     _batch_channels(c0, c1, ctx, x3, seed, c_bound, *rest)
 
 
-def batch_channels(x3: np.ndarray, ctx: np.ndarray | None, c: float, n_tau: int, n_samples: int, seed: int,
-                   values_by_count: np.ndarray, points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
-                   truncate: float = TRUNCATE, max_points: int = 4096, running=None, keep_samples: bool = True,
-                   bandwidth: float | None = None):
+def batch_channels(
+    x3: np.ndarray,
+    ctx: np.ndarray | None,
+    c: float,
+    n_tau: int,
+    n_samples: int,
+    seed: int,
+    values_by_count: np.ndarray,
+    points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
+    truncate: float = TRUNCATE,
+    max_points: int = 4096,
+    running=None,
+    keep_samples: bool = True,
+    bandwidth: float | None = None,
+):
     """Everything the batch context of a layer that needs its gradient computes, in one pass per
     channel: the quantiles (as :func:`grounded_quantiles`), the KDE samples and bandwidths (as
     :func:`grounded_samples` with ``seed``), the KDE grid (as :func:`kde_grid`; the drawn entries
@@ -176,9 +217,27 @@ def batch_channels(x3: np.ndarray, ctx: np.ndarray | None, c: float, n_tau: int,
     work = x3.size * 8 + ch * n_samples * 64
     k_dim = x3.shape[0] * x3.shape[2] + 2  # the context row: every value of a channel and -c, +c
     fixed_h = 0.0 if bandwidth is None else float(np.asarray(bandwidth, dtype=x3.dtype))
-    args = (x3, seed, float(c), float(points_per_bandwidth), float(truncate), int(max_points), values_by_count,
-            *_brackets(k_dim, n_tau), q, int(n_samples), samples, bw, out, dens, float(m), run_q, run_s, run_b,
-            fixed_h)
+    args = (
+        x3,
+        seed,
+        float(c),
+        float(points_per_bandwidth),
+        float(truncate),
+        int(max_points),
+        values_by_count,
+        *_brackets(k_dim, n_tau),
+        q,
+        int(n_samples),
+        samples,
+        bw,
+        out,
+        dens,
+        float(m),
+        run_q,
+        run_s,
+        run_b,
+        fixed_h,
+    )
     if ctx is None:
         ctx = np.empty((ch, k_dim), dtype=x3.dtype)
         parallel_ranges(_sort_and_pass, ch, work, ctx, *args, tiered=True)

@@ -182,6 +182,7 @@ def _layout(smin, smax, h, xmin, xmax, points_per_bandwidth, truncate, max_point
     delta = max(h / points_per_bandwidth, (hi - lo) / (max_points - 1))
     return lo, delta, int(math.ceil((hi - lo) / delta)) + 2
 
+
 # points binned per chunk of _BIN_CHUNK: first each point's cell and two weights, in one loop
 # without stores to the bins (vectorised: the cell is converted to int32, which AVX2 has a vector
 # instruction for, int64 not), then the weights added to the bins in a second loop (the adds to
@@ -270,9 +271,16 @@ def _grid_scratch(max_g, max_half, dtype):
     # bins (float64), binned (the convolution's precision), taps, acc, the taps' key, and the
     # binning's cells and weights (_bin_points)
     size = max_g + 2 * max_half + 4
-    return (np.empty(size, np.float64), np.zeros(size, dtype), np.empty(2 * max_half + 1, dtype),
-            np.empty(max_g, dtype), np.full(2, -1.0), np.empty(_BIN_CHUNK, np.int32),
-            np.empty(_BIN_CHUNK, np.float64), np.empty(_BIN_CHUNK, np.float64))
+    return (
+        np.empty(size, np.float64),
+        np.zeros(size, dtype),
+        np.empty(2 * max_half + 1, dtype),
+        np.empty(max_g, dtype),
+        np.full(2, -1.0),
+        np.empty(_BIN_CHUNK, np.int32),
+        np.empty(_BIN_CHUNK, np.float64),
+        np.empty(_BIN_CHUNK, np.float64),
+    )
 
 
 @njit  # per channel: a call of its own, not inlined in numba's IR (shiftguard._numba)
@@ -285,7 +293,7 @@ def _channel_grid(scratch, row, tally, sample_row, tallied, lo, d, h, g_dim, tru
     w = 1.0 / s_dim
     half = int(math.ceil(truncate * h / d))
     length = g_dim + 2 * half
-    bins[:length + 4] = 0.0
+    bins[: length + 4] = 0.0
     inv_d = 1.0 / d
     top = np.float64(length)
     if tallied:  # (entries never drawn add 0)
@@ -311,8 +319,19 @@ def _kde_grid(c0, c1, samples, bandwidth, lo, delta, n_grid, truncate, grid):
     scratch = _grid_scratch(max_g, max_half, samples.dtype)
     no_tally = np.empty(0, np.int32)
     for c in range(c0, c1):
-        _channel_grid(scratch, samples[c], no_tally, samples[c], False, lo[c], delta[c], bandwidth[c], n_grid[c],
-                      truncate, grid[c])
+        _channel_grid(
+            scratch,
+            samples[c],
+            no_tally,
+            samples[c],
+            False,
+            lo[c],
+            delta[c],
+            bandwidth[c],
+            n_grid[c],
+            truncate,
+            grid[c],
+        )
 
 
 @njit(nogil=True, cache=True)
@@ -337,8 +356,15 @@ def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
     return out, bw
 
 
-def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray,
-             points_per_bandwidth: int = POINTS_PER_BANDWIDTH, truncate: float = TRUNCATE, max_points: int = 4096):
+def kde_grid(
+    samples: np.ndarray,
+    bandwidth: np.ndarray,
+    xmin: np.ndarray,
+    xmax: np.ndarray,
+    points_per_bandwidth: int = POINTS_PER_BANDWIDTH,
+    truncate: float = TRUNCATE,
+    max_points: int = 4096,
+):
     """:func:`shiftguard.functional.kde.kde_grid` per channel (the same
     :func:`~shiftguard.functional.kde.grid_layout`; each channel's grid has its own length
     ``n_grid[c]``, so a wide channel does not widen the others). The convolution runs in the
@@ -347,18 +373,22 @@ def kde_grid(samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax:
     Returns ``grid (C, max n_grid)`` float64, ``lo (C,)``, ``delta (C,)``, ``n_grid (C,)`` int64.
     """
     h = np.asarray(bandwidth, dtype=np.float64)
-    f64 = [torch.from_numpy(np.asarray(a, dtype=np.float64)) for a in
-           (samples.min(axis=1), samples.max(axis=1), h, xmin, xmax)]
+    f64 = [
+        torch.from_numpy(np.asarray(a, dtype=np.float64))
+        for a in (samples.min(axis=1), samples.max(axis=1), h, xmin, xmax)
+    ]
     smin, smax, h64, xmin64, xmax64 = f64
-    lo, delta, n_grid = (t.numpy() for t in grid_layout(smin, smax, h64, xmin64, xmax64, points_per_bandwidth,
-                                                        truncate, max_points))
+    lo, delta, n_grid = (
+        t.numpy() for t in grid_layout(smin, smax, h64, xmin64, xmax64, points_per_bandwidth, truncate, max_points)
+    )
     grid = np.zeros((samples.shape[0], int(n_grid.max())), dtype=np.float64)
     parallel_ranges(_kde_grid, samples.shape[0], grid.size * 64, samples, h, lo, delta, n_grid, float(truncate), grid)
     return grid, lo, delta, n_grid
 
 
-def kde_density_times(x3: np.ndarray, g3: np.ndarray, samples: np.ndarray, bandwidth: np.ndarray,
-                      xmin: np.ndarray, xmax: np.ndarray) -> np.ndarray:
+def kde_density_times(
+    x3: np.ndarray, g3: np.ndarray, samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray
+) -> np.ndarray:
     """``g3 * f_grid(x3)`` (Alg. 2, eq. (7)): the grid KDE of ``samples`` (:func:`kde_grid`, with
     ``x3``'s per-channel range ``xmin, xmax``) linearly interpolated at every value of ``x3`` (0
     outside the grid; the grid is a sum of non-negative terms) and multiplied by the incoming

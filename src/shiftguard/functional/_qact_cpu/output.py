@@ -14,6 +14,7 @@ from shiftguard.functional._qact_cpu.common import _U, _U1
 # channel touches are still cached for its neighbours; a transposed copy in and two out would be
 # three more passes over the data.
 
+
 @njit(inline="always")
 def _cell(v, q_lo, inv_w, top):
     # cell index of v in the table over [q_lo, q_hi]: monotone non-decreasing in v (rounding

@@ -158,7 +158,7 @@ def grounded_quantiles(ctx: np.ndarray, n_tau: int) -> np.ndarray:
     """``(C, n_tau)`` weighted quantiles (dtype of ``ctx``) of the sorted grounded context ``ctx``
     ``(C, M + 2)`` (the values and ``+-c``)."""
     q = np.empty((ctx.shape[0], n_tau), dtype=ctx.dtype)
-    parallel_ranges(_grounded_quantiles, ctx.shape[0], ctx.shape[0] * n_tau * 16, ctx, n_tau,
-                    *_brackets(ctx.shape[1], n_tau), q)
+    parallel_ranges(
+        _grounded_quantiles, ctx.shape[0], ctx.shape[0] * n_tau * 16, ctx, n_tau, *_brackets(ctx.shape[1], n_tau), q
+    )
     return q
-

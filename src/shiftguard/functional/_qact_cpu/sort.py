@@ -17,8 +17,11 @@ def _row_range(row, c_bound):
     # is the +c (row[1] >= c: then row[1] == c), then row[2]; max likewise from the top
     k_dim = row.shape[0]
     first = row[0] if row[0] < -c_bound else (row[1] if row[1] < c_bound else row[2])
-    last = row[k_dim - 1] if row[k_dim - 1] > c_bound else (row[k_dim - 2] if row[k_dim - 2] > -c_bound
-                                                             else row[k_dim - 3])
+    last = (
+        row[k_dim - 1]
+        if row[k_dim - 1] > c_bound
+        else (row[k_dim - 2] if row[k_dim - 2] > -c_bound else row[k_dim - 3])
+    )
     return np.float64(first), np.float64(last)
 
 
