@@ -31,11 +31,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q
 
-# Lint (configured in pyproject.toml): ruff's rules, mypy on the typed packages, and the import contract
-# of the layers. `ruff format` is configured there too but the tree is not formatted by it: CI checks
-# `ruff check` only.
+# Lint (configured in pyproject.toml): ruff's rules and its formatting (`ruff format` rewrites a file
+# that fails the check), mypy on the typed packages, and the import contract of the layers.
 lint: $(LINT_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks experiments examples scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks experiments examples scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
