@@ -519,3 +519,20 @@ def test_loading_a_deeply_nested_results_file_is_an_error_naming_it(tmp_path):
     p.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(ValueError, match="results.json: nested too deeply"):
         EvaluationResult.load(p)
+
+
+def test_cells_are_named_and_stay_the_plain_tuples_they_replace():
+    from shiftguard.evaluation.cell import Cell
+    from shiftguard.evaluation.evaluate import build_cells
+
+    cells = build_cells("cifar-c", ["fog", "speckle_noise"], [1, 5])
+    assert all(isinstance(c, Cell) for c in cells)
+    assert [(c.corruption, c.severity, c.group) for c in cells] == [
+        ("fog", 1, "benchmark"),
+        ("fog", 5, "benchmark"),
+        ("speckle_noise", 1, "extra"),
+        ("speckle_noise", 5, "extra"),
+    ]
+    corruption, severity, group = cells[0]
+    assert cells[0] == ("fog", 1, "benchmark") and hash(cells[0]) == hash(("fog", 1, "benchmark"))
+    assert json.loads(json.dumps(cells[2])) == ["speckle_noise", 1, "extra"]

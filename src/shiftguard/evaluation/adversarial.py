@@ -33,6 +33,8 @@ from torch import nn
 
 from shiftguard.adversarial import AttackSpec
 
+from .cell import Cell
+
 __all__ = ["ADVERSARIAL", "AttackSuite", "attack_specs"]
 
 #: The ``group`` of adversarial cells.
@@ -151,11 +153,11 @@ class AttackSuite:
         base, _, source = name.partition("@")
         return base, (source or None)
 
-    def cells(self) -> list[tuple[str, int, str]]:
+    def cells(self) -> list[Cell]:
         """``(attack name, i, "adversarial")`` for every attack and budget index ``i`` (1-based),
         then the transfer cells ``("<attack>@<source>", i, "adversarial")``."""
         names = [*self.specs, *(f"{n}@{src}" for src in self.sources for n in self.specs)]
-        return [(name, i, ADVERSARIAL) for name in names for i in range(1, len(self.eps) + 1)]
+        return [Cell(name, i, ADVERSARIAL) for name in names for i in range(1, len(self.eps) + 1)]
 
     def key(self, name: str, index: int) -> str:
         """The output-cache key of a cell: every parameter that changes its images (for a transfer

@@ -31,9 +31,10 @@ from .adaptation import AdaptSpec, adapt_specs
 from .adversarial import ADVERSARIAL, AttackSuite, attack_specs
 from .aggregate import primary_head
 from .cache import check_fingerprint, fingerprint, tensor_digest
+from .cell import Cell
 from .compare import encode_per_image
 from .conformal import conformal_spec, split_validation
-from .grid import Cell, model_contexts, run_grid
+from .grid import model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs, looks_like_probabilities
 from .result import EvaluationResult, describe_preprocess
 from .warmup import compile_announced, evaluation_steps
@@ -77,7 +78,7 @@ def build_cells(
         if isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= 5:
             raise ValueError(f"severities: expected integers in 1..5 (severity 0 is always scored), got {s!r}")
     _check_unique(sevs, "severities")
-    return [(c, s, "extra" if c in extras else "benchmark") for c in chosen for s in sorted(sevs)]
+    return [Cell(c, s, "extra" if c in extras else "benchmark") for c in chosen for s in sorted(sevs)]
 
 
 def evaluable_suite(suite) -> str:

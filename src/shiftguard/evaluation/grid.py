@@ -40,15 +40,12 @@ from .adaptation import AdaptedModel, AdaptSpec, arm_contexts, skip_reason
 from .adversarial import ADVERSARIAL, AttackSuite
 from .aggregate import CLEAN
 from .cache import OutputCache
+from .cell import Cell
 from .conformal import ConformalSpec, cell_uniform, cell_weights, fit_calibrators, set_metrics
 from .outputs import ModelOutputs, compute_outputs
 from .scoring import calibration_view, reliability_bins, score_cell, score_retrieval
 
 __all__ = ["Cell", "applicable_heads", "grid_jobs", "grid_shards", "model_contexts", "run_grid"]
-
-#: One cell of the grid: ``(corruption, severity, group)``; group is "benchmark" or "extra".
-Cell = tuple[str, int, str]
-
 
 def model_contexts(model: torch.nn.Module, contexts: Sequence[str] = ("batch", "frozen")) -> list[str]:
     """Inference contexts a model is evaluated with: ``["none"]`` without QACT, else ``contexts``."""
@@ -180,7 +177,7 @@ def run_grid(
     validation_x, validation_y = validation if validation is not None else (None, None)
     if conformal is not None and calibration is None:
         raise ValueError("calibration: conformal prediction sets need calibration data")
-    all_cells: list[Cell] = [(CLEAN, 0, "benchmark")] + list(cells)
+    all_cells = [Cell(CLEAN, 0, "benchmark"), *(Cell(*c) for c in cells)]
     top = max((s for _, s, _ in cells), default=0)
     rank, world = (get_rank(), get_world_size()) if distributed and is_distributed() else (0, 1)
     timings = {"embed_s": 0.0, "adapt_s": 0.0, "fit_heads_s": 0.0, "score_s": 0.0, "corrupt_s": 0.0, "attack_s": 0.0}
