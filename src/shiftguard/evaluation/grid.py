@@ -47,6 +47,7 @@ from .scoring import calibration_view, reliability_bins, score_cell, score_retri
 
 __all__ = ["Cell", "applicable_heads", "grid_jobs", "grid_shards", "model_contexts", "run_grid"]
 
+
 def model_contexts(model: torch.nn.Module, contexts: Sequence[str] = ("batch", "frozen")) -> list[str]:
     """Inference contexts a model is evaluated with: ``["none"]`` without QACT, else ``contexts``."""
     return list(contexts) if has_qact(model) else ["none"]
