@@ -241,7 +241,12 @@ def test_every_cell_starts_from_the_trained_state(spec):
     assert torch.equal(first["logits"], again["logits"])
 
 
-def test_the_callers_model_is_unchanged_bit_for_bit_by_an_evaluation_with_every_arm():
+def test_the_callers_model_and_random_streams_are_unchanged_by_an_evaluation_with_every_arm(monkeypatch):
+    # torch.manual_seed would also reseed every CUDA device, which fork_rng(devices=[]) does not
+    # restore: the caller's CUDA random stream would change behind its back
+    calls = []
+    for mod in (torch.cuda, torch.xpu, torch.mtia):
+        monkeypatch.setattr(mod, "manual_seed_all", lambda seed, _m=mod.__name__: calls.append(_m))
     net = _trained_net()
     net.train()
     net.bn2.eval()  # a mixed mode must come back as it was
@@ -250,6 +255,10 @@ def test_the_callers_model_is_unchanged_bit_for_bit_by_an_evaluation_with_every_
     x = _images(90)
     y = torch.arange(90) % 3
     x28 = torch.nn.functional.interpolate(x.float(), size=8).to(torch.uint8)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    calls.clear()
     res = shiftguard.evaluate(
         net,
         (x28, y),
@@ -264,42 +273,14 @@ def test_the_callers_model_is_unchanged_bit_for_bit_by_an_evaluation_with_every_
         adapt=["none", "bn-batch", "bn", "tent", "refresh:passes=2"],
     )
     assert {r["adaptation"] for r in res.rows} == {"none", "bn-batch", "bn", "tent", "refresh:passes=2"}
+    assert calls == []
+    assert torch.equal(torch.rand(3), expected)
     after = net.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert net.training and not net.bn2.training and net.bn1.training
     assert {n: p.requires_grad for n, p in net.named_parameters()} == grads
     assert all(p.grad is None for p in net.parameters())
     assert net.bn1.running_mean is not None and net.bn1.track_running_stats
-
-
-def test_an_evaluation_with_every_arm_reseeds_no_other_devices_generator_and_restores_the_cpu_stream(monkeypatch):
-    # torch.manual_seed would also reseed every CUDA device, which fork_rng(devices=[]) does not
-    # restore: the caller's CUDA random stream would change behind its back
-    calls = []
-    for mod in (torch.cuda, torch.xpu, torch.mtia):
-        monkeypatch.setattr(mod, "manual_seed_all", lambda seed, _m=mod.__name__: calls.append(_m))
-    net = _trained_net()
-    x = _images(60)
-    y = torch.arange(60) % 3
-    torch.manual_seed(123)
-    expected = torch.rand(3)
-    torch.manual_seed(123)
-    calls.clear()
-    shiftguard.evaluate(
-        net,
-        (x, y),
-        support=(x, y),
-        validation=(x, y),
-        suite="mnist-c",
-        corruptions=["fog"],
-        severities=[3],
-        heads=["softmax", "knn"],
-        n_boot=10,
-        batch_size=30,
-        adapt=["none", "bn-batch", "bn", "tent", "refresh:passes=1"],
-    )
-    assert calls == []
-    assert torch.equal(torch.rand(3), expected)
 
 
 def test_seeded_seeds_and_restores_the_cpu_generator_only():

@@ -364,7 +364,7 @@ def train_model(
     else:
         loss, loss_on = build_loss_for(m, _with_embedding_dim(model, example, m), data["num_classes"])
     final, summary_path = mdir / "model.pt", mdir / "model.json"
-    if resume and final.is_file() and summary_path.is_file():
+    if resume and _finished(run_dir, m):
         hint = "delete it and --resume rebuilds it from the checkpoints"
         # model.pt, then model.pt.sha256, then model.json are written in this order, so a finished
         # model always has its checksum: a missing or failing one means the weights changed.
@@ -452,14 +452,15 @@ def training_jobs(cfg: C.RunConfig, device, distributed: bool, n_models: int, th
 
     Raises ``ValueError`` for ``jobs > 1`` on a non-CPU device or under torch.distributed."""
     jobs = cfg.train.jobs
-    if jobs > 1 and (distributed or torch.device(device).type != "cpu"):
+    one_at_a_time = distributed or torch.device(device).type != "cpu"
+    if jobs > 1 and one_at_a_time:
         where = "under torch.distributed" if distributed else f"on device {device}"
         raise ValueError(
             f"{cfg.source}: train.jobs = {jobs}: models train in parallel processes on the CPU "
             f"only; {where} set jobs = 1 (or 0, auto)"
         )
     if jobs == 0:
-        jobs = 1 if distributed or torch.device(device).type != "cpu" else threads
+        jobs = 1 if one_at_a_time else threads
     return max(1, min(jobs, n_models))
 
 
