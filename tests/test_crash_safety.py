@@ -426,10 +426,11 @@ def _grid(tmp_path):
         return (x[40:].int() + 20 * severity).clamp(0, 255).to(torch.uint8)
 
     from shiftguard.evaluation import ModelOutputs
+    from shiftguard.evaluation.plan import ModelEntry
 
     model = CountingModel()
     kw = dict(
-        models=[{"name": "m", "model": model, "outputs": ModelOutputs(model), "heads": ["softmax", "knn", "quantile"]}],
+        models=[ModelEntry("m", model, ModelOutputs(model), ["softmax", "knn", "quantile"])],
         support=(x[:30], y[:30]),
         validation=(x[30:40], y[30:40]),
         test=(x[40:], y[40:]),
@@ -447,10 +448,11 @@ def _grid(tmp_path):
 
 def test_finished_evaluation_cells_are_not_recomputed(tmp_path):
     from shiftguard.evaluation.grid import run_grid
+    from shiftguard.evaluation.plan import EvaluationPlan
 
     def evaluate_models(**kw):
-        out = run_grid(**kw)
-        return out["rows"], out
+        out = run_grid(EvaluationPlan(**kw))
+        return out.rows, out
 
     kw, calls, model = _grid(tmp_path)
     rows1, _ = evaluate_models(**kw)

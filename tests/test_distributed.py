@@ -670,21 +670,18 @@ def test_no_process_reaches_the_grid_before_the_cache_fingerprints_are_written(t
     monkeypatch.setattr(D, "barrier", lambda: seen.append((tmp_path / "m" / FINGERPRINT_FILE).is_file()))
     monkeypatch.setattr(D, "is_main_process", lambda: True)
     x, y = torch.rand(6, 1, 4, 4), torch.arange(6) % 3
-    entry = {"name": "m", "model": model, "outputs": ModelOutputs(model)}
-    E._check_cache(
-        tmp_path,
-        [entry],
+    from shiftguard.evaluation.plan import EvaluationPlan, ModelEntry
+
+    entry = ModelEntry("m", model, ModelOutputs(model), ["softmax"])
+    plan = EvaluationPlan(
+        models=[entry],
         test=(x, y),
-        support=None,
-        validation=None,
-        calibration=None,
-        preprocess=None,
+        cells=[],
+        shifted=lambda c, s: x,
+        num_classes=3,
+        cache_root=tmp_path,
         batch_size=4,
-        output="logits",
-        embed=None,
-        source="engine",
-        seed=0,
         distributed=True,
-        device=torch.device("cpu"),
     )
+    E._check_cache(plan, preprocess=None, output="logits", embed=None, source="engine", suite="mnist-c")
     assert seen == [True]

@@ -34,6 +34,7 @@ from torch import nn
 from shiftguard.adversarial import AttackSpec
 
 from .cell import Cell
+from .entry import ModelEntry
 
 __all__ = ["ADVERSARIAL", "AttackSuite", "attack_specs"]
 
@@ -145,7 +146,7 @@ class AttackSuite:
         if isinstance(transfer_from, str):
             raise TypeError("transfer_from: expected a list of model names, got a single str")
         self.sources = list(dict.fromkeys(transfer_from))
-        self._entries: dict[str, dict] = {}
+        self._entries: dict[str, ModelEntry] = {}
         self._digests: dict[str, str] = {}
         self._last: Optional[tuple] = None  # (cell name, index, images): cells are scored cell-major
 
@@ -192,32 +193,32 @@ class AttackSuite:
                 out[f"{name}@{src}"] = {**out[name], "source": src, "transfer": True}
         return out
 
-    def check_models(self, entries: Sequence[dict]) -> None:
+    def check_models(self, entries: Sequence[ModelEntry]) -> None:
         """Every model can be attacked: it has logits, or a loss on its embeddings is given, and its
         parameters can be differentiated; every ``transfer_from`` source is one of the models."""
         from .cache import _state_digest
 
-        self._entries = {m["name"]: m for m in entries}
+        self._entries = {m.name: m for m in entries}
         unknown = [s for s in self.sources if s not in self._entries]
         if unknown:
             raise ValueError(
                 f"transfer_from: no model named {', '.join(map(repr, unknown))}; models: "
                 f"{', '.join(map(repr, self._entries))}"
             )
-        self._digests = {s: _state_digest(self._entries[s]["model"]) for s in self.sources}
+        self._digests = {s: _state_digest(self._entries[s].model) for s in self.sources}
         for m in entries:
-            if any(p.is_inference() for p in m["model"].parameters()):
+            if any(p.is_inference() for p in m.model.parameters()):
                 raise ValueError(
-                    f"attacks: model {m['name']!r} has parameters created under torch.inference_mode(), "
+                    f"attacks: model {m.name!r} has parameters created under torch.inference_mode(), "
                     "which autograd cannot differentiate; build the model outside inference mode"
                 )
-            if self.losses.get(m["name"]) is None and not m["outputs"].has_logits:
+            if self.losses.get(m.name) is None and not m.outputs.has_logits:
                 raise ValueError(
-                    f"attack_loss: model {m['name']!r} returns embeddings; attacking it needs a loss on "
+                    f"attack_loss: model {m.name!r} returns embeddings; attacking it needs a loss on "
                     "its embeddings (e.g. its training loss), none was given"
                 )
 
-    def __call__(self, entry: dict, context: str, name: str, index: int) -> torch.Tensor:
+    def __call__(self, entry: ModelEntry, context: str, name: str, index: int) -> torch.Tensor:
         """Adversarial test images of cell ``(name, index)`` for model ``entry`` (same dtype as the
         test images); call it inside the model's QACT context. A transfer cell's images are made on
         its source model, in the source's first context, once for every model scored on them."""
@@ -228,15 +229,15 @@ class AttackSuite:
             from shiftguard.nn import has_qact, qact_context
 
             src = self._entries[source]
-            ctx = list(src.get("contexts") or ["batch"])[0] if has_qact(src["model"]) else "batch"
-            with qact_context(src["model"], "batch" if ctx == "none" else ctx):
+            ctx = list(src.contexts or ["batch"])[0] if has_qact(src.model) else "batch"
+            with qact_context(src.model, "batch" if ctx == "none" else ctx):
                 self._last = (name, index, self._craft(src, base, index))
         return self._last[2]
 
-    def _craft(self, entry: dict, name: str, index: int) -> torch.Tensor:
-        outs = entry["outputs"]
-        loss = self.losses.get(entry["name"])
-        model = entry["model"]
+    def _craft(self, entry: ModelEntry, name: str, index: int) -> torch.Tensor:
+        outs = entry.outputs
+        loss = self.losses.get(entry.name)
+        model = entry.model
         if loss is not None and outs.output != "embedding":
             model = _Embedder(model) if callable(getattr(model, "embed", None)) else model
         elif outs.output == "probabilities":

@@ -11,10 +11,12 @@ quality. ``shiftguard run`` trains models and then calls the same grid (:mod:`.g
 from __future__ import annotations
 
 import copy
+import dataclasses
 import platform
 import re
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
@@ -36,6 +38,7 @@ from .compare import encode_per_image
 from .conformal import conformal_spec, split_validation
 from .grid import model_contexts, run_grid
 from .outputs import EmbedSpec, ModelOutputs, compute_outputs, looks_like_probabilities
+from .plan import EvaluationPlan, GridResult, ModelEntry
 from .result import EvaluationResult, describe_preprocess
 from .warmup import compile_announced, evaluation_steps
 
@@ -258,63 +261,61 @@ def baseline_chooser(res: dict, key: Optional[str], name: Optional[str] = None) 
 def build_results(
     *,
     name: str,
-    grid: dict,
-    models: list[dict],
+    grid: GridResult,
+    plan: EvaluationPlan,
     data: dict,
-    cells: list[Cell],
-    seed: int,
-    device,
-    ece_bins: int,
     n_boot: int,
+    config: dict,
     level: float = 0.95,
     baseline: Optional[Callable[[str], tuple]] = None,
     kind: str = "evaluate",
-    attacks: Optional[AttackSuite] = None,
-    adapt: Sequence[AdaptSpec] = (AdaptSpec("none"),),
 ) -> dict:
-    """The JSON-able results dict shared by ``evaluate`` and ``shiftguard run`` (``results.json``)."""
+    """The JSON-able results dict of an evaluation (``results.json``): ``data`` (what
+    :meth:`_EvaluationData.describe` gives) completed with the cells, ``config`` (the arguments
+    the plan does not hold: contexts, alpha, conformal_weighted, preprocess, layout, output)
+    completed with the plan's settings."""
     from shiftguard._version import __version__
 
-    rows = grid["rows"]
-    skipped = {(s["model"], s["head"]) for s in grid["skipped_heads"]}
-    skipped_arms = {(s["model"], s["adaptation"]) for s in grid.get("skipped_adaptations", [])}
+    rows, cells, seed = grid.rows, plan.cells, plan.seed
+    skipped = {(s["model"], s["head"]) for s in grid.skipped_heads}
+    skipped_arms = {(s["model"], s["adaptation"]) for s in grid.skipped_adaptations}
     t0 = time.perf_counter()
-    results = {
+    results: dict[str, Any] = {
         "kind": kind,
         "status": "complete",
         "name": name,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seed": seed,
-        "device": str(device),
+        "device": str(plan.device),
         "versions": {"shiftguard": __version__, "python": platform.python_version(), "torch": torch.__version__},
         "data": {
             **data,
             "corruptions": _unique_in_order(c for c, _, g in cells if g == "benchmark"),
             "extra_corruptions": _unique_in_order(c for c, _, g in cells if g == "extra"),
             "severities": sorted({s for _, s, g in cells if g != ADVERSARIAL}),
-            "attacks": attacks.describe() if attacks is not None else {},
+            "attacks": plan.attacks.describe() if plan.attacks is not None else {},
         },
         "models": [
             {
-                "name": m["name"],
-                "heads": [h for h in m["heads"] if (m["name"], h) not in skipped],
+                "name": m.name,
+                "heads": [h for h in m.heads if (m.name, h) not in skipped],
                 "primary_head": None,
-                "contexts": model_contexts(m["model"], m.get("contexts", ("batch", "frozen"))),
-                "adaptations": [a.label for a in adapt if (m["name"], a.label) not in skipped_arms],
-                "embedding": m["outputs"].embedding_source,
+                "contexts": model_contexts(m.model, m.contexts),
+                "adaptations": [a.label for a in plan.adapt if (m.name, a.label) not in skipped_arms],
+                "embedding": m.outputs.embedding_source,
             }
-            for m in models
+            for m in plan.models
         ],
-        "adaptation": [a.describe(int(data["n_test"])) for a in adapt],
-        "skipped_heads": grid["skipped_heads"],
-        "skipped_adaptations": grid.get("skipped_adaptations", []),
-        "knn_backend": grid.get("knn_backend"),  # the search the kNN heads used ("auto" resolved)
+        "adaptation": [a.describe(int(data["n_test"])) for a in plan.adapt],
+        "skipped_heads": grid.skipped_heads,
+        "skipped_adaptations": grid.skipped_adaptations,
+        "knn_backend": grid.knn_backend,  # the search the kNN heads used ("auto" resolved)
         "rows": rows,
         "aggregates": A.aggregate(rows),
         "drops": A.accuracy_drops(rows),
-        "reliability": grid["reliability"],
+        "reliability": grid.reliability,
         "robustness": A.robustness_table(rows, baseline),
-        "intervals": A.intervals(grid["per_image"], n_bins=ece_bins, n_boot=n_boot, level=level, seed=seed),
+        "intervals": A.intervals(grid.per_image, n_bins=plan.ece_bins, n_boot=n_boot, level=level, seed=seed),
         "interval_info": {
             "level": level,
             "n_boot": n_boot,
@@ -322,11 +323,30 @@ def build_results(
             "method": "percentile bootstrap over test images",
             "metrics": A.INTERVAL_METRICS,
         },
-        "timings": {"evaluate_detail": dict(grid["timings"])},
+        "timings": {"evaluate_detail": {**dataclasses.asdict(grid.timings), "processes": grid.processes}},
     }
     for m in results["models"]:
         m["primary_head"] = primary_head(m["heads"]) if m["heads"] else None
     results["timings"]["aggregate_s"] = time.perf_counter() - t0
+    results["per_image_correct"] = encode_per_image(grid.per_image, cells)
+    if plan.conformal is not None:
+        assert plan.calibration is not None and plan.calibration_source is not None
+        results["conformal"] = plan.conformal.describe(plan.calibration_source, int(plan.calibration[1].numel()))
+    results["config"] = {
+        "batch_size": plan.batch_size,
+        "contexts": config["contexts"],
+        "adapt": [a.label for a in plan.adapt],
+        "conformal": list(plan.conformal.methods) if plan.conformal else [],
+        "alpha": config["alpha"],
+        "conformal_weighted": config["conformal_weighted"],
+        "k": plan.k,
+        "knn_backend": plan.knn_backend,
+        "retrieval_ks": list(plan.retrieval_ks),
+        "ece_bins": plan.ece_bins,
+        "preprocess": config["preprocess"],
+        "layout": config["layout"],
+        "output": config["output"],
+    }
     return results
 
 
@@ -481,11 +501,80 @@ def evaluate(
         >>> [s["head"] for s in res.skipped_heads]
         []
     """
-    from shiftguard.data import as_tensors
-
     t_start = time.perf_counter()
     named = _models(model)
     head_map = _heads_for(heads, list(named))
+    _check_settings(batch_size, seed, n_boot, k, knn_backend, list(retrieval_ks), ece_bins)
+    arms = adapt_specs(adapt)
+    sets_spec = conformal_spec(conformal, alpha, conformal_weighted)
+    contexts = _check_contexts(contexts, layout, distributed)
+    dev = check_device(device)
+    data = _EvaluationData.read(test, support, validation, calibration, layout, list(retrieval_ks), sets_spec, seed)
+    suite = ("mnist-c" if data.test[0].shape[1] == 1 else "cifar-c") if suite is None else evaluable_suite(suite)
+    cells = build_cells(suite, corruptions, severities, extra)
+    suite_attacks = _attack_suite(
+        attacks, attack_eps, attack_steps, attack_loss, transfer_from, list(named), data.test, seed, batch_size, dev
+    )
+    cells += suite_attacks.cells() if suite_attacks is not None else []
+    source = "engine" if shifted is None else "user"
+    shifted, to_corrupt = _corruption_engine(shifted, data.test[0], cells, suite, seed)
+    named = {nm: _on_device(mod, dev, embed, nm) for nm, mod in named.items()}
+    with _training_flags_kept(list(named.values())):
+        outputs = {nm: ModelOutputs(mod, embed, output, preprocess) for nm, mod in named.items()}
+        entries = [ModelEntry(nm, mod, outputs[nm], head_map[nm], contexts) for nm, mod in named.items()]
+        # The kernels compile (or load from numba's cache) before any timed phase: a step of its own.
+        compile_s = compile_announced(
+            evaluation_steps([e.model for e in entries], dev, list(to_corrupt.values()), data.test[0], seed),
+            announce=progress,
+        )
+        num_classes = _num_classes(entries, data, batch_size, dev)
+        choose = _baseline_series(baseline, baseline_key, head_map, arms)
+        plan = EvaluationPlan(
+            models=entries,
+            test=data.test,
+            cells=cells,
+            shifted=shifted,
+            num_classes=num_classes,
+            support=data.support,
+            validation=data.validation,
+            calibration=data.calibration,
+            calibration_source=data.calibration_source,
+            cache_root=None if cache_dir is None else Path(cache_dir),
+            batch_size=batch_size,
+            device=dev,
+            k=k,
+            retrieval_ks=list(retrieval_ks),
+            ece_bins=ece_bins,
+            knn_backend=knn_backend,
+            adapt=arms,
+            seed=seed,
+            conformal=sets_spec,
+            attacks=suite_attacks,
+            progress=progress,
+            distributed=distributed,
+        )
+        if suite_attacks is not None:
+            suite_attacks.check_models(entries)
+        if cache_dir is not None:
+            _check_cache(plan, preprocess=preprocess, output=output, embed=embed, source=source, suite=suite)
+        grid = run_grid(plan)
+    if choose is None and baseline_key is not None:  # a series of this evaluation
+        choose = baseline_chooser({"rows": grid.rows}, baseline_key, name="this evaluation")
+    config = {"contexts": contexts, "alpha": alpha, "conformal_weighted": conformal_weighted, "layout": layout}
+    config.update(output=output, preprocess=describe_preprocess(preprocess))
+    info = data.describe(getattr(test, "name", None) or "user data", suite, num_classes, source, seed)
+    results = build_results(
+        name=name, grid=grid, plan=plan, data=info, n_boot=n_boot, baseline=choose, config=config, kind="evaluate"
+    )
+    results["timings"]["compile_s"] = compile_s
+    results["timings"]["evaluate_s"] = results["timings"]["total_s"] = time.perf_counter() - t_start
+    return EvaluationResult(results)  # no "training": an evaluation trains nothing (``shiftguard run`` adds it)
+
+
+def _check_settings(
+    batch_size: int, seed: int, n_boot: int, k: int, knn_backend: str, retrieval_ks: list, ece_bins: int
+) -> None:
+    """The scalar arguments of :func:`evaluate`; one line naming the argument otherwise."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size: expected a positive integer, got {batch_size!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -497,13 +586,13 @@ def evaluate(
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: expected a positive integer, got {k!r}")
     check_backend(knn_backend, "knn_backend")
-    ks = list(retrieval_ks)
-    if not ks or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ks):
+    if not retrieval_ks or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in retrieval_ks):
         raise ValueError(f"retrieval_ks: expected positive integers, got {retrieval_ks!r}")
     if isinstance(ece_bins, bool) or not isinstance(ece_bins, int) or not 1 <= ece_bins <= 10_000:
         raise ValueError(f"ece_bins: expected an integer in 1..10000, got {ece_bins!r}")
-    arms = adapt_specs(adapt)
-    sets_spec = conformal_spec(conformal, alpha, conformal_weighted)
+
+
+def _check_contexts(contexts: Sequence[str], layout: str, distributed: bool) -> list[str]:
     contexts = list(contexts)
     if not contexts or any(c not in ("batch", "frozen") for c in contexts):
         raise ValueError(f"contexts: expected a non-empty subset of ('batch', 'frozen'), got {contexts!r}")
@@ -512,259 +601,188 @@ def evaluate(
         raise ValueError(f"layout: expected 'nchw' or 'nhwc', got {layout!r}")
     if not isinstance(distributed, bool):
         raise TypeError(f"distributed: expected a bool, got {type(distributed).__name__}")
-    dev = check_device(device)
+    return contexts
 
-    def tensors(d, nm):
-        # canonical NCHW strides: a channels-last view (even one that counts as contiguous, C = 1)
-        # takes other convolution kernels, so other rounding than the same pixels given as NCHW
-        x, y = as_tensors(d, layout=layout, name=nm)
-        if x.stride() != torch.empty(x.shape, device="meta").stride():
-            x = x.clone(memory_format=torch.contiguous_format)
-        return x, y
 
-    test_x, test_y = tensors(test, "test")
-    if max(ks) >= test_y.numel():
-        raise ValueError(
-            f"retrieval_ks: the largest cut-off, {max(ks)}, needs more than {max(ks)} test images (each "
-            f"test image is ranked against the others); the test set has {test_y.numel()}"
-        )
-    sup = tensors(support, "support") if support is not None else None
-    val = tensors(validation, "validation") if validation is not None else None
-    cal = tensors(calibration, "calibration") if calibration is not None else None
-    if calibration is not None and sets_spec is None:
-        raise ValueError("calibration: given without conformal methods (conformal=...)")
-    cal_source = None
-    if sets_spec is not None:
-        if cal is not None:
-            cal_source = "calibration= data"
-        elif val is not None:
-            val, cal = split_validation(val, seed)
-            cal_source = (
-                "half of validation= (seeded split); the other half fits temperature scaling and NED's temperature"
-            )
-        else:
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _EvaluationData:
+    """The validated ``(images, labels)`` of an evaluation; ``calibration_source`` says where the
+    conformal sets' calibration data came from."""
+
+    test: Pair
+    support: Optional[Pair]
+    validation: Optional[Pair]
+    calibration: Optional[Pair]
+    calibration_source: Optional[str]
+
+    @classmethod
+    def read(
+        cls, test, support, validation, calibration, layout: str, retrieval_ks: list, sets_spec, seed: int
+    ) -> _EvaluationData:
+        """Each split as pixel tensors (``data.as_tensors``), with the checks that span splits; with
+        conformal sets and no ``calibration``, ``validation`` split in two (seeded)."""
+        test_x, test_y = _tensors(test, "test", layout)
+        if max(retrieval_ks) >= test_y.numel():
             raise ValueError(
-                "conformal: the prediction sets need calibration data the heads were not fitted on; "
-                "give calibration=, or validation= to split in two"
+                f"retrieval_ks: the largest cut-off, {max(retrieval_ks)}, needs more than {max(retrieval_ks)} test "
+                f"images (each test image is ranked against the others); the test set has {test_y.numel()}"
             )
-    for nm, part in (("support", sup), ("validation", val), ("calibration", cal)):
-        if part is not None and part[0].shape[1:] != test_x.shape[1:]:
-            raise ValueError(f"{nm}: images of shape {tuple(part[0].shape[1:])}, test images {tuple(test_x.shape[1:])}")
-    suite = ("mnist-c" if test_x.shape[1] == 1 else "cifar-c") if suite is None else evaluable_suite(suite)
-    cells = build_cells(suite, corruptions, severities, extra)
-    suite_attacks = None
+        sup = _tensors(support, "support", layout) if support is not None else None
+        val = _tensors(validation, "validation", layout) if validation is not None else None
+        cal = _tensors(calibration, "calibration", layout) if calibration is not None else None
+        if calibration is not None and sets_spec is None:
+            raise ValueError("calibration: given without conformal methods (conformal=...)")
+        source = None
+        if sets_spec is not None:
+            if cal is not None:
+                source = "calibration= data"
+            elif val is not None:
+                val, cal = split_validation(val, seed)
+                source = (
+                    "half of validation= (seeded split); the other half fits temperature scaling and NED's temperature"
+                )
+            else:
+                raise ValueError(
+                    "conformal: the prediction sets need calibration data the heads were not fitted on; "
+                    "give calibration=, or validation= to split in two"
+                )
+        for nm, part in (("support", sup), ("validation", val), ("calibration", cal)):
+            if part is not None and part[0].shape[1:] != test_x.shape[1:]:
+                raise ValueError(
+                    f"{nm}: images of shape {tuple(part[0].shape[1:])}, test images {tuple(test_x.shape[1:])}"
+                )
+        return cls((test_x, test_y), sup, val, cal, source)
+
+    def labelled(self, with_calibration: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """``[(split name, labels)]`` of the splits given."""
+        parts = [("test", self.test), ("support", self.support), ("validation", self.validation)]
+        parts += [("calibration", self.calibration)] if with_calibration else []
+        return [(nm, p[1]) for nm, p in parts if p is not None]
+
+    def describe(self, dataset: str, suite: str, num_classes: int, source: str, seed: int) -> dict:
+        """The results' ``data``. ``n_support``: the images the heads are fitted on; ``n_train``: the
+        images the model was trained on, which an evaluation is not told (None, "not known";
+        ``shiftguard run`` knows it)."""
+        return {
+            "dataset": dataset,
+            "suite": suite,
+            "n_support": 0 if self.support is None else int(self.support[1].numel()),
+            "n_train": None,
+            "n_val": 0 if self.validation is None else int(self.validation[1].numel()),
+            "n_test": int(self.test[1].numel()),
+            "num_classes": num_classes,
+            "corruption_source": source,
+            "corruption_seed": seed if source == "engine" else None,
+            # the very test images and labels, in order: two results with one digest can be paired image by image
+            "test_sha256": tensor_digest(*self.test),
+        }
+
+
+def _tensors(d, name: str, layout: str) -> Pair:
+    from shiftguard.data import as_tensors
+
+    # canonical NCHW strides: a channels-last view (even one that counts as contiguous, C = 1)
+    # takes other convolution kernels, so other rounding than the same pixels given as NCHW
+    x, y = as_tensors(d, layout=layout, name=name)
+    if x.stride() != torch.empty(x.shape, device="meta").stride():
+        x = x.clone(memory_format=torch.contiguous_format)
+    return x, y
+
+
+def _attack_suite(
+    attacks, attack_eps, attack_steps, attack_loss, transfer_from, names: list[str], test: Pair, seed, batch_size, dev
+) -> Optional[AttackSuite]:
+    """The adversarial cells' attacks (None without ``attacks``); ``attack_loss``: one callable for
+    every model or a mapping model name -> callable."""
     specs = attack_specs(attacks, attack_steps)
-    if specs:
-        if callable(attack_loss):
-            losses = {nm: attack_loss for nm in named}
-        elif isinstance(attack_loss, Mapping):
-            unknown = sorted(set(attack_loss) - set(named))
-            if unknown:
-                raise ValueError(
-                    f"attack_loss: no model named {', '.join(map(repr, unknown))}; models: {', '.join(named)}"
-                )
-            losses = dict(attack_loss)
-        elif attack_loss is None:
-            losses = {}
-        else:
-            raise TypeError(f"attack_loss: expected a callable, a mapping or None, got {type(attack_loss).__name__}")
-        suite_attacks = AttackSuite(
-            specs,
-            attack_eps,
-            (test_x, test_y),
-            losses,
-            seed=seed,
-            batch_size=batch_size,
-            transfer_from=transfer_from,
-            device=dev,
-        )
-        cells = cells + suite_attacks.cells()
-    elif attack_loss is not None:
-        raise ValueError("attack_loss: given without attacks")
-    elif transfer_from:
-        raise ValueError("transfer_from: given without attacks")
-    source = "engine" if shifted is None else "user"
-    extras = K.names("cifar-c-extra") if suite == "cifar-c" else []
-    to_corrupt: dict[str, tuple[str, int, str]] = {}  # corruption -> one of its cells, for the compile step
-    if shifted is None:
-
-        def shifted(c: str, s: int) -> torch.Tensor:
-            return K.corrupt(test_x, c, s, seed=seed, suite="cifar-c-extra" if c in extras else suite)
-
-        for c, s, group in cells:
-            if group != ADVERSARIAL and c not in to_corrupt:
-                to_corrupt[c] = (c, s, "cifar-c-extra" if c in extras else suite)
-
-    named = {nm: _on_device(mod, dev, embed, nm) for nm, mod in named.items()}
-    with _training_flags_kept(list(named.values())):
-        entries: list[dict[str, Any]] = []
-        num_classes = None
-        for nm, mod in named.items():
-            outs = ModelOutputs(mod, embed=embed, output=output, preprocess=preprocess)
-            entries.append({"name": nm, "model": mod, "outputs": outs, "heads": head_map[nm], "contexts": contexts})
-        # The kernels compile (or load from numba's cache) before any timed phase: a step of its own.
-        compile_s = compile_announced(
-            evaluation_steps([e["model"] for e in entries], dev, list(to_corrupt.values()), test_x, seed),
-            announce=progress,
-        )
-        # A model ending in a softmax would be scored as if its probabilities were logits.
-        for e in entries:
-            if e["outputs"].output == "logits":
-                probe = compute_outputs(e["outputs"], test_x[:16], batch_size, dev)["logits"]
-                if looks_like_probabilities(probe):
-                    raise ValueError(
-                        f"output: model {e['name']!r} returns probabilities (non-negative rows summing "
-                        "to 1), not logits; pass output='probabilities' (or return logits)"
-                    )
-        # The number of classes: the logit width when there are logits, else the labels seen.
-        if entries[0]["outputs"].has_logits:
-            probe = compute_outputs(entries[0]["outputs"], test_x[:16], batch_size, dev)
-            num_classes = int(probe["logits"].shape[1])
-        else:
-            num_classes = int(max(int(y.max()) for y in [test_y] + [p[1] for p in (sup, val) if p is not None]) + 1)
-        for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val), ("calibration", cal)):
-            if part is not None:
-                _labels_range(num_classes, part[1], nm)
-        _labels_from_zero(
-            [
-                (nm, part[1])
-                for nm, part in (("test", (test_x, test_y)), ("support", sup), ("validation", val))
-                if part is not None
-            ]
-        )
-        base_results = _baseline_results(baseline)
-        choose = baseline_chooser(base_results, baseline_key) if base_results is not None else None
-        if base_results is None and baseline_key is not None:  # a series of this evaluation: checked now
-            own = A.parse_series(baseline_key, "baseline_key")
-            if own[0] not in head_map or own[3] not in head_map[own[0]]:
-                listed = "; ".join(f"{m}: {', '.join(h)}" for m, h in head_map.items())
-                raise ValueError(
-                    f"baseline_key: {baseline_key!r} names no model and head of this evaluation "
-                    f"(models and heads: {listed})"
-                )
-            if own[2] not in {a.label for a in arms}:
-                raise ValueError(
-                    f"baseline_key: {baseline_key!r} names an adaptation arm this evaluation does "
-                    f"not score ({', '.join(a.label for a in arms)})"
-                )
-        if suite_attacks is not None:
-            suite_attacks.check_models(entries)
-        if cache_dir is not None:
-            _check_cache(
-                Path(cache_dir),
-                entries,
-                test=(test_x, test_y),
-                support=sup,
-                validation=val,
-                calibration=cal,
-                preprocess=preprocess,
-                batch_size=batch_size,
-                output=output,
-                embed=embed,
-                source=f"engine:{suite}" if source == "engine" else source,
-                seed=seed,
-                distributed=distributed,
-                device=dev,
-            )
-
-        grid = run_grid(
-            models=entries,
-            test=(test_x, test_y),
-            cells=cells,
-            shifted=shifted,
-            num_classes=num_classes,
-            support=sup,
-            validation=val,
-            cache_root=cache_dir,
-            batch_size=batch_size,
-            device=dev,
-            contexts=contexts,
-            k=k,
-            retrieval_ks=ks,
-            ece_bins=ece_bins,
-            progress=progress,
-            distributed=distributed,
-            attacks=suite_attacks,
-            knn_backend=knn_backend,
-            adapt=arms,
-            seed=seed,
-            conformal=sets_spec,
-            calibration=cal,
-        )
-    # n_support: the images the heads are fitted on; n_train: the images the model was trained on,
-    # which an evaluation is not told (None, "not known"; ``shiftguard run`` knows it).
-    data = {
-        "dataset": getattr(test, "name", None) or "user data",
-        "suite": suite,
-        "n_support": 0 if sup is None else int(sup[1].numel()),
-        "n_train": None,
-        "n_val": 0 if val is None else int(val[1].numel()),
-        "n_test": int(test_y.numel()),
-        "num_classes": num_classes,
-        "corruption_source": source,
-        "corruption_seed": seed if source == "engine" else None,
-        # the very test images and labels, in order: two results with one digest can be paired image by image
-        "test_sha256": tensor_digest(test_x, test_y),
-    }
-    if choose is None and baseline_key is not None:
-        choose = baseline_chooser({"rows": grid["rows"]}, baseline_key, name="this evaluation")
-    results = build_results(
-        name=name,
-        grid=grid,
-        models=entries,
-        data=data,
-        cells=cells,
-        seed=seed,
-        device=dev,
-        ece_bins=ece_bins,
-        n_boot=n_boot,
-        baseline=choose,
-        attacks=suite_attacks,
-        adapt=arms,
+    if not specs:
+        if attack_loss is not None:
+            raise ValueError("attack_loss: given without attacks")
+        if transfer_from:
+            raise ValueError("transfer_from: given without attacks")
+        return None
+    if callable(attack_loss):
+        losses = {nm: attack_loss for nm in names}
+    elif isinstance(attack_loss, Mapping):
+        unknown = sorted(set(attack_loss) - set(names))
+        if unknown:
+            raise ValueError(f"attack_loss: no model named {', '.join(map(repr, unknown))}; models: {', '.join(names)}")
+        losses = dict(attack_loss)
+    elif attack_loss is None:
+        losses = {}
+    else:
+        raise TypeError(f"attack_loss: expected a callable, a mapping or None, got {type(attack_loss).__name__}")
+    return AttackSuite(
+        specs, attack_eps, test, losses, seed=seed, batch_size=batch_size, transfer_from=transfer_from, device=dev
     )
-    results["per_image_correct"] = encode_per_image(grid["per_image"], cells)
-    if sets_spec is not None:
-        assert cal is not None and cal_source is not None
-        results["conformal"] = sets_spec.describe(cal_source, int(cal[1].numel()))
-        results["data"]["n_val"] = 0 if val is None else int(val[1].numel())
-    results["config"] = {
-        "batch_size": batch_size,
-        "contexts": contexts,
-        "adapt": [a.label for a in arms],
-        "conformal": list(sets_spec.methods) if sets_spec else [],
-        "alpha": alpha,
-        "conformal_weighted": conformal_weighted,
-        "k": k,
-        "knn_backend": knn_backend,
-        "retrieval_ks": ks,
-        "ece_bins": ece_bins,
-        "preprocess": describe_preprocess(preprocess),
-        "layout": layout,
-        "output": output,
-    }
-    results["timings"]["compile_s"] = compile_s
-    results["timings"]["evaluate_s"] = time.perf_counter() - t_start
-    results["timings"]["total_s"] = results["timings"]["evaluate_s"]
-    return EvaluationResult(results)  # no "training": an evaluation trains nothing (``shiftguard run`` adds it)
 
 
-def _check_cache(
-    cache_dir: Path,
-    entries: list[dict],
-    *,
-    test,
-    support,
-    validation,
-    calibration,
-    preprocess,
-    batch_size: int,
-    output: str,
-    embed,
-    source: str,
-    seed: int,
-    distributed: bool,
-    device: torch.device,
-) -> None:
+def _corruption_engine(shifted, test_x: torch.Tensor, cells: list[Cell], suite: str, seed: int):
+    """``(shifted, {corruption: one of its cells})``: the user's ``shifted`` (and nothing for the
+    compile step), else the corruption engine on ``test_x`` and one cell of each corruption."""
+    if shifted is not None:
+        return shifted, {}
+    extras = K.names("cifar-c-extra") if suite == "cifar-c" else []
+
+    def engine(c: str, s: int) -> torch.Tensor:
+        return K.corrupt(test_x, c, s, seed=seed, suite="cifar-c-extra" if c in extras else suite)
+
+    to_corrupt: dict[str, tuple[str, int, str]] = {}
+    for c, s, group in cells:
+        if group != ADVERSARIAL and c not in to_corrupt:
+            to_corrupt[c] = (c, s, "cifar-c-extra" if c in extras else suite)
+    return engine, to_corrupt
+
+
+def _num_classes(entries: Sequence[ModelEntry], data: _EvaluationData, batch_size: int, device) -> int:
+    """The number of classes: the logit width when there are logits, else the labels seen; every
+    split's labels in range and numbered from 0. A model ending in a softmax would be scored as if
+    its probabilities were logits: an error."""
+    probe_x = data.test[0][:16]
+    for e in entries:
+        if e.outputs.output == "logits":
+            probe = compute_outputs(e.outputs, probe_x, batch_size, device)["logits"]
+            if looks_like_probabilities(probe):
+                raise ValueError(
+                    f"output: model {e.name!r} returns probabilities (non-negative rows summing "
+                    "to 1), not logits; pass output='probabilities' (or return logits)"
+                )
+    if entries[0].outputs.has_logits:
+        num_classes = int(compute_outputs(entries[0].outputs, probe_x, batch_size, device)["logits"].shape[1])
+    else:
+        num_classes = int(max(int(y.max()) for nm, y in data.labelled(False) if nm != "calibration") + 1)
+    for nm, y in data.labelled():
+        _labels_range(num_classes, y, nm)
+    _labels_from_zero(data.labelled(with_calibration=False))
+    return num_classes
+
+
+def _baseline_series(baseline, baseline_key, head_map: dict, arms: Sequence[AdaptSpec]):
+    """The baseline chooser of a given ``baseline``; None for none, or for a ``baseline_key`` naming
+    a series of this evaluation, checked here against its models, heads and arms."""
+    base_results = _baseline_results(baseline)
+    if base_results is not None:
+        return baseline_chooser(base_results, baseline_key)
+    if baseline_key is not None:
+        own = A.parse_series(baseline_key, "baseline_key")
+        if own[0] not in head_map or own[3] not in head_map[own[0]]:
+            listed = "; ".join(f"{m}: {', '.join(h)}" for m, h in head_map.items())
+            raise ValueError(
+                f"baseline_key: {baseline_key!r} names no model and head of this evaluation "
+                f"(models and heads: {listed})"
+            )
+        if own[2] not in {a.label for a in arms}:
+            raise ValueError(
+                f"baseline_key: {baseline_key!r} names an adaptation arm this evaluation does "
+                f"not score ({', '.join(a.label for a in arms)})"
+            )
+    return None
+
+
+def _check_cache(plan: EvaluationPlan, *, preprocess, output: str, embed, source: str, suite: str) -> None:
     """Each model's cache folder belongs to this evaluation (``cache.check_fingerprint``); the
     fingerprint of a new folder is written by one process.
 
@@ -774,25 +792,26 @@ def _check_cache(
     folder of outputs without a fingerprint."""
     from shiftguard.train.distributed import barrier, is_main_process
 
-    probe = torch.rand((2, *test[0].shape[1:]), generator=torch.Generator().manual_seed(0))
-    write = not distributed or is_main_process()
-    for e in entries:
+    assert plan.cache_root is not None
+    probe = torch.rand((2, *plan.test[0].shape[1:]), generator=torch.Generator().manual_seed(0))
+    write = not plan.distributed or is_main_process()
+    for e in plan.models:
         fp = fingerprint(
-            e["model"],
-            test=test,
-            support=support,
-            validation=validation,
-            calibration=calibration,
+            e.model,
+            test=plan.test,
+            support=plan.support,
+            validation=plan.validation,
+            calibration=plan.calibration,
             preprocess=preprocess,
-            probe=probe.to(device=device, dtype=e["outputs"].dtype),
-            batch_size=batch_size,
+            probe=probe.to(device=plan.device, dtype=e.outputs.dtype),
+            batch_size=plan.batch_size,
             output=output,
             embed=embed,
-            corruption_source=source,
-            seed=seed,
+            corruption_source=f"engine:{suite}" if source == "engine" else source,
+            seed=plan.seed,
         )
-        check_fingerprint(cache_dir / e["name"], fp, write=write)
-    if distributed:
+        check_fingerprint(plan.cache_root / e.name, fp, write=write)
+    if plan.distributed:
         barrier()
 
 
