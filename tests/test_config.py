@@ -178,3 +178,21 @@ def test_the_mce_baseline_is_the_relu_softmax_unless_eval_baseline_names_another
     ):
         with pytest.raises(ValueError, match=match):
             config_from_dict({**two, "eval": {"baseline": bad}})
+
+
+def test_every_train_key_reaches_the_trainer_under_its_own_name():
+    """``[train]`` is handed to ``Trainer`` as a whole (``TrainConfig.trainer_kwargs``): a new key is
+    a Trainer argument of the same name or one of the run's own settings, never dropped on the way."""
+    import dataclasses
+    import inspect
+
+    from shiftguard.experiments.config import _RUN_SETTINGS, TrainConfig
+    from shiftguard.train import Trainer
+
+    cfg = TrainConfig(epochs=3, lr=0.5, augmix=True, jsd_weight=12.0)
+    kw = cfg.trainer_kwargs("mnist-c")
+    assert set(kw) <= set(inspect.signature(Trainer).parameters)
+    assert set(kw) | set(_RUN_SETTINGS) == {f.name for f in dataclasses.fields(TrainConfig)}
+    assert (kw["epochs"], kw["lr"], kw["jsd_weight"], kw["augmix_suite"]) == (3, 0.5, 12.0, "mnist-c")
+    assert TrainConfig(augmix_suite="cifar-c").trainer_kwargs("mnist-c")["augmix_suite"] is None  # no AugMix
+    assert TrainConfig(augmix=True, augmix_suite="cifar-c").trainer_kwargs("mnist-c")["augmix_suite"] == "cifar-c"

@@ -124,6 +124,13 @@ class TrainConfig:
     #: to the thread count on the CPU, 1 elsewhere; 1 = one after the other in this process.
     jobs: int = 0
 
+    def trainer_kwargs(self, suite: str) -> dict:
+        """Keyword arguments of ``shiftguard.train.Trainer``: every field of the table but the
+        run's own settings (``jobs``), ``augmix_suite`` resolved ("" = ``suite``, the run's data)."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _RUN_SETTINGS}
+        kw["augmix_suite"] = (self.augmix_suite or suite) if self.augmix else None
+        return kw
+
 
 @dataclass
 class EvalConfig:
@@ -220,6 +227,9 @@ class RunConfig:
         """``[train]`` with the model's own overrides applied."""
         return dataclasses.replace(self.train, **m.train)
 
+
+#: ``[train]`` keys that set up the whole run, not a model's trainer.
+_RUN_SETTINGS = ("jobs",)
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")

@@ -319,6 +319,35 @@ def _with_embedding_dim(model, example: torch.Tensor, m: C.ModelConfig):
     return types.SimpleNamespace(embedding_dim=int(emb.shape[1]))
 
 
+def _load_finished(model: torch.nn.Module, loss, mdir: Path) -> dict:
+    """Load a finished model's weights (and its loss module's state) from its folder; return its
+    training summary. A damaged or changed file is refused with the way out."""
+    from shiftguard.train.checkpoint import checksum_problem
+
+    final, summary_path = mdir / "model.pt", mdir / "model.json"
+    hint = "delete it and --resume rebuilds it from the checkpoints"
+    # model.pt, then model.pt.sha256, then model.json are written in this order, so a finished
+    # model always has its checksum: a missing or failing one means the weights changed.
+    problem = checksum_problem(final)
+    if problem is not None:
+        raise ValueError(f"{final}: final weights refused, {problem}; {hint}")
+    try:
+        model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True))
+    except Exception as exc:  # damaged zip, unpickling refused, missing keys: many types
+        raise ValueError(f"{final}: damaged final weights ({type(exc).__name__}); {hint}") from None
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{summary_path}: damaged training summary ({exc}); {hint}") from None
+    loss_file = mdir / "loss.pt"
+    if isinstance(loss, torch.nn.Module) and loss_file.is_file():
+        try:
+            loss.load_state_dict(torch.load(loss_file, map_location="cpu", weights_only=True))
+        except Exception as exc:  # as for the weights
+            raise ValueError(f"{loss_file}: damaged loss state ({type(exc).__name__}); {hint}") from None
+    return summary
+
+
 def train_model(
     cfg: C.RunConfig,
     m: C.ModelConfig,
@@ -336,7 +365,7 @@ def train_model(
     ``distributed``: every process of a torch.distributed job trains (DistributedTrainer); rank 0 writes."""
     from shiftguard.models import build_model
     from shiftguard.train import Trainer, to_model_input
-    from shiftguard.train.checkpoint import checksum_problem, write_checksum
+    from shiftguard.train.checkpoint import write_checksum
     from shiftguard.train.distributed import DistributedTrainer, barrier, is_main_process
 
     mdir = run_dir / "models" / m.name
@@ -363,54 +392,15 @@ def train_model(
         loss, loss_on = "model", None
     else:
         loss, loss_on = build_loss_for(m, _with_embedding_dim(model, example, m), data["num_classes"])
-    final, summary_path = mdir / "model.pt", mdir / "model.json"
     if resume and _finished(run_dir, m):
-        hint = "delete it and --resume rebuilds it from the checkpoints"
-        # model.pt, then model.pt.sha256, then model.json are written in this order, so a finished
-        # model always has its checksum: a missing or failing one means the weights changed.
-        problem = checksum_problem(final)
-        if problem is not None:
-            raise ValueError(f"{final}: final weights refused, {problem}; {hint}")
-        try:
-            model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True))
-        except Exception as exc:  # damaged zip, unpickling refused, missing keys: many types
-            raise ValueError(f"{final}: damaged final weights ({type(exc).__name__}); {hint}") from None
-        try:
-            summary = json.loads(summary_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{summary_path}: damaged training summary ({exc}); {hint}") from None
-        loss_file = mdir / "loss.pt"
-        if isinstance(loss, torch.nn.Module) and loss_file.is_file():
-            try:
-                loss.load_state_dict(torch.load(loss_file, map_location="cpu", weights_only=True))
-            except Exception as exc:  # as for the weights
-                raise ValueError(f"{loss_file}: damaged loss state ({type(exc).__name__}); {hint}") from None
+        summary = _load_finished(model, loss, mdir)
         trained_loss = loss.to(device) if isinstance(loss, torch.nn.Module) and loss_on == "embeddings" else None
         return model.to(device), {**summary, "loaded_from_run_dir": True}, trained_loss
-    t = cfg.model_train_config(m)
     trainer = (DistributedTrainer if distributed else Trainer)(
         model,
         loss,
         loss_on=loss_on,
-        epochs=t.epochs,
-        batch_size=t.batch_size,
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        lr_factor=t.lr_factor,
-        lr_patience=t.lr_patience,
-        lr_cooldown=t.lr_cooldown,
-        lr_threshold=t.lr_threshold,
-        min_lr=t.min_lr,
-        early_stopping_patience=t.early_stopping_patience,
-        early_stopping_min_delta=t.early_stopping_min_delta,
-        class_balanced=t.class_balanced,
-        samples_per_class=t.samples_per_class,
-        chunk_size=t.chunk_size,
-        two_views=t.two_views,
-        augmix=t.augmix,
-        augmix_suite=(t.augmix_suite or cfg.data.suite) if t.augmix else None,
-        jsd_weight=t.jsd_weight,
-        max_val=t.max_val,
+        **cfg.model_train_config(m).trainer_kwargs(cfg.data.suite),
         val_batch_size=cfg.eval.batch_size,
         device=device,
         seed=cfg.seed,
@@ -438,9 +428,10 @@ def train_model(
     if is_main_process():
         if trained_loss is not None and trained_loss.state_dict():
             atomic_write(mdir / "loss.pt", lambda fh: torch.save(trained_loss.state_dict(), fh))
+        final = mdir / "model.pt"
         atomic_write(final, lambda fh: torch.save(model.state_dict(), fh))
         write_checksum(final)
-        atomic_write_json(summary_path, summary)
+        atomic_write_json(mdir / "model.json", summary)
     barrier()
     return model, summary, trained_loss
 
