@@ -34,8 +34,8 @@ test-all: $(STAMP)
 # Lint (configured in pyproject.toml): ruff's rules and its formatting (`ruff format` rewrites a file
 # that fails the check), mypy on the typed packages, and the import contract of the layers.
 lint: $(LINT_STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks experiments examples scripts
-	$(VENV)/bin/ruff format --check src tests benchmarks experiments examples scripts
+	$(VENV)/bin/ruff check src tests benchmarks studies examples scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks studies examples scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 

@@ -17,8 +17,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCES = ROOT / "docs" / "references.md"
 
-#: Where citations live: the package, its documentation, benchmarks, experiments, examples, tests.
-SCANNED = ("src", "docs", "README.md", "benchmarks", "experiments", "examples", "tests")
+#: Where citations live: the package, its documentation, benchmarks, studies, examples, tests.
+SCANNED = ("src", "docs", "README.md", "benchmarks", "studies", "examples", "tests")
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".rst", ".json", ".cfg", ".ini", ".yaml", ".yml", ".sh"}
 SKIPPED_DIRS = {"__pycache__", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".hypothesis"}
 

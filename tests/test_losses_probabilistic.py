@@ -202,7 +202,7 @@ def test_gradcheck_nivmf_proxy_loss_all_parameters():
 
 
 def _load_toy():
-    path = Path(__file__).resolve().parents[1] / "experiments" / "mcinfonce_toy.py"
+    path = Path(__file__).resolve().parents[1] / "studies" / "mcinfonce_toy.py"
     spec = importlib.util.spec_from_file_location("mcinfonce_toy", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -213,7 +213,7 @@ def test_mcinfonce_recovers_the_ordering_of_true_concentrations_on_the_toy():
     """[Kirchhof, Ch. 3 / App. B] toy, tiny: given the true mean directions, kappa^ trained with MCInfoNCE ranks
     inputs by their true posterior concentration.  Tiny scale: D = 4, 150 steps, and a wider kappa range
     [4, 32] than the thesis' [16, 32] so the signal is clear in seconds (measured ~0.5 for seeds 0 and 1).  The
-    full pipeline with learned directions is experiments/mcinfonce_toy.py (docs/losses.md has its numbers)."""
+    full pipeline with learned directions is studies/mcinfonce_toy.py (docs/losses.md has its numbers)."""
     toy = _load_toy()
     torch.set_num_threads(1)
     res = toy.run(

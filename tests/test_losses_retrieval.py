@@ -1,7 +1,7 @@
 """Each custom loss trains a tiny CNN on real Fashion-MNIST to clearly better retrieval than untrained.
 
 Recall@1 is pytorch-metric-learning's AccuracyCalculator ``precision_at_1`` (= Recall@1 in the retrieval
-sense) on held-out test images.  The full side-by-side table lives in experiments/losses_retrieval.py.
+sense) on held-out test images.  The full side-by-side table lives in studies/losses_retrieval.py.
 """
 
 from __future__ import annotations
@@ -123,12 +123,12 @@ def test_custom_loss_beats_untrained_recall_at_1(name, kw, fmnist, untrained_r1)
 
 @pytest.mark.slow
 def test_experiment_scale_retrieval_beats_untrained_map_at_r(fashion_mnist_dir, tmp_path):
-    """The experiments/losses_retrieval.py configuration (6000 train images, 3 epochs) for three losses."""
+    """The studies/losses_retrieval.py configuration (6000 train images, 3 epochs) for three losses."""
     import importlib.util
     import json
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "experiments" / "losses_retrieval.py"
+    path = Path(__file__).resolve().parents[1] / "studies" / "losses_retrieval.py"
     spec = importlib.util.spec_from_file_location("losses_retrieval", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

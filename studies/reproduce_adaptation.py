@@ -22,10 +22,10 @@ own protocol's; ``refresh`` in the frozen one, as the reference code scores). Ev
 
 Run one dataset and seed per call (runs are resumable; finished ones are reused), then tabulate::
 
-    python experiments/reproduce_adaptation.py run --dataset mnist --seed 0 --root ../shared/data/mnist
-    python experiments/reproduce_adaptation.py table --dataset mnist
+    python studies/reproduce_adaptation.py run --dataset mnist --seed 0 --root ../shared/data/mnist
+    python studies/reproduce_adaptation.py table --dataset mnist
 
-``table`` writes ``experiments/results/adaptation_<dataset>.{json,md}``: per (model, context,
+``table`` writes ``studies/results/adaptation_<dataset>.{json,md}``: per (model, context,
 arm, head) the accuracy at severity 0 and 5, the drop 0 -> 5, the top-label ECE at 0 and 5 (mean
 over the seeds, with a 95% t-interval over the seeds), the paired differences against the twin
 under the same arm, and each run's bootstrap intervals over the test images.
@@ -111,7 +111,7 @@ def config(
         "eval": {"batch_size": 1000, "frozen_context": False, "adapt": arms},
         "models": MODELS,
     }
-    return C.config_from_dict(raw, source="experiments/reproduce_adaptation.py")
+    return C.config_from_dict(raw, source="studies/reproduce_adaptation.py")
 
 
 def run(a) -> None:

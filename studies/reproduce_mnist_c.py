@@ -15,12 +15,12 @@ Each seed is one `shiftguard run` with the default configuration (embedded real 
 width 2, both models trained to their validation plateau, 15 MNIST-C corruptions x 5 severities);
 existing complete run directories are reused.
 
-    python experiments/reproduce_mnist_c.py --seeds 0 1 2 --threads 1
+    python studies/reproduce_mnist_c.py --seeds 0 1 2 --threads 1
 
-writes experiments/results/reproduce_mnist_c.{json,md} (and the per-seed summary tables).
+writes studies/results/reproduce_mnist_c.{json,md} (and the per-seed summary tables).
 ``--runs DIR [DIR ...] --tag NAME`` tabulates finished runs of any config with the same two model
 names instead (e.g. the full-MNIST runs of the shipped ``mnist-c-lenet`` config) into
-experiments/results/NAME.{json,md}.
+studies/results/NAME.{json,md}.
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def run_seed(seed: int, out: Path, progress: bool) -> dict:
     if (d / COMPLETE_MARKER).is_file():
         return load_run(d)
     cfg = C.default_config()
-    # The protocol of experiments/results/reproduce_mnist_c.md: the ReLU and the QACT model, static,
+    # The protocol of studies/results/reproduce_mnist_c.md: the ReLU and the QACT model, static,
     # QACT in both contexts (the default run now adds the BatchNorm twin and the "bn" arm, and scores
-    # QACT in the batch context only: experiments/reproduce_adaptation.py measures those).
+    # QACT in the batch context only: studies/reproduce_adaptation.py measures those).
     cfg.models = [m for m in cfg.models if m.name in ("lenet-relu-ce", "lenet-qact-watershed")]
     for m in cfg.models:  # the over-parametrised LeNet of [QACT, Sec. 4] (the default now uses width 1)
         m.model_kwargs["width"] = 2
@@ -231,7 +231,7 @@ def main() -> None:
     p.add_argument(
         "--runs", nargs="+", metavar="DIR", help="tabulate these finished run directories instead of running"
     )
-    p.add_argument("--tag", default="reproduce_mnist_c", help="output name under experiments/results/")
+    p.add_argument("--tag", default="reproduce_mnist_c", help="output name under studies/results/")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)

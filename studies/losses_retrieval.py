@@ -5,7 +5,7 @@ Trains the same tiny CNN embedding with each loss (class-balanced batches of m s
 [Patel, Sec. 5.3.1]) and MAP@R (pytorch-metric-learning's AccuracyCalculator) on held-out test images, next to
 the untrained network.  Every number in docs/losses.md's retrieval table comes from this script:
 
-    .venv/bin/python experiments/losses_retrieval.py --out experiments/results/losses_retrieval.json
+    .venv/bin/python studies/losses_retrieval.py --out studies/results/losses_retrieval.json
 
 Scale (defaults): 6000 training images (600/class), 2000 test images, 3 epochs, batch 60 (m = 6),
 32-d embeddings; seeds fixed.  Timing is wall-clock on a shared 2-core CPU: noisy.

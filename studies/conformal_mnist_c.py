@@ -1,7 +1,7 @@
 """Do conformal prediction sets keep their coverage under shift, and at what size? Full MNIST and
 Fashion-MNIST under the 15 MNIST-C corruptions, alpha = 0.1, plain and weighted split conformal.
 
-The models are the ones ``experiments/reproduce_adaptation.py`` trained (one run directory per
+The models are the ones ``studies/reproduce_adaptation.py`` trained (one run directory per
 dataset and seed, ``adapt-<dataset>-seed<s>``): the ReLU LeNet with cross-entropy, scored by its
 softmax, temperature scaling, NED and the kNN vote, and the QACT LeNet with the watershed loss,
 scored by its quantile classifier (batch context). Heads are fitted on the run's 48,000 training
@@ -10,10 +10,10 @@ sets are calibrated on the other half; every cell holds all 10,000 test images; 
 5 beside the clean test set. LAC, APS and RAPS (randomised, as their papers), each plain and
 weighted (Tibshirani et al. 2019, likelihood ratio estimated per cell: transductive).
 
-    python experiments/conformal_mnist_c.py run --dataset mnist --seed 0 --runs runs
-    python experiments/conformal_mnist_c.py table --dataset mnist
+    python studies/conformal_mnist_c.py run --dataset mnist --seed 0 --runs runs
+    python studies/conformal_mnist_c.py table --dataset mnist
 
-``table`` writes ``experiments/results/conformal_<dataset>.{json,md}``: per head, method and variant
+``table`` writes ``studies/results/conformal_<dataset>.{json,md}``: per head, method and variant
 the coverage and mean set size at severities 0, 3 and 5 (mean over the seeds [95% t-interval]).
 """
 

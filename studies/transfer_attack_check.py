@@ -1,15 +1,15 @@
 """Is QACT's accuracy under a white-box attack robustness or gradient masking? The reproduction's
-trained LeNets (``experiments/reproduce_adaptation.py``: ReLU, its BatchNorm twin and QACT, each
+trained LeNets (``studies/reproduce_adaptation.py``: ReLU, its BatchNorm twin and QACT, each
 with cross-entropy, and QACT with the watershed loss) under FGSM and PGD (L-inf, 10 steps) at
 eps 0.1, 0.2 and 0.3, white-box on every model and transferred from the ReLU model and from the
 twin (images made on them, scored on every model; Papernot et al. 2017; Athalye, Carlini & Wagner
 2018, Sec. 3.1). QACT models in the batch context; the watershed model is attacked through its
 trained loss, as ``shiftguard run`` does.
 
-    python experiments/transfer_attack_check.py run --dataset mnist --seed 0 --runs runs
-    python experiments/transfer_attack_check.py table --dataset mnist
+    python studies/transfer_attack_check.py run --dataset mnist --seed 0 --runs runs
+    python studies/transfer_attack_check.py table --dataset mnist
 
-``table`` writes ``experiments/results/transfer_attack_<dataset>.{json,md}``: accuracy per model,
+``table`` writes ``studies/results/transfer_attack_<dataset>.{json,md}``: accuracy per model,
 head and attack at each budget, per seed.
 """
 

@@ -25,8 +25,8 @@ Thesis ([Kirchhof, Table 1], ambiguous kappa in [16, 32], D = 10, 100k batches o
 0.99 (location) and 0.82 (certainty).  Our CPU scale: D = 10, 1500 + 800 steps, 64 / 32 pairs per batch,
 K = 128.  Run:
 
-    .venv/bin/python experiments/mcinfonce_toy.py --out experiments/results/mcinfonce_toy.json
-    .venv/bin/python experiments/mcinfonce_toy.py --oracle-mu --out experiments/results/mcinfonce_toy_oracle_mu.json
+    .venv/bin/python studies/mcinfonce_toy.py --out studies/results/mcinfonce_toy.json
+    .venv/bin/python studies/mcinfonce_toy.py --oracle-mu --out studies/results/mcinfonce_toy_oracle_mu.json
 """
 
 from __future__ import annotations

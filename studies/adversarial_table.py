@@ -5,7 +5,7 @@ different ``--seed`` (e.g. ``shiftguard run --config mnist-adversarial --seed 0.
 per (model, context, head), the clean cell and every (attack, eps) cell; ``--out FILE.json``
 keeps the table. Used for the reproduction of [NED, Sec. 5, Table 3] in ``docs/adversarial.md``.
 
-    python experiments/adversarial_table.py runs/s0 runs/s1 runs/s2 --out experiments/results/adversarial_mnist.json
+    python studies/adversarial_table.py runs/s0 runs/s1 runs/s2 --out studies/results/adversarial_mnist.json
 """
 
 from __future__ import annotations

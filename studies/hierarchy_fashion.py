@@ -7,7 +7,7 @@ HS@50, HS@250, AHS@250 (test images retrieve each other, normalised embeddings) 
 of the proxies and of the prototypes (normalised class means of the training embeddings) with ``d_H``.
 Every number in docs/hierarchy.md's table comes from this script:
 
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/hierarchy_fashion.py
+    OMP_NUM_THREADS=1 .venv/bin/python studies/hierarchy_fashion.py
 
 Settings: the article's "standard" option (scale s = 10 for NormFace and ProxyDR, proxies learned by
 the loss gradient), CORR with fixed proxies whose inner products are ``s_H = 1 - d_{H;LCS}`` (Barz &
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
-    ap.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "hierarchy_fashion.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "studies" / "results" / "hierarchy_fashion.json")
     args = ap.parse_args(argv)
     tr = load("fashion-mnist", "train", root=data_dir())
     te = load("fashion-mnist", "test", root=data_dir())
