@@ -43,9 +43,9 @@ from pathlib import Path
 import torch
 from scipy.stats import t as student_t
 
-from shiftguard.experiments import config as C
-from shiftguard.experiments.report import load_run
-from shiftguard.experiments.run import COMPLETE_MARKER, execute, load_data, train_model
+from shiftguard.commands import config as C
+from shiftguard.commands.report import load_run
+from shiftguard.commands.run import COMPLETE_MARKER, execute, load_data, train_model
 from shiftguard.io import atomic_write_json, atomic_write_text
 
 HERE = Path(__file__).resolve().parent

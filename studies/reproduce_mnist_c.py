@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from shiftguard.experiments import config as C
-from shiftguard.experiments.report import format_summary, load_run
-from shiftguard.experiments.run import COMPLETE_MARKER, execute
+from shiftguard.commands import config as C
+from shiftguard.commands.report import format_summary, load_run
+from shiftguard.commands.run import COMPLETE_MARKER, execute
 from shiftguard.io import atomic_write_json, atomic_write_text
 
 HERE = Path(__file__).resolve().parent

@@ -440,7 +440,7 @@ def test_baseline_key_names_an_adapted_series():
 
 # --------------------------------------------------------------------------- configs and the command line
 def test_run_configs_check_eval_adapt_when_read():
-    from shiftguard.experiments import config as C
+    from shiftguard.commands import config as C
 
     raw = {"models": [{"arch": "lenet"}], "eval": {"adapt": ["none", "bn:prior=8", "tent"]}}
     assert C.config_from_dict(raw).eval.adapt == ["none", "bn:prior=8", "tent"]
@@ -458,7 +458,7 @@ def test_run_configs_check_eval_adapt_when_read():
 def test_adapt_on_the_command_line_overrides_the_config_and_survives_a_relaunch():
     import argparse
 
-    from shiftguard.experiments import run as R
+    from shiftguard.commands import run as R
 
     parser = argparse.ArgumentParser()
     R.add_arguments(parser)

@@ -15,7 +15,7 @@ from torch import nn
 import shiftguard
 from shiftguard.adversarial import AttackSpec
 from shiftguard.cli import main as cli
-from shiftguard.experiments import config as C
+from shiftguard.commands import config as C
 
 
 @pytest.fixture(scope="module")

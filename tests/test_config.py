@@ -1,10 +1,10 @@
-"""experiments.config: the strict TOML schema of ``shiftguard run --config``."""
+"""commands.config: the strict TOML schema of ``shiftguard run --config``."""
 
 from __future__ import annotations
 
 import pytest
 
-from shiftguard.experiments.config import (
+from shiftguard.commands.config import (
     HEAD_NAMES,
     config_from_dict,
     default_config,
@@ -158,7 +158,7 @@ def test_augmix_keys_are_checked_with_the_model_they_train():
 
 
 def test_the_mce_baseline_is_the_relu_softmax_unless_eval_baseline_names_another():
-    from shiftguard.experiments.config import baseline_key
+    from shiftguard.commands.config import baseline_key
 
     assert baseline_key(default_config()) == "lenet-relu-ce/none/softmax"
     two = {
@@ -186,7 +186,7 @@ def test_every_train_key_reaches_the_trainer_under_its_own_name():
     import dataclasses
     import inspect
 
-    from shiftguard.experiments.config import _RUN_SETTINGS, TrainConfig
+    from shiftguard.commands.config import _RUN_SETTINGS, TrainConfig
     from shiftguard.train import Trainer
 
     cfg = TrainConfig(epochs=3, lr=0.5, augmix=True, jsd_weight=12.0)

@@ -1,4 +1,4 @@
-"""experiments.config under hostile values: every key of every table is checked for type,
+"""commands.config under hostile values: every key of every table is checked for type,
 finiteness and range when the config is read, and the refusal names the file, the table and the
 key (``"<file>: key <table>.<key> must ..., got ..."``); keys that constrain each other (subset
 sizes, split fraction, k, retrieval cut-offs, learning-rate floor, batch shapes) are checked together."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from shiftguard.experiments.config import (
+from shiftguard.commands.config import (
     config_from_dict,
     default_config,
     load_config,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shiftguard.commands.config import ModelConfig
 from shiftguard.evaluation import DEFAULT_HEADS
-from shiftguard.experiments.config import ModelConfig
 from shiftguard.heads import NED, build_head
 from shiftguard.metrics import ece
 from shiftguard.metrics.calibration import bin_assignments, calibration_error_1d

@@ -12,8 +12,8 @@ import torch
 
 from shiftguard import corruptions as C
 from shiftguard.cli import main as cli
+from shiftguard.commands.corrupt import sub_seed, write_corrupted
 from shiftguard.corruptions.figures import synthetic_scene
-from shiftguard.experiments.corrupt import sub_seed, write_corrupted
 from shiftguard.io import sha256_file
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py

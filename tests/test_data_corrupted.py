@@ -295,8 +295,8 @@ def test_stacked_subset_of_severities_follows_the_manifest(tmp_path):
 
 
 def test_round_trip_with_the_corrupt_command_writer(tmp_path):
+    from shiftguard.commands import corrupt as corrupt_cmd
     from shiftguard.data import load_default
-    from shiftguard.experiments import corrupt as corrupt_cmd
 
     clean = load_default("test").subset(range(8))
     split = {"test": (clean.images, clean.labels)}

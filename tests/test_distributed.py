@@ -478,7 +478,7 @@ def test_cli_nproc_2_trains_and_evaluates_with_two_processes_and_rank_zero_write
 def test_relaunch_argv_keeps_every_option_but_nproc():
     import argparse
 
-    from shiftguard.experiments import run
+    from shiftguard.commands import run
 
     parser = argparse.ArgumentParser()
     run.add_arguments(parser)

@@ -136,7 +136,7 @@ def test_an_oserror_of_the_writer_itself_is_not_renamed(tmp_path):
 @pytest.fixture
 def failing_command(monkeypatch):
     """``shiftguard gallery`` made to raise a given exception."""
-    import shiftguard.experiments.gallery as G
+    import shiftguard.commands.gallery as G
 
     def use(exc):
         def main(args):

@@ -110,7 +110,7 @@ def test_a_decompression_bomb_in_an_image_folder_names_the_file(tmp_path):
 
 # --------------------------------------------------------------------------- shiftguard transfer
 def test_transfer_refuses_a_folder_as_out_before_the_benchmark(tmp_path, capsys, monkeypatch):
-    import shiftguard.experiments.transfer as T
+    import shiftguard.commands.transfer as T
 
     monkeypatch.setattr(T, "run_benchmark", lambda *a, **k: pytest.fail("ran although --out cannot be written"))
     assert cli(["transfer", "--out", str(tmp_path)]) == 2

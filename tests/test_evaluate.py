@@ -367,8 +367,8 @@ heads = ["softmax", "temperature", "logistic", "knn"]
 def test_run_and_evaluate_give_identical_numbers_for_the_same_trained_model(tmp_path):
     """``shiftguard run`` is train-then-evaluate: its rows equal ``evaluate()`` on its trained model."""
     from shiftguard.cli import main as cli
-    from shiftguard.experiments import config as C
-    from shiftguard.experiments.run import load_data
+    from shiftguard.commands import config as C
+    from shiftguard.commands.run import load_data
     from shiftguard.models import build_model
     from shiftguard.train import to_model_input
 

@@ -123,8 +123,8 @@ def test_the_report_shows_coverage_against_severity_and_a_table(tmp_path):
 def test_run_configs_and_the_command_line_ask_for_conformal_sets():
     import argparse
 
-    from shiftguard.experiments import config as C
-    from shiftguard.experiments import run as R
+    from shiftguard.commands import config as C
+    from shiftguard.commands import run as R
 
     cfg = C.config_from_dict({"models": [{"arch": "lenet"}], "eval": {"conformal": ["aps"], "conformal_alpha": 0.05}})
     assert cfg.eval.conformal == ["aps"] and cfg.eval.conformal_alpha == 0.05

@@ -192,7 +192,7 @@ heads = ["softmax", "knn"]
 
 
 def build_toml(d: Path):
-    from shiftguard.experiments.config import RunConfig, load_config
+    from shiftguard.commands.config import RunConfig, load_config
 
     d.mkdir(parents=True)
     p = d / "run.toml"
@@ -237,7 +237,7 @@ def build_checkpoint_rechecksummed(d: Path):
 
 def build_results(d: Path):
     """``results.json`` of a finished run, read back by ``shiftguard report``."""
-    from shiftguard.experiments.report import load_run
+    from shiftguard.commands.report import load_run
 
     d.mkdir(parents=True)
     (d / "config.json").write_text('{"config": {}}\n')
@@ -254,8 +254,8 @@ def build_run_config(d: Path):
     """``config.json`` of a run directory, read back by ``shiftguard run --resume``."""
     import argparse
 
-    from shiftguard.experiments.config import quick_config
-    from shiftguard.experiments.run import prepare_run_dir
+    from shiftguard.commands.config import quick_config
+    from shiftguard.commands.run import prepare_run_dir
 
     cfg = quick_config()
     args = argparse.Namespace(name="r", out=str(d), resume=False)
@@ -270,8 +270,8 @@ def build_run_config(d: Path):
 
 def build_final_model(d: Path):
     """``models/<m>/model.pt`` + ``model.json`` of a run directory, reloaded by ``--resume``."""
-    from shiftguard.experiments.config import quick_config
-    from shiftguard.experiments.run import train_model
+    from shiftguard.commands.config import quick_config
+    from shiftguard.commands.run import train_model
     from shiftguard.io import atomic_write, atomic_write_json
     from shiftguard.models import build_model
     from shiftguard.train.checkpoint import write_checksum

@@ -22,9 +22,9 @@ import shiftguard
 from shiftguard import corruptions as C
 from shiftguard.cli import COMMANDS
 from shiftguard.cli import main as cli
+from shiftguard.commands.arguments import ListAction
+from shiftguard.commands.config import config_from_dict, default_config
 from shiftguard.evaluation.adaptation import AdaptSpec, adapt_specs
-from shiftguard.experiments.arguments import ListAction
-from shiftguard.experiments.config import config_from_dict, default_config
 from shiftguard.heads.registry import canonical_head
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")  # conftest.py

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from shiftguard.cli import main as cli
-from shiftguard.experiments import config as C
+from shiftguard.commands import config as C
 
 TOML = """
 name = "est"

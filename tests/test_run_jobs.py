@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from shiftguard.cli import main as cli
-from shiftguard.experiments import config as C
-from shiftguard.experiments.run import execute, load_data, training_jobs
+from shiftguard.commands import config as C
+from shiftguard.commands.run import execute, load_data, training_jobs
 
 
 def _config(jobs: int) -> C.RunConfig:
@@ -95,7 +95,7 @@ def test_jobs_on_the_command_line(tmp_path, capsys):
 
 
 def test_a_run_resumes_with_another_number_of_jobs_but_not_another_configuration(tmp_path):
-    from shiftguard.experiments.run import _check_run_dir
+    from shiftguard.commands.run import _check_run_dir
 
     _check_run_dir(_config(1), tmp_path, resume=False)  # writes config.json
     assert json.loads((tmp_path / "config.json").read_text())["config"]["train"]["jobs"] == 1

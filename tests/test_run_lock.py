@@ -25,16 +25,16 @@ import torch
 
 from shiftguard._lock import DirectoryInUseError, DirectoryLock
 from shiftguard.cli import main as cli
-from shiftguard.experiments import config as C
-from shiftguard.experiments.run import claim_run_dir
+from shiftguard.commands import config as C
+from shiftguard.commands.run import claim_run_dir
 
 # A worker process: "go NAME" makes it create run NAME under OUT (with its own seed) and report
 # the outcome; "release" releases the lock it holds. Results are lines starting with "RESULT ".
 WORKER = r"""
 import argparse, json, os, sys
 from shiftguard._lock import DirectoryInUseError
-from shiftguard.experiments import config as C
-from shiftguard.experiments.run import claim_run_dir
+from shiftguard.commands import config as C
+from shiftguard.commands.run import claim_run_dir
 
 out, seed, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
 cfg = C.quick_config()
@@ -175,7 +175,7 @@ def test_cli_run_and_resume_of_a_run_in_use_end_with_one_line_and_leave_its_conf
 
 
 def test_cli_run_holds_the_lock_until_it_ends(tmp_path, monkeypatch):
-    import shiftguard.experiments.run as R
+    import shiftguard.commands.run as R
 
     seen = []
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from shiftguard._progress import progress
 from shiftguard.cli import main as cli
-from shiftguard.experiments import config as C
-from shiftguard.experiments import run as R
+from shiftguard.commands import config as C
+from shiftguard.commands import run as R
 from shiftguard.models import build_model
 
 USER_MODULE = '''

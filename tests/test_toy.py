@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from shiftguard.commands import toy
 from shiftguard.data.toy import two_gaussians
-from shiftguard.experiments import toy
 
 
 def test_contexts_follow_equation_one():

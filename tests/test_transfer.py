@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from shiftguard.experiments import transfer as T
+from shiftguard.commands import transfer as T
 from shiftguard.metrics import r_auroc
 
 # ------------------------------------------------------------------------------------------- class split

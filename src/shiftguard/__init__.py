@@ -14,7 +14,7 @@ Subpackages (each concept lives in the module named after it):
 - ``shiftguard.metrics``     calibration, retrieval and uncertainty metrics
 - ``shiftguard.train``       trainer, checkpoints, multistage large-batch step, distributed helpers
 - ``shiftguard.evaluation``  ``evaluate(model, test, ...)``: any model, any data, under shift
-- ``shiftguard.experiments`` the ``shiftguard run`` / ``evaluate`` / ``report`` commands
+- ``shiftguard.commands`` the ``shiftguard run`` / ``evaluate`` / ``report`` commands
 
 ``shiftguard.evaluate`` and ``shiftguard.EvaluationResult`` are imported on first use, so that
 ``import shiftguard`` stays light.

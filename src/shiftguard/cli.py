@@ -19,13 +19,13 @@ from shiftguard._openmp import choose_waiting
 
 # name -> (module, one-line help). Modules are imported only when their command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("shiftguard.experiments.run", "train, shift, evaluate and write a report (the main job)"),
-    "evaluate": ("shiftguard.experiments.evaluate", "evaluate your own model (module:factory + weights) under shift"),
-    "report": ("shiftguard.experiments.report", "rebuild the report of one or more run directories"),
-    "toy": ("shiftguard.experiments.toy", "the two-Gaussians failure-mode toy of the QACT paper [QACT, Fig. 1]"),
-    "corrupt": ("shiftguard.experiments.corrupt", "write a corrupted copy of a dataset (MNIST-C / CIFAR-10-C layout)"),
-    "gallery": ("shiftguard.experiments.gallery", "save a PNG grid: corruptions x severities 0-5"),
-    "transfer": ("shiftguard.experiments.transfer", "the URL transfer benchmark on MNIST / Fashion-MNIST [Kirchhof]"),
+    "run": ("shiftguard.commands.run", "train, shift, evaluate and write a report (the main job)"),
+    "evaluate": ("shiftguard.commands.evaluate", "evaluate your own model (module:factory + weights) under shift"),
+    "report": ("shiftguard.commands.report", "rebuild the report of one or more run directories"),
+    "toy": ("shiftguard.commands.toy", "the two-Gaussians failure-mode toy of the QACT paper [QACT, Fig. 1]"),
+    "corrupt": ("shiftguard.commands.corrupt", "write a corrupted copy of a dataset (MNIST-C / CIFAR-10-C layout)"),
+    "gallery": ("shiftguard.commands.gallery", "save a PNG grid: corruptions x severities 0-5"),
+    "transfer": ("shiftguard.commands.transfer", "the URL transfer benchmark on MNIST / Fashion-MNIST [Kirchhof]"),
 }
 
 # Errors a user can cause (bad names, missing files, bad configs, a run directory another process

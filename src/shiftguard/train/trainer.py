@@ -84,7 +84,7 @@ def train_val_split(n: int, val_fraction: float = 0.2, seed: int = 42) -> tuple[
 class Trainer:
     """Train ``model`` with ``loss``; see the module docstring for the protocol.
 
-    Parameters mirror ``experiments.config.TrainConfig``. ``checkpoint_dir`` enables per-epoch
+    Parameters mirror ``commands.config.TrainConfig``. ``checkpoint_dir`` enables per-epoch
     checkpoints and ``resume``; ``metrics_log`` is a JSONL file with one line per epoch.
 
     Output (main process only): ``progress`` draws a per-epoch batch bar on a terminal (nothing

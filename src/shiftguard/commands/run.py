@@ -4,7 +4,7 @@ Without arguments: the embedded real-MNIST subset, LeNet ReLU + cross-entropy vs
 watershed [QACT, Sec. 4], all 15 MNIST-C corruptions x 5 severities, several heads; writes
 ``runs/<name>/`` with ``results.json``, ``results.csv``, PNG plots, a self-contained
 ``report.html`` and a ``COMPLETE`` marker (written last). ``--config FILE`` runs any grid
-described by a TOML file (see ``experiments/config.py`` and ``docs/run.md``).
+described by a TOML file (see ``commands/config.py`` and ``docs/run.md``).
 
 Run directory layout::
 

@@ -1,8 +1,8 @@
 """Names shared by the commands that write a run directory (``shiftguard run``,
-:mod:`shiftguard.experiments.run`) and the ones that only read it (``shiftguard report``,
-:mod:`shiftguard.experiments.report`), so that neither command module imports the other.
+:mod:`shiftguard.commands.run`) and the ones that only read it (``shiftguard report``,
+:mod:`shiftguard.commands.report`), so that neither command module imports the other.
 
-The layout of a run directory is described in :mod:`shiftguard.experiments.run`.
+The layout of a run directory is described in :mod:`shiftguard.commands.run`.
 """
 
 from __future__ import annotations

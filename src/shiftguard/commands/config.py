@@ -868,7 +868,7 @@ def quick_config() -> RunConfig:
 # plain LeNet-5 ReLU levels off at ~97.2% clean accuracy; the over-parametrised LeNet of
 # [QACT, Sec. 4], width 2, reaches ~97.7% but costs 2-5x per image (docs/performance.md, "The
 # default run"), so the default uses the plain width, the width of the adaptation study
-# (docs/reproduction.md); experiments/reproduce_mnist_c.py keeps width 2. All 10,000 embedded
+# (docs/reproduction.md); studies/reproduce_mnist_c.py keeps width 2. All 10,000 embedded
 # training images (8,000 train / 2,000 validation, the 80:20 split of [QACT, App. B]); 500 test
 # images (a fixed random subset of the embedded 2,000) per corruption x severity: with 1,000 the
 # run takes ~160 s on 2 cores, above its 150 s budget (docs/performance.md, "The default run").

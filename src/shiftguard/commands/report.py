@@ -19,8 +19,8 @@ from datetime import datetime
 from pathlib import Path
 
 from shiftguard._lock import LOCK_NAME
+from shiftguard.commands.arguments import ListAction
 from shiftguard.evaluation.report import build_comparison, build_report, comparison_matches, format_summary
-from shiftguard.experiments.arguments import ListAction
 
 from .rundir import COMPLETE_MARKER
 
