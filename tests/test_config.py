@@ -196,3 +196,22 @@ def test_every_train_key_reaches_the_trainer_under_its_own_name():
     assert (kw["epochs"], kw["lr"], kw["jsd_weight"], kw["augmix_suite"]) == (3, 0.5, 12.0, "mnist-c")
     assert TrainConfig(augmix_suite="cifar-c").trainer_kwargs("mnist-c")["augmix_suite"] is None  # no AugMix
     assert TrainConfig(augmix=True, augmix_suite="cifar-c").trainer_kwargs("mnist-c")["augmix_suite"] == "cifar-c"
+
+
+def test_every_eval_key_reaches_evaluate_or_is_the_runs_own():
+    """``[eval]`` is handed to ``shiftguard.evaluate`` as a whole (``EvalConfig.evaluate_kwargs``):
+    each key is an argument of ``evaluate`` (two under their own names there) or one the run
+    resolves itself, never dropped on the way."""
+    import dataclasses
+    import inspect
+
+    import shiftguard
+    from shiftguard.commands.config import _RUN_EVAL_SETTINGS, EvalConfig
+
+    kw = EvalConfig(frozen_context=False, conformal_alpha=0.2, k=7).evaluate_kwargs()
+    assert set(kw) <= set(inspect.signature(shiftguard.evaluate).parameters)
+    renamed = {"frozen_context": "contexts", "conformal_alpha": "alpha"}
+    fields = {f.name for f in dataclasses.fields(EvalConfig)}
+    assert {renamed.get(f, f) for f in fields} - set(_RUN_EVAL_SETTINGS) == set(kw)
+    assert (kw["contexts"], kw["alpha"], kw["k"]) == (("batch",), 0.2, 7)
+    assert EvalConfig().evaluate_kwargs()["contexts"] == ("batch", "frozen")

@@ -178,6 +178,15 @@ class EvalConfig:
     #: transfer attack, cells "<attack>@<model>": the black-box check of gradient masking).
     transfer_from: list = field(default_factory=list)
 
+    def evaluate_kwargs(self) -> dict:
+        """Keyword arguments of ``shiftguard.evaluate``: the keys of the same name, ``contexts``
+        from ``frozen_context`` and ``alpha`` from ``conformal_alpha``; ``baseline`` (a model name
+        the run resolves) and ``max_support`` (a cap on the support the run passes) are the run's."""
+        kw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _RUN_EVAL_SETTINGS}
+        kw["contexts"] = ("batch", "frozen") if kw.pop("frozen_context") else ("batch",)
+        kw["alpha"] = kw.pop("conformal_alpha")
+        return kw
+
 
 @dataclass
 class ModelConfig:
@@ -230,6 +239,8 @@ class RunConfig:
 
 #: ``[train]`` keys that set up the whole run, not a model's trainer.
 _RUN_SETTINGS = ("jobs",)
+#: ``[eval]`` keys the run resolves before the evaluation.
+_RUN_EVAL_SETTINGS = ("baseline", "max_support")
 
 _SECTIONS = {"data": DataConfig, "train": TrainConfig, "eval": EvalConfig}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")

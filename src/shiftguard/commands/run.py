@@ -799,7 +799,6 @@ def execute(
     )
 
     e = cfg.eval
-    contexts = ("batch", "frozen") if e.frozen_context else ("batch",)
     timings: dict[str, Any] = {"compile_s": compile_s, "evaluate_s": 0.0}
     trained, training, attack_losses, train_timings = train_models(
         cfg, data, run_dir, device, resume, progress, distributed, log
@@ -825,30 +824,16 @@ def execute(
         severities=cfg.data.severities,
         heads={m.name: list(m.heads) for m in cfg.models},
         preprocess=to_model_input,
-        batch_size=e.batch_size,
-        contexts=contexts,
-        adapt=e.adapt,
-        conformal=e.conformal,
-        alpha=e.conformal_alpha,
-        conformal_weighted=e.conformal_weighted,
         baseline_key=C.baseline_key(cfg),
         device=device,
         seed=cfg.seed,
-        k=e.k,
-        knn_backend=e.knn_backend,
-        retrieval_ks=e.retrieval_ks,
-        ece_bins=e.ece_bins,
-        n_boot=e.n_boot,
         shifted=shifted,
-        attacks=e.attacks,
-        attack_eps=e.attack_eps,
-        attack_steps=e.attack_steps,
         attack_loss=attack_losses if e.attacks else None,
-        transfer_from=e.transfer_from,
         name=run_dir.name,
         cache_dir=run_dir / "cache",
         progress=progress,
         distributed=distributed,
+        **e.evaluate_kwargs(),
     )
     if not is_main_process():
         barrier()  # rank 0 writes the report
