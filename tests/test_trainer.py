@@ -262,6 +262,71 @@ def test_bad_arguments_are_named():
         Trainer(nn.Linear(3, 2), loss=nn.MSELoss())
 
 
+def test_without_validation_every_epoch_runs_and_the_last_weights_stay(tmp_path):
+    x, y = patch_images(80)
+    y = y[torch.randperm(len(y))]  # labels unrelated to images: a validated run would stop after 2 epochs
+    torch.manual_seed(0)
+    m = small_mlp()
+    tr = make_trainer(m, tmp_path, epochs=4, early_stopping_patience=1)
+    out = tr.fit(x, y, num_classes=4)
+    assert out["epochs_run"] == 4 and not out["stopped_early"]
+    assert out["best_epoch"] is None and out["best_val_acc"] is None
+    assert all("val_acc" not in h for h in out["history"])
+    assert_same_weights(weights(m), load_latest_checkpoint(tmp_path / "ckpt")["model"])  # the last epoch's
+    # validation draws nothing: the first epoch trains exactly as a validated one
+    torch.manual_seed(0)
+    a = small_mlp()
+    make_trainer(a, epochs=1).fit(x, y, num_classes=4)
+    torch.manual_seed(0)
+    b = small_mlp()
+    make_trainer(b, epochs=1).fit(x, y, x[:20], y[:20], num_classes=4)
+    assert_same_weights(weights(a), weights(b))
+    with pytest.raises(ValueError, match="val_images, val_labels"):
+        make_trainer(small_mlp()).fit(x, y, x[:20], num_classes=4)
+
+
+def test_without_validation_a_resumed_run_ends_with_the_same_weights(tmp_path):
+    x, y = patch_images(80)
+    torch.manual_seed(0)
+    full = small_mlp()
+    make_trainer(full, tmp_path / "a", epochs=2).fit(x, y, num_classes=4)
+    torch.manual_seed(0)
+    make_trainer(small_mlp(), tmp_path / "b", epochs=1).fit(x, y, num_classes=4)
+    resumed = small_mlp()
+    make_trainer(resumed, tmp_path / "b", epochs=2).fit(x, y, num_classes=4, resume=True)
+    assert_same_weights(weights(full), weights(resumed))
+
+
+def test_preprocess_sees_unit_pixels_in_training_views_and_validation():
+    from shiftguard.losses import InfoNCELoss
+
+    x, y = patch_images(40)
+    seen = []
+
+    def record(pixels):  # the float [0, 1] pixels on the device, as shiftguard.evaluate's preprocess
+        seen.append((pixels.shape[0], pixels.dtype, float(pixels.min()), float(pixels.max())))
+        return pixels
+
+    make_trainer(small_mlp(), epochs=1, batch_size=16, preprocess=record).fit(x, y, x[:10], y[:10])
+    assert [n for n, *_ in seen] == [16, 16, 8, 10]  # three training batches, then the validation set
+    assert all(dt == torch.float32 and 0.0 <= lo and hi <= 1.0 for _, dt, lo, hi in seen)
+    seen.clear()
+    make_trainer(small_mlp(), loss=InfoNCELoss(), two_views=True, epochs=1, batch_size=16, preprocess=record).fit(x, y)
+    assert [n for n, *_ in seen] == [16, 32, 16, 32, 8, 16]  # each batch, then its two views
+    # the default is to_model_input ([-1, 1]); None gives the model the [0, 1] pixels themselves
+    trained = []
+    for kw in ({}, {"preprocess": to_model_input}, {"preprocess": lambda p: p * 2 - 1}, {"preprocess": None}):
+        torch.manual_seed(0)
+        m = small_mlp()
+        make_trainer(m, epochs=1, **kw).fit(x, y)
+        trained.append(weights(m))
+    assert_same_weights(trained[0], trained[1])
+    assert_same_weights(trained[0], trained[2])
+    assert not torch.equal(trained[0]["body.1.weight"], trained[3]["body.1.weight"])
+    with pytest.raises(TypeError, match="preprocess"):
+        make_trainer(small_mlp(), preprocess="unit")
+
+
 def test_two_views_train_instance_discrimination_and_resume_identically(tmp_path):
     from shiftguard.losses import InfoNCELoss
 

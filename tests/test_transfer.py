@@ -89,6 +89,45 @@ def test_recall_at_one_is_cosine_nearest_neighbour_agreement():
     assert T.recall_at_one(x, torch.tensor([0, 1, 0, 1])) == 0.0
 
 
+def _brute_force_recall_at_one(x, y, metric):
+    """Recall@1 by a double loop over the pairs: the nearest other sample by cosine or Euclidean distance."""
+    n, hits = len(y), 0
+    for i in range(n):
+        best, best_j = None, None
+        for j in range(n):
+            if j == i:
+                continue
+            if metric == "cosine":
+                d = -float(torch.dot(x[i], x[j]) / (x[i].norm() * x[j].norm()))
+            else:
+                d = float((x[i] - x[j]).norm())
+            if best is None or d < best:
+                best, best_j = d, j
+        hits += int(y[best_j] == y[i])
+    return hits / n
+
+
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+def test_recall_at_one_agrees_with_brute_force_and_the_retrieval_metrics(metric):
+    from shiftguard.functional.scaling import normalize_rows
+    from shiftguard.metrics import retrieval_metrics
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 3, generator=g, dtype=torch.float64) * torch.rand(40, 1, generator=g, dtype=torch.float64)
+    y = torch.arange(40) % 4
+    r1 = T.recall_at_one(x, y, metric=metric)
+    assert 0.0 < r1 < 1.0
+    assert r1 == pytest.approx(_brute_force_recall_at_one(x, y, metric), abs=1e-15)
+    searched = normalize_rows(x) if metric == "cosine" else x
+    assert r1 == pytest.approx(retrieval_metrics(searched, y, ks=(1,), backend="torch")["recall@1"], abs=1e-15)
+    # a sample alone in its class counts as a miss (retrieval_metrics leaves it out of its average)
+    lone = torch.cat([y[:-1], torch.tensor([9])])
+    assert T.recall_at_one(x, lone, metric=metric) == pytest.approx(
+        _brute_force_recall_at_one(x, lone, metric), abs=1e-15
+    )
+    assert T.recall_at_one(x[:3], torch.tensor([0, 1, 2])) == 0.0  # every class alone: no hit
+
+
 def test_excess_aurc_is_zero_for_a_perfect_ordering_and_hand_computed_otherwise():
     err = torch.tensor([False, True, False, True])
     assert T.excess_aurc(torch.tensor([0.1, 0.9, 0.2, 0.8]), err) == pytest.approx(0.0, abs=1e-15)
@@ -144,6 +183,78 @@ def test_mixed_set_never_matches_an_upstream_class_to_a_downstream_one():
 def test_every_listed_method_has_a_builder():
     assert list(T.METHODS)[:1] == ["ce"]
     assert {"ce", "mcinfonce", "elk", "nivmf", "hib", "qact-watershed"} <= set(T.METHODS)
+
+
+def test_methods_are_declarative_records_over_the_registries():
+    from shiftguard.losses import LOSS_REGISTRY
+    from shiftguard.train.methods import OBJECTIVES, Method
+    from shiftguard.uncertainty import ESTIMATOR_REGISTRY
+
+    for m in T.METHODS.values():
+        assert m.objective in OBJECTIVES
+        if m.objective == "estimator":
+            ESTIMATOR_REGISTRY.get(m.registry_name)
+        elif m.objective != "cross_entropy":
+            LOSS_REGISTRY.get(m.registry_name)
+    with pytest.raises(ValueError, match="nope"):
+        Method("x", "", "embedding", "nope")
+    with pytest.raises(ValueError, match="objective"):
+        Method("x", "", "hinge", "elk")
+    with pytest.raises(ValueError, match="registry_name"):
+        Method("x", "", "estimator")
+    with pytest.raises(ValueError, match="method"):
+        T.build_method("nope", 5, 1, 0)
+    # a method of the user's own runs through the same build, training and read-out
+    mine = Method("elk-qact", "ELK on a QACT LeNet", "embedding", "elk", activation="qact")
+    model = T.build_method(mine, num_classes=5, in_channels=1, seed=0)
+    assert model.default_uncertainty == "embedding_norm" and model.loss is not None
+
+
+@pytest.mark.parametrize("name", sorted(T.METHODS))
+def test_every_method_builds_trains_and_reports_its_uncertainties(name):
+    d = _pair_data()
+    torch.manual_seed(0)
+    model = T.build_method(name, d.num_upstream_classes, int(d.train_x.shape[1]), seed=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    T.train_model(model, d.train_x, d.train_y, epochs=1, batch_size=20, seed=0)
+    assert not model.training
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items() if k in before)
+    emb, log_probs, unc = model.predict(d.down_x)
+    assert emb.shape[0] == d.down_x.shape[0] and bool(torch.isfinite(emb).all())
+    assert model.default_uncertainty in unc
+    assert all(u.shape == (d.down_x.shape[0],) and bool(torch.isfinite(u).all()) for u in unc.values())
+    has_classifier = T.METHODS[name].objective in ("cross_entropy", "estimator", "prototypes")
+    assert (log_probs is not None) == has_classifier
+    if log_probs is not None:
+        assert log_probs.shape == (d.down_x.shape[0], d.num_upstream_classes)
+
+
+def test_training_draws_its_batches_from_the_trainer():
+    """train_model is Trainer.fit without validation on [0, 1] pixels (``preprocess=None``): the same
+    weights as a Trainer set up by hand (its batch order, views and global seed come from ``seed`` and
+    the epoch)."""
+    from shiftguard.train import Trainer
+
+    d = _pair_data()
+    for name, loss, kw in (("ce", "cross_entropy", {}), ("infonce", None, {"two_views": True})):
+        torch.manual_seed(0)
+        a = T.build_method(name, 5, 1, seed=3)
+        T.train_model(a, d.train_x, d.train_y, epochs=2, batch_size=16, seed=3)
+        torch.manual_seed(0)
+        b = T.build_method(name, 5, 1, seed=3)
+        trainer = Trainer(
+            b.network,
+            b.loss if loss is None else loss,
+            epochs=2,
+            batch_size=16,
+            seed=3,
+            progress=False,
+            preprocess=None,
+            **kw,
+        )
+        trainer.fit(d.train_x, d.train_y, num_classes=5)
+        for k, v in a.state_dict().items():
+            assert torch.equal(v, b.state_dict()[k]), (name, k)
 
 
 def test_two_methods_one_split_smoke_run_is_deterministic(tmp_path, capsys):

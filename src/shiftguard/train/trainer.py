@@ -24,6 +24,15 @@ batch of 3N (BatchNorm and QACT see all three as their context, as the official 
 forward does) and the loss is ``loss(clean logits, y) + jsd_weight * JS(clean, view 1, view 2)``;
 the training accuracy is counted on the clean part. Validation stays clean.
 
+Input: the model sees ``preprocess(x)`` of the float pixels ``x`` in [0, 1] (uint8 divided by 255)
+on the device, as ``shiftguard.evaluate`` does; the default ``preprocess`` is :func:`to_model_input`
+([-1, 1]), and ``preprocess=None`` gives the model the [0, 1] pixels themselves. The same holds for
+training batches, the two views, AugMix views and validation.
+
+Without validation data (``fit(images, labels)``), every one of ``epochs`` epochs runs: there is no
+early stopping and no learning-rate schedule (both follow the validation accuracy), and the model
+keeps the weights of its last step.
+
 Resumability: a checkpoint is written after every epoch (``train/checkpoint.py``) holding the
 model, optimiser, scheduler, early-stopping state, metric history and the global RNG states.
 The batch order of epoch ``e`` (and its two views or AugMix views) is drawn from a generator
@@ -91,7 +100,8 @@ class Trainer:
     in a log, where a redrawn bar would be noise); ``log`` prints one line per epoch (epoch,
     loss, accuracies, learning rate, seconds): ``True`` to stdout, a callable receives the line,
     ``False`` prints none, ``None`` (default) follows ``progress``. ``log`` not None, a bool or a
-    callable is a ``ValueError``.
+    callable is a ``ValueError``. ``preprocess``: see the module docstring ("Input"); a value that
+    is neither callable nor ``None`` is a ``TypeError``.
     """
 
     #: Nearest-class-mean validation head of embedding losses: class means (C, D) of the last
@@ -133,6 +143,7 @@ class Trainer:
         desc: str = "train",
         is_main_process: bool = True,
         log=None,
+        preprocess: Optional[Callable[[torch.Tensor], torch.Tensor]] = to_model_input,
     ):
         loss_fn: Optional[nn.Module | Callable] = None
         if isinstance(loss, str):
@@ -165,6 +176,9 @@ class Trainer:
         for name, v in (("epochs", epochs), ("batch_size", batch_size), ("val_batch_size", val_batch_size)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {v!r}")
+        if preprocess is not None and not callable(preprocess):
+            raise TypeError(f"preprocess: expected a callable or None, got {type(preprocess).__name__}")
+        self.preprocess = preprocess
         self.device = torch.device(device)
         # Any: the model's embed() (and a DDP view's) is checked above, not by the nn.Module type.
         self.model: Any = model.to(self.device)
@@ -253,6 +267,13 @@ class Trainer:
         n = labels.numel()
         return n // self.batch_size + (1 if n % self.batch_size >= 2 else 0)
 
+    def model_input(self, pixels: torch.Tensor) -> torch.Tensor:
+        """What the model sees of a batch of pixels: float in [0, 1] on the device (uint8 divided by
+        255), then ``preprocess`` (module docstring, "Input")."""
+        x = pixels.to(self.device)
+        x = x.float() / 255.0 if x.dtype == torch.uint8 else x.float()
+        return x if self.preprocess is None else self.preprocess(x)
+
     # ----------------------------------------------------------------- one epoch
     def _train_epoch(self, images, labels, epoch: int, num_classes: int) -> dict:
         self.model.train()
@@ -282,7 +303,7 @@ class Trainer:
         total_loss, n_seen, n_correct = 0.0, 0, 0
         for idx in self.batches(labels, epoch):
             pixels = images[idx]
-            x = to_model_input(pixels, self.device) if self.augmix is None else self._augmix_input(pixels, epoch)
+            x = self.model_input(pixels) if self.augmix is None else self._augmix_input(pixels, epoch)
             y = labels[idx].to(self.device)
             if self.chunk_size and y.numel() > self.chunk_size:
                 # Large batch: multistage back-propagation [Patel, Sec. 5.3.2] accumulates .grad itself.
@@ -345,7 +366,7 @@ class Trainer:
             self._views_epoch = epoch
         x = pixels.float() / 255.0 if pixels.dtype == torch.uint8 else pixels.float()
         views, ids = two_views(x, self._views_gen)
-        return self.model.embed(to_model_input(views, self.device)), ids.to(self.device)
+        return self.model.embed(self.model_input(views)), ids.to(self.device)
 
     def _augmix_input(self, pixels: torch.Tensor, epoch: int) -> torch.Tensor:
         """Model input of a batch under AugMix: one view per image, or (``jsd_weight > 0``) the
@@ -363,7 +384,7 @@ class Trainer:
             x = torch.cat([x, self.augmix(x, self._augmix_gen), self.augmix(x, self._augmix_gen)])
         else:
             x = self.augmix(x, self._augmix_gen)
-        return to_model_input(x)
+        return self.model_input(x)
 
     def _multistage_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One multistage step on batch ``(x, y)``; the DDP trainer overrides it (train/distributed.py)."""
@@ -386,7 +407,7 @@ class Trainer:
             images, labels = images[: self.max_val], labels[: self.max_val]
         correct = 0
         for i in range(0, labels.numel(), self.val_batch_size):
-            x = to_model_input(images[i : i + self.val_batch_size], self.device)
+            x = self.model_input(images[i : i + self.val_batch_size])
             y = labels[i : i + self.val_batch_size].to(self.device)
             if self.loss_on in ("logits", "model"):
                 pred = self.model(x).argmax(1)
@@ -439,9 +460,10 @@ class Trainer:
     def _log_epoch(self, h: dict) -> None:
         """One line per epoch: epoch, loss, train/val accuracy, learning rate, seconds."""
         acc = f" train_acc={h['train_acc']:.4f}" if "train_acc" in h else ""
+        val = f" val_acc={h['val_acc']:.4f}" if "val_acc" in h else ""
         line = (
-            f"{self.desc} epoch {h['epoch']}/{self.epochs}: loss={h['train_loss']:.4f}{acc} "
-            f"val_acc={h['val_acc']:.4f} lr={h['lr']:.2g} {h['seconds']:.1f} s"
+            f"{self.desc} epoch {h['epoch']}/{self.epochs}: loss={h['train_loss']:.4f}{acc}"
+            f"{val} lr={h['lr']:.2g} {h['seconds']:.1f} s"
             f"{' (early stop)' if self.stopped else ''}"
         )
         if callable(self.log):
@@ -454,12 +476,25 @@ class Trainer:
             atomic_write_text(self.metrics_log, "".join(json.dumps(h) + "\n" for h in self.history))
 
     # ----------------------------------------------------------------- fit
+    def _after_validation(self, val_acc: float, epoch: int) -> None:
+        """The learning-rate schedule, the best weights and early stopping after one validation."""
+        self.scheduler.step(val_acc)
+        improved = val_acc > self.best_metric + self.early_stopping_min_delta
+        if improved or self.best_model is None:
+            self.best_metric, self.best_epoch = val_acc, epoch
+            self.best_model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.bad_epochs = 0
+        else:
+            self.bad_epochs += 1
+            if self.early_stopping_patience > 0 and self.bad_epochs >= self.early_stopping_patience:
+                self.stopped = True
+
     def fit(
         self,
         images: torch.Tensor,
         labels: torch.Tensor,
-        val_images: torch.Tensor,
-        val_labels: torch.Tensor,
+        val_images: Optional[torch.Tensor] = None,
+        val_labels: Optional[torch.Tensor] = None,
         *,
         num_classes: Optional[int] = None,
         resume: bool = False,
@@ -468,13 +503,20 @@ class Trainer:
 
         Images are ``(N, C, H, W)`` uint8 (or float in [0, 1]); labels int64 ``(N,)``. Returns a
         summary dict (history, best epoch and validation accuracy, epochs run, early stop flag,
-        seconds); the model ends with its best validation weights.
+        seconds); the model ends with its best validation weights. Without ``val_images`` and
+        ``val_labels`` (give both or neither) every epoch runs and the model keeps its last weights;
+        the history then has no ``val_acc`` and the summary's ``best_epoch`` / ``best_val_acc`` are
+        ``None``.
         """
         images = check_tensor(images, "images", ndim=(2, 4), nonempty=True)
-        val_images = check_tensor(val_images, "val_images", ndim=images.dim(), nonempty=True)
+        validated = val_images is not None
+        if validated != (val_labels is not None):
+            raise ValueError("val_images, val_labels: give both (validation each epoch) or neither")
         num_classes = int(num_classes or int(labels.max()) + 1)
         labels = check_labels(labels, "labels", num_classes=num_classes, n=images.shape[0])
-        val_labels = check_labels(val_labels, "val_labels", num_classes=num_classes, n=val_images.shape[0])
+        if val_images is not None:
+            val_images = check_tensor(val_images, "val_images", ndim=images.dim(), nonempty=True)
+            val_labels = check_labels(val_labels, "val_labels", num_classes=num_classes, n=val_images.shape[0])
         if self.augmix is not None and images.dim() != 4:
             raise ValueError(f"images: augmix needs images (N, C, H, W), got shape {tuple(images.shape)}")
         t0 = time.perf_counter()
@@ -496,22 +538,13 @@ class Trainer:
                 break
             te = time.perf_counter()
             stats = self._train_epoch(images, labels, epoch, num_classes)
-            val_acc = self.validate(val_images, val_labels)
-            self.scheduler.step(val_acc)
-            improved = val_acc > self.best_metric + self.early_stopping_min_delta
-            if improved or self.best_model is None:
-                self.best_metric, self.best_epoch = val_acc, epoch
-                self.best_model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-                self.bad_epochs = 0
-            else:
-                self.bad_epochs += 1
-                if self.early_stopping_patience > 0 and self.bad_epochs >= self.early_stopping_patience:
-                    self.stopped = True
+            if val_images is not None and val_labels is not None:
+                stats["val_acc"] = val_acc = self.validate(val_images, val_labels)
+                self._after_validation(val_acc, epoch)
             self.history.append(
                 {
                     "epoch": epoch,
                     **stats,
-                    "val_acc": val_acc,
                     "lr": self.optimizer.param_groups[0]["lr"],
                     "seconds": time.perf_counter() - te,
                 }
@@ -525,8 +558,8 @@ class Trainer:
             self.model.load_state_dict(self.best_model)
         return {
             "history": self.history,
-            "best_epoch": self.best_epoch,
-            "best_val_acc": self.best_metric,
+            "best_epoch": self.best_epoch if validated else None,
+            "best_val_acc": self.best_metric if validated else None,
             "epochs_run": len(self.history),
             "stopped_early": self.stopped,
             "seconds": time.perf_counter() - t0,
