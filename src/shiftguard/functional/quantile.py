@@ -69,8 +69,11 @@ import numpy as np
 import torch
 
 from shiftguard._validation import check_finite, check_positive, check_tensor
-from shiftguard.functional import _qact_cpu
-from shiftguard.functional.kde import gaussian_kde_grid, silverman_bandwidth
+from shiftguard.functional import _qact_cpu, _qact_triton
+from shiftguard.functional.kde import TRUNCATE, gaussian_kde_grid, grid_layout, silverman_bandwidth
+
+#: The grid nodes of a channel's KDE at most (``max_points`` of :func:`~shiftguard.functional.kde.grid_layout`).
+_MAX_GRID_NODES = 4096
 
 __all__ = [
     "QACTStatistics",
@@ -351,16 +354,26 @@ def _qact_statistics(
         bw = values.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, values)
         stats = QACTStatistics(quantiles, empty, bw)
         return (stats, counts) if with_counts else stats
-    # Alg. 2: S points drawn with the grounding weights by systematic sampling (module doc): entry k
-    # of the sorted grounded context is drawn c_k - c_{k-1} times, so draw s is entry #{k : c_k <= s}
-    u = torch.randint(0, 2**32, (ch, 1), generator=generator, device=values.device).double() * 2.0**-32
-    counts_through = _comb_counts(n_neg, k_dim, n_samples, u)
-    draw = torch.arange(n_samples, device=values.device).expand(ch, -1).contiguous()
-    idx = torch.searchsorted(counts_through, draw, right=True)
-    samples = torch.gather(ctx, 1, idx)
-    bw = silverman_bandwidth(samples) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, values)
+    samples, bw = _draw_samples(ctx, n_neg, n_samples, generator, bandwidth)
     stats = QACTStatistics(quantiles, samples, bw)
     return (stats, counts) if with_counts else stats
+
+
+def _draw_samples(
+    ctx: torch.Tensor, n_neg: torch.Tensor, n_samples: int, generator, bandwidth: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C, S)`` KDE samples and ``(C,)`` bandwidths from the sorted grounded context ``ctx``
+    ``(C, K)`` with ``n_neg`` negative entries a row, ``S = n_samples >= 1`` (Alg. 2)."""
+    ch, k_dim = ctx.shape
+    # Alg. 2: S points drawn with the grounding weights by systematic sampling (module doc): entry k
+    # of the sorted grounded context is drawn c_k - c_{k-1} times, so draw s is entry #{k : c_k <= s}
+    u = torch.randint(0, 2**32, (ch, 1), generator=generator, device=ctx.device).double() * 2.0**-32
+    counts_through = _comb_counts(n_neg, k_dim, n_samples, u)
+    draw = torch.arange(n_samples, device=ctx.device).expand(ch, -1).contiguous()
+    idx = torch.searchsorted(counts_through, draw, right=True)
+    samples = torch.gather(ctx, 1, idx)
+    bw = silverman_bandwidth(samples) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, ctx)
+    return samples, bw
 
 
 def default_statistics(
@@ -394,6 +407,16 @@ def _compiled(x: torch.Tensor) -> bool:
     CPU float32/float64 with numba installed; the eager torch code does everything else (CUDA,
     other dtypes). ``USE_COMPILED = False`` forces the eager code (the tests compare the two)."""
     return USE_COMPILED and _qact_cpu.AVAILABLE and x.is_cpu and x.dtype in (torch.float32, torch.float64)
+
+
+#: Whether CUDA float32/float64 inputs take the Triton kernels (:mod:`shiftguard.functional._qact_triton`)
+#: where triton is installed; False forces the eager torch code there.
+USE_TRITON = True
+
+
+def _triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels handle ``x``: a CUDA float32/float64 tensor, triton installed."""
+    return USE_TRITON and x.is_cuda and x.dtype in (torch.float32, torch.float64) and _qact_triton.available()
 
 
 class _Running(NamedTuple):
@@ -458,6 +481,11 @@ def _forward(
             fwd, value_range = _compiled_forward(
                 x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth
             )
+        elif _triton(x):
+            fwd, value_range = (
+                _triton_forward(x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth),
+                None,
+            )
         else:
             fwd, value_range = _eager_forward(x, stats, running, n_tau, float(c), n_samples, generator, bandwidth), None
         if need_density and fwd.density is None and fwd.stats.samples.shape[1] > 0:
@@ -501,6 +529,42 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, generator, bandwidth=
     if running is not None:
         _move_running(running, stats)
     return _Forward(output, stats)
+
+
+def _triton_forward(x, stats, running, n_tau, c, n_samples, generator, need_density, bandwidth=None) -> _Forward:
+    """:func:`_forward` by the Triton kernels (:mod:`shiftguard.functional._qact_triton`): the context
+    sorted by ``torch.sort``, its quantiles (kernel), the draws and bandwidth (the eager code), the
+    KDE grid (kernel) and every value's output and density in one pass (kernel); nothing is read
+    back to the host. The same output and statistics as :func:`_eager_forward`; the density within
+    the grid error bound of the exact KDE (the grid's nodes are exact sums, the eager grid bins)."""
+    kern = _qact_triton.kernels()
+    values = channel_values(x)
+    ch = values.shape[0]
+    if stats is None:
+        bounds = torch.tensor([-c, c], dtype=x.dtype, device=x.device).expand(ch, 2)
+        ctx = torch.sort(torch.cat([values, bounds], dim=1), dim=1).values
+        zero = torch.zeros(ch, 1, dtype=x.dtype, device=x.device)
+        n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]
+        q = kern.grounded_quantiles(ctx, n_neg, quantile_levels(n_tau, x.dtype, x.device))
+        if n_samples:
+            samples, bw = _draw_samples(ctx, n_neg, n_samples, generator, bandwidth)
+        else:
+            samples = x.new_zeros(ch, 0)
+            bw = x.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, x)
+        stats = QACTStatistics(q, samples, bw)
+    q = stats.quantiles.to(x.dtype).contiguous()
+    table = torch.arange(q.shape[1] + 1, dtype=x.dtype, device=x.device).div_(q.shape[1])  # (_values_by_count)
+    grid = lo = delta = n_nodes = None
+    if need_density and stats.samples.shape[1] > 0:
+        samples, h = stats.samples.to(x.dtype).contiguous(), stats.bandwidth.to(x.dtype).contiguous()
+        xmin, xmax = torch.aminmax(values, dim=1)
+        smin, smax = torch.aminmax(samples, dim=1)
+        lo, delta, n_nodes = grid_layout(smin, smax, h, xmin, xmax)
+        grid = kern.kde_grid(samples, h, lo, delta, n_nodes, _MAX_GRID_NODES + 2, TRUNCATE)
+    out, dens = kern.levels_and_density(x, q, table, grid, lo, delta, n_nodes)
+    if running is not None:
+        _move_running(running, stats)
+    return _Forward(out, stats, dens)
 
 
 def _compiled_forward(
