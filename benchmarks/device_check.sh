@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# GPU checks, run as one script on a machine with a CUDA device and PyTorch (python3): the CUDA
-# tests, benchmarks/bench_device.py and, on the machine's CPU cores, the retrieval comparison
-# benchmarks/bench_retrieval.py (shiftguard vs pytorch-metric-learning's AccuracyCalculator at 100k
-# and 300k embeddings). Logs and JSON go to $OUT (default benchmarks/results/device), six files:
-# gpu.txt, cuda_tests.txt, bench_device.txt, bench_device.json, bench_retrieval.txt,
-# bench_retrieval.json.
+# GPU checks, run as one script on a machine with a CUDA device and PyTorch (python3). In order:
+#   1. QACT's CUDA tests (tests/test_cuda.py -k qact: the Triton path against the eager torch path,
+#      the compiled block against the eager one), 90 s;
+#   2. benchmarks/bench_qact_compile.py on the GPU: BN-QACT-BN vs BN-ReLU-BN fwd+bwd at the four
+#      benchmark shapes, eager and compiled (both sides alike), and a compiled ResNet-18 training step
+#      (32x32, batch 128), QACT vs its bn-relu-bn twin, 200 s;
+#   3. the same on the machine's CPU cores, for the ratio, 150 s;
+#   4. what is left of the budget: the remaining CUDA tests, benchmarks/bench_device.py and the
+#      retrieval comparison benchmarks/bench_retrieval.py (shiftguard vs pytorch-metric-learning).
+# Logs and JSON go to $OUT (default benchmarks/results/device); the script prints the path of each
+# JSON file as it is written (bench_qact_compile_cuda.json, bench_qact_compile_cpu.json, ...).
 #
-# Time: each part runs under `timeout` (CUDA tests 150 s, bench_device 200 s, retrieval 240 s), and
-# never longer than what is left of DEADLINE_S (510 s = 8.5 minutes for the whole script), so a hang
-# cannot take the budget of the parts after it; a part with under 10 s left is skipped and says so.
-# A stopped part leaves its log (and bench_retrieval.json the sizes it finished).
+# Time: each part runs under `timeout`, and never longer than what is left of DEADLINE_S (480 s =
+# 8 minutes for the whole script), so a hang cannot take the budget of the parts after it; a part
+# with under 10 s left is skipped and says so. A stopped part leaves its log (and the QACT
+# benchmark's JSON the rows it finished).
+#
+# SMOKE=1: the reduced run this script is checked with on a machine without a GPU: tiny shapes
+# (bench_qact_compile.py --smoke, compiled with aot_eager), the CUDA parts skipped with the reason
+# printed, no retrieval comparison.
 #
 # Packages the image lacks (pytorch-metric-learning, faiss-cpu) are installed from .whl/ when
 # present; the folder is git-ignored, so a copy of the tree must carry it along.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/device}
-DEADLINE_S=${DEADLINE_S:-510}
+DEADLINE_S=${DEADLINE_S:-480}
+SMOKE=${SMOKE:-0}
 mkdir -p "$OUT"
 SECONDS=0
 
@@ -50,18 +60,42 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     fi
 fi
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
 {
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "no nvidia-smi"
     echo "cpu cores: $(getconf _NPROCESSORS_ONLN)"
-    python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
-    python3 -c "import faiss, pytorch_metric_learning as p; print('faiss', faiss.__version__, '| pml', p.__version__)"
+    $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())"
+    $PY -c "import triton; print('triton', triton.__version__)" || echo "no triton: QACT runs its eager torch code on the GPU"
 } 2>&1 | tee -a "$OUT/gpu.txt"
+CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
 
-# pytest-timeout (in the image) stops a single hanging test after 90 s; without it the option is ignored.
-run_part 150 "$OUT/cuda_tests.txt" python3 -m pytest -q -p no:cacheprovider -o addopts="" -o timeout=90 \
-    --durations=15 tests/test_cuda.py "tests/test_corruptions.py::test_runs_on_gpu_with_the_same_contract"
-run_part 200 "$OUT/bench_device.txt" python3 benchmarks/bench_device.py --out "$OUT"
-run_part 240 "$OUT/bench_retrieval.txt" python3 benchmarks/bench_retrieval.py --sizes 100000 300000 --repeats 1 \
-    --pml-cap-gb 60 --out "$OUT/bench_retrieval.json"
+if ((SMOKE)); then
+    QARGS=(--smoke --backend aot_eager)
+else
+    QARGS=()
+fi
+if ((CUDA)); then
+    # pytest-timeout (in the image) stops a single hanging test after 90 s; without it the option is ignored.
+    run_part 90 "$OUT/cuda_qact_tests.txt" $PY -m pytest -q -p no:cacheprovider -o addopts="" -o timeout=90 \
+        --durations=10 tests/test_cuda.py -k qact
+    run_part 200 "$OUT/bench_qact_compile_cuda.txt" $PY benchmarks/bench_qact_compile.py --device cuda --out "$OUT" \
+        "${QARGS[@]}"
+else
+    echo "skipped: no CUDA device (QACT CUDA tests, GPU benchmark; no GPU figure is measured)" |
+        tee "$OUT/cuda_qact_tests.txt" "$OUT/bench_qact_compile_cuda.txt"
+fi
+run_part 150 "$OUT/bench_qact_compile_cpu.txt" $PY benchmarks/bench_qact_compile.py --device cpu --out "$OUT" \
+    "${QARGS[@]}"
+if ((CUDA)); then
+    run_part 100 "$OUT/cuda_tests.txt" $PY -m pytest -q -p no:cacheprovider -o addopts="" -o timeout=90 \
+        --durations=15 tests/test_cuda.py -k "not qact" "tests/test_corruptions.py::test_runs_on_gpu_with_the_same_contract"
+    run_part 150 "$OUT/bench_device.txt" $PY benchmarks/bench_device.py --out "$OUT"
+fi
+if ((SMOKE)); then
+    echo "skipped in SMOKE mode: the retrieval comparison" | tee "$OUT/bench_retrieval.txt"
+else
+    run_part 240 "$OUT/bench_retrieval.txt" $PY benchmarks/bench_retrieval.py --sizes 100000 300000 --repeats 1 \
+        --pml-cap-gb 60 --out "$OUT/bench_retrieval.json"
+fi
 echo "device_check: ${SECONDS} s; files in $OUT:"
 ls -l "$OUT"

@@ -77,6 +77,52 @@ def test_qact_backward_on_cuda_is_finite_and_close_to_cpu():
     assert cos > 0.9, float(cos)
 
 
+@pytest.mark.parametrize("shape", [(256, 64), (32, 16, 8, 8)])
+def test_qact_triton_path_on_cuda_equals_the_eager_torch_path(shape, monkeypatch):
+    # the Triton kernels (dispatched on CUDA float32 where triton is installed) against the eager
+    # torch code on the same device: the same forward, statistics and running update; the density
+    # (the gradient over grad_output) within twice the grid bound of each other
+    import shiftguard.functional.quantile as Q
+    from shiftguard.functional import channel_values, kde_grid_error_bound
+    from shiftguard.functional.kde import grid_layout
+
+    pytest.importorskip("triton")
+    x = torch.randn(shape, device="cuda")
+    results = []
+    for use in (True, False):
+        monkeypatch.setattr(Q, "USE_TRITON", use)
+        running = Q._Running(*(t.cuda() for t in Q.default_statistics(shape[1])), 0.1)
+        fwd = Q._forward(x, None, running, 100, 100.0, 1000, torch.Generator("cuda").manual_seed(1), True)
+        results.append((fwd, running))
+    (tri, r1), (eag, r0) = results
+    assert torch.equal(tri.output, eag.output)
+    assert all(torch.equal(a, b) for a, b in zip(tri.stats, eag.stats))
+    assert all(torch.equal(a, b) for a, b in zip(r1[:3], r0[:3]))
+    s, h = eag.stats.samples.double(), eag.stats.bandwidth.double()
+    xmin, xmax = torch.aminmax(channel_values(x).double(), dim=1)
+    _, delta, _ = grid_layout(s.min(1).values, s.max(1).values, h, xmin, xmax)
+    bound = 2 * kde_grid_error_bound(h, delta)[:, None] + 1e-5 / h[:, None]
+    diff = channel_values((tri.density - eag.density).double()).abs()
+    assert (diff <= bound).all()
+
+
+def test_qact_block_compiles_on_cuda_and_trains_as_eager():
+    torch.manual_seed(0)
+    eager = QACTBlock(16).cuda()
+    twin = copy.deepcopy(eager)
+    compiled = torch.compile(twin, backend="aot_eager", fullgraph=True)
+    x = torch.randn(64, 16, 8, 8, device="cuda")
+    outs = []
+    for m in (eager, compiled):
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(3)
+        y = m(xi)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), twin.state_dict().values()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_qact_block_trains_under_autocast(dtype):
     torch.manual_seed(0)

@@ -115,7 +115,8 @@ def max_pool2x2(x: torch.Tensor) -> torch.Tensor:
 
     Args:
         x: ``(N, C, H, W)`` tensor. float32/float64 CPU tensors of at least 2 x 2 pixels take the
-            elementwise path; any other tensor is passed to ``torch.nn.functional.max_pool2d``.
+            elementwise path; any other tensor, and any tensor under ``torch.compile``, is passed to
+            ``torch.nn.functional.max_pool2d``.
 
     Returns:
         ``(N, C, H // 2, W // 2)``, differentiable twice as ``max_pool2d`` is.
@@ -127,7 +128,8 @@ def max_pool2x2(x: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x: expected a tensor, got {type(x).__name__}")
-    if not max_pool2x2_applies(x):
+    if not max_pool2x2_applies(x) or torch.compiler.is_compiling():
+        # (traced by torch.compile: max_pool2d, which the compiler compiles itself; the same results)
         return torch.nn.functional.max_pool2d(x, 2)
     if torch.is_grad_enabled() and x.requires_grad:
         if not _numba.AVAILABLE:

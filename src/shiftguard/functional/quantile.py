@@ -69,8 +69,11 @@ import numpy as np
 import torch
 
 from shiftguard._validation import check_finite, check_positive, check_tensor
-from shiftguard.functional import _qact_cpu
-from shiftguard.functional.kde import gaussian_kde_grid, silverman_bandwidth
+from shiftguard.functional import _qact_cpu, _qact_triton
+from shiftguard.functional.kde import TRUNCATE, gaussian_kde_grid, grid_layout, silverman_bandwidth
+
+#: The grid nodes of a channel's KDE at most (``max_points`` of :func:`~shiftguard.functional.kde.grid_layout`).
+_MAX_GRID_NODES = 4096
 
 __all__ = [
     "QACTStatistics",
@@ -351,16 +354,26 @@ def _qact_statistics(
         bw = values.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, values)
         stats = QACTStatistics(quantiles, empty, bw)
         return (stats, counts) if with_counts else stats
-    # Alg. 2: S points drawn with the grounding weights by systematic sampling (module doc): entry k
-    # of the sorted grounded context is drawn c_k - c_{k-1} times, so draw s is entry #{k : c_k <= s}
-    u = torch.randint(0, 2**32, (ch, 1), generator=generator, device=values.device).double() * 2.0**-32
-    counts_through = _comb_counts(n_neg, k_dim, n_samples, u)
-    draw = torch.arange(n_samples, device=values.device).expand(ch, -1).contiguous()
-    idx = torch.searchsorted(counts_through, draw, right=True)
-    samples = torch.gather(ctx, 1, idx)
-    bw = silverman_bandwidth(samples) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, values)
+    samples, bw = _draw_samples(ctx, n_neg, n_samples, generator, bandwidth)
     stats = QACTStatistics(quantiles, samples, bw)
     return (stats, counts) if with_counts else stats
+
+
+def _draw_samples(
+    ctx: torch.Tensor, n_neg: torch.Tensor, n_samples: int, generator, bandwidth: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(C, S)`` KDE samples and ``(C,)`` bandwidths from the sorted grounded context ``ctx``
+    ``(C, K)`` with ``n_neg`` negative entries a row, ``S = n_samples >= 1`` (Alg. 2)."""
+    ch, k_dim = ctx.shape
+    # Alg. 2: S points drawn with the grounding weights by systematic sampling (module doc): entry k
+    # of the sorted grounded context is drawn c_k - c_{k-1} times, so draw s is entry #{k : c_k <= s}
+    u = torch.randint(0, 2**32, (ch, 1), generator=generator, device=ctx.device).double() * 2.0**-32
+    counts_through = _comb_counts(n_neg, k_dim, n_samples, u)
+    draw = torch.arange(n_samples, device=ctx.device).expand(ch, -1).contiguous()
+    idx = torch.searchsorted(counts_through, draw, right=True)
+    samples = torch.gather(ctx, 1, idx)
+    bw = silverman_bandwidth(samples) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, ctx)
+    return samples, bw
 
 
 def default_statistics(
@@ -396,6 +409,16 @@ def _compiled(x: torch.Tensor) -> bool:
     return USE_COMPILED and _qact_cpu.AVAILABLE and x.is_cpu and x.dtype in (torch.float32, torch.float64)
 
 
+#: Whether CUDA float32/float64 inputs take the Triton kernels (:mod:`shiftguard.functional._qact_triton`)
+#: where triton is installed; False forces the eager torch code there.
+USE_TRITON = True
+
+
+def _triton(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels handle ``x``: a CUDA float32/float64 tensor, triton installed."""
+    return USE_TRITON and x.is_cuda and x.dtype in (torch.float32, torch.float64) and _qact_triton.available()
+
+
 class _Running(NamedTuple):
     """Running statistics moved in place towards the applied ones: ``buffer += momentum * (new -
     buffer)`` (``torch.lerp``), ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)``."""
@@ -413,16 +436,14 @@ class _Forward(NamedTuple):
         output: shaped like the input, values ``k / n_tau``.
         stats: the statistics applied: the batch's (``samples`` ``(C, 0)`` where they were drawn,
             binned and averaged into the running statistics without being kept), or those given.
-        density: the KDE density at every value, shaped like the input, where it was computed with
-            the output (the compiled training pass); else None and the backward computes it.
-        value_range: per-channel ``(min, max)`` float64 arrays of the input, where the compiled
-            backward will lay its grid over them; None for the eager code.
+        density: the KDE density at every value (Alg. 2, eq. (7)), contiguous and shaped like the
+            input (float32 for a half-precision input), where the gradient will be needed and the
+            applied statistics have samples; else None.
     """
 
     output: torch.Tensor
     stats: QACTStatistics
     density: Optional[torch.Tensor] = None
-    value_range: Optional[tuple] = None
 
 
 def _forward(
@@ -446,14 +467,50 @@ def _forward(
     arithmetic). ``need_density``: the gradient will be needed. ``bandwidth``: a fixed KDE
     bandwidth (validated float) that the batch's statistics are computed with and that replaces
     the given statistics' own; None keeps Silverman's rule. ``x`` is validated except for
-    NaN/inf, which both implementations refuse before anything is drawn or stored."""
+    NaN/inf, which both implementations refuse before anything is drawn or stored.
+
+    Where ``need_density``, the density of the backward comes with the output (the compiled training
+    pass computes both in one pass; every other path evaluates the grid KDE of the applied
+    statistics' samples here, :func:`_density`), so that the backward is one multiplication and a
+    traced forward hands its backward a tensor, nothing else."""
     with torch.no_grad():
         x = x.detach()
         if stats is not None and bandwidth is not None:
             stats = stats._replace(bandwidth=_fixed_bandwidth(bandwidth, stats.bandwidth.shape[0], stats.bandwidth))
         if _compiled(x):
-            return _compiled_forward(x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth)
-        return _eager_forward(x, stats, running, n_tau, float(c), n_samples, generator, bandwidth)
+            fwd, value_range = _compiled_forward(
+                x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth
+            )
+        elif _triton(x):
+            fwd, value_range = (
+                _triton_forward(x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth),
+                None,
+            )
+        else:
+            fwd, value_range = _eager_forward(x, stats, running, n_tau, float(c), n_samples, generator, bandwidth), None
+        if need_density and fwd.density is None and fwd.stats.samples.shape[1] > 0:
+            fwd = fwd._replace(density=_density(x, fwd.stats, value_range))
+        return fwd
+
+
+def _density(x: torch.Tensor, stats: QACTStatistics, value_range: Optional[tuple]) -> torch.Tensor:
+    """The grid KDE of ``stats``' samples at every value of ``x`` (Alg. 2, eq. (7)), contiguous and
+    shaped like ``x``: by the compiled kernels over the value range their forward pass recorded
+    (``value_range``), else by :func:`gaussian_kde_grid` (in float32 for a half-precision ``x``:
+    the KDE's FFT has no half-precision kernel, and a density above 65504, a bandwidth below
+    ~6e-6, overflows float16; the backward multiplies in float32 and rounds once)."""
+    samples, bandwidth = stats.samples.to(x.dtype), stats.bandwidth.to(x.dtype)
+    if value_range is not None:
+        d3 = _qact_cpu.kde_density(
+            _as3(x), samples.detach().contiguous().numpy(), bandwidth.detach().double().numpy(), *value_range
+        )
+        return torch.from_numpy(d3.reshape(x.shape))
+    xs = channel_values(x).contiguous()
+    if xs.dtype in (torch.float16, torch.bfloat16):
+        dens = gaussian_kde_grid(xs.float(), samples.float(), bandwidth.float())
+    else:
+        dens = gaussian_kde_grid(xs, samples, bandwidth)
+    return _from_channel_values(dens, x)
 
 
 def _eager_forward(x, stats, running, n_tau, c, n_samples, generator, bandwidth=None) -> _Forward:
@@ -474,8 +531,48 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, generator, bandwidth=
     return _Forward(output, stats)
 
 
-def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_density, bandwidth=None) -> _Forward:
-    """:func:`_forward` by the compiled CPU kernels.
+def _triton_forward(x, stats, running, n_tau, c, n_samples, generator, need_density, bandwidth=None) -> _Forward:
+    """:func:`_forward` by the Triton kernels (:mod:`shiftguard.functional._qact_triton`): the context
+    sorted by ``torch.sort``, its quantiles (kernel), the draws and bandwidth (the eager code), the
+    KDE grid (kernel) and every value's output and density in one pass (kernel); nothing is read
+    back to the host. The same output and statistics as :func:`_eager_forward`; the density within
+    the grid error bound of the exact KDE (the grid's nodes are exact sums, the eager grid bins)."""
+    kern = _qact_triton.kernels()
+    values = channel_values(x)
+    ch = values.shape[0]
+    if stats is None:
+        bounds = torch.tensor([-c, c], dtype=x.dtype, device=x.device).expand(ch, 2)
+        ctx = torch.sort(torch.cat([values, bounds], dim=1), dim=1).values
+        zero = torch.zeros(ch, 1, dtype=x.dtype, device=x.device)
+        n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]
+        q = kern.grounded_quantiles(ctx, n_neg, quantile_levels(n_tau, x.dtype, x.device))
+        if n_samples:
+            samples, bw = _draw_samples(ctx, n_neg, n_samples, generator, bandwidth)
+        else:
+            samples = x.new_zeros(ch, 0)
+            bw = x.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, x)
+        stats = QACTStatistics(q, samples, bw)
+    q = stats.quantiles.to(x.dtype).contiguous()
+    table = torch.arange(q.shape[1] + 1, dtype=x.dtype, device=x.device).div_(q.shape[1])  # (_values_by_count)
+    grid = lo = delta = n_nodes = None
+    if need_density and stats.samples.shape[1] > 0:
+        samples, h = stats.samples.to(x.dtype).contiguous(), stats.bandwidth.to(x.dtype).contiguous()
+        xmin, xmax = torch.aminmax(values, dim=1)
+        smin, smax = torch.aminmax(samples, dim=1)
+        lo, delta, n_nodes = grid_layout(smin, smax, h, xmin, xmax)
+        grid = kern.kde_grid(samples, h, lo, delta, n_nodes, _MAX_GRID_NODES + 2, TRUNCATE)
+    out, dens = kern.levels_and_density(x, q, table, grid, lo, delta, n_nodes)
+    if running is not None:
+        _move_running(running, stats)
+    return _Forward(out, stats, dens)
+
+
+def _compiled_forward(
+    x, stats, running, n_tau, c, n_samples, generator, need_density, bandwidth=None
+) -> tuple[_Forward, Optional[tuple]]:
+    """:func:`_forward` by the compiled CPU kernels, and the per-channel ``(min, max)`` float64
+    arrays of ``x`` its output pass recorded (for :func:`_density`; None where the density came
+    with the output).
 
     Given statistics: one pass gives every value's output, the NaN/inf check and the per-channel range
     (:func:`_qact_cpu.counts_output`). Batch context without a gradient: the context sort, the
@@ -491,7 +588,7 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
         )
         if running is not None:
             _move_running(running, stats)
-        return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
+        return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats), (xmin, xmax)
     vbc = _values_by_count(n_tau, x.dtype)
     fused = bool(need_density and n_samples)
     # rows of an (N, C) input are short: sorted inside the fused pass, one parallel region; rows of
@@ -507,7 +604,7 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
             stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q, bandwidth)
             if running is not None:
                 _move_running(running, stats)
-            return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, None, (xmin, xmax))
+            return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats), (xmin, xmax)
     arrays = _running_arrays(running, x, n_tau, n_samples)
     # where the pass moves the running statistics itself, it keeps no samples (stats has (C, 0)):
     # they are needed only for that update
@@ -530,54 +627,33 @@ def _compiled_forward(x, stats, running, n_tau, c, n_samples, generator, need_de
     )
     if running is not None and arrays is None:
         _move_running(running, stats)
-    return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, torch.from_numpy(dens3.reshape(x.shape)))
+    return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats, torch.from_numpy(dens3.reshape(x.shape))), None
 
 
 class _QACTFunction(torch.autograd.Function):
     """Autograd of QACT given its finished forward (:class:`_Forward`): the output is returned as
-    computed; the backward is ``grad_output * f_hat(x)`` (Alg. 2, eq. (7)), with the density the
-    forward computed where it did, else the grid KDE of the applied statistics' samples at ``x``
-    (compiled: over the value range the forward recorded; eager: :func:`gaussian_kde_grid`)."""
+    computed; the backward is ``grad_output * f_hat(x)`` (Alg. 2, eq. (7)) with the density the
+    forward computed (:func:`_backward`)."""
 
     @staticmethod
     def forward(ctx, x, fwd):
-        ctx.x_shape = x.shape
-        ctx.value_range = fwd.value_range
-        ctx.density_known = fwd.density is not None
-        if ctx.density_known:
-            ctx.save_for_backward(fwd.density)
-        else:
-            ctx.save_for_backward(x, fwd.stats.samples.to(x.dtype), fwd.stats.bandwidth.to(x.dtype))
+        ctx.save_for_backward(x.new_empty(0) if fwd.density is None else fwd.density)
         return fwd.output
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.density_known:
-            (dens,) = ctx.saved_tensors
-            return grad_output * dens, None
-        x, samples, bandwidth = ctx.saved_tensors
-        if samples.shape[1] == 0:
-            raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
-        if ctx.value_range is not None:
-            g3 = _qact_cpu.kde_density_times(
-                _as3(x),
-                _as3(grad_output.to(x.dtype)),
-                samples.detach().contiguous().numpy(),
-                bandwidth.detach().double().numpy(),
-                *ctx.value_range,
-            )
-            return torch.from_numpy(g3.reshape(ctx.x_shape)), None
-        xs = channel_values(x.detach()).contiguous()
-        n, ch = ctx.x_shape[0], ctx.x_shape[1]
-        if xs.dtype in (torch.float16, torch.bfloat16):
-            # eq. (7) in float32: the KDE's FFT has no half-precision kernel, and a density above
-            # 65504 (a bandwidth below ~6e-6) overflows float16. The gradient returns in x's dtype.
-            dens = gaussian_kde_grid(xs.float(), samples.float(), bandwidth.float())
-            dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
-            return (grad_output.float() * dens).to(xs.dtype), None
-        dens = gaussian_kde_grid(xs, samples, bandwidth)
-        dens = dens.reshape(ch, n, *ctx.x_shape[2:]).transpose(0, 1)
-        return grad_output * dens, None
+        (dens,) = ctx.saved_tensors
+        return _backward(grad_output, dens), None
+
+
+def _backward(grad_output: torch.Tensor, density: torch.Tensor) -> torch.Tensor:
+    """``grad_output * density`` (Alg. 2, eq. (7)); a float32 density of a half-precision input
+    multiplies in float32, the product rounded once to the gradient's dtype."""
+    if density.numel() == 0:
+        raise RuntimeError("QACT backward needs KDE samples: the statistics were computed with n_samples=0")
+    if density.dtype != grad_output.dtype:
+        return (grad_output.to(density.dtype) * density).to(grad_output.dtype)
+    return grad_output * density
 
 
 def _attach(x: torch.Tensor, fwd: _Forward) -> torch.Tensor:
@@ -585,6 +661,138 @@ def _attach(x: torch.Tensor, fwd: _Forward) -> torch.Tensor:
     if torch.is_grad_enabled() and x.requires_grad:
         return _QACTFunction.apply(x, fwd)
     return fwd.output
+
+
+# ----------------------------------------------------------------------------- custom operators
+# QACT as two torch.library operators, the form in which it enters a torch.compile graph: the
+# forward (:func:`_forward` behind a fixed signature, with a fake implementation that gives the
+# output shapes without running anything, and an autograd formula, :func:`_backward`) and the
+# running update (in place, no gradient). The randomness enters as a seed tensor: the forward
+# draws the KDE samples from a generator it seeds with it, as the module's eager forward always
+# has, so compiled and eager give the same bits. Everything inside the operators runs eagerly
+# (numba, Triton, torch); only the signature is traced.
+@torch.library.custom_op("shiftguard::qact_forward", mutates_args=())
+def _qact_forward_op(
+    x: torch.Tensor,
+    quantiles: Optional[torch.Tensor],
+    samples: Optional[torch.Tensor],
+    bandwidth_t: Optional[torch.Tensor],
+    seed: Optional[torch.Tensor],
+    n_tau: int,
+    c: float,
+    n_samples: int,
+    bandwidth: Optional[float],
+    need_density: bool,
+    want_stats: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(output, density, quantiles, samples, bandwidth)``: :func:`_forward` of ``x`` with the given
+    statistics (``quantiles`` not None) or in batch context, with ``n_samples`` draws from a
+    generator on ``x``'s device seeded with ``seed``; the batch's statistics where ``want_stats``,
+    and the density where ``need_density`` (each an empty tensor otherwise)."""
+    if not _compiled(x):  # (the compiled kernels check it in their first pass)
+        check_finite(x, "input")
+    stats = None
+    if quantiles is not None and samples is not None and bandwidth_t is not None:
+        stats = QACTStatistics(quantiles, samples, bandwidth_t)
+    generator = _seeded(seed, x.device) if stats is None and n_samples and seed is not None else None
+    fwd = _forward(x, stats, None, n_tau, c, n_samples, generator, need_density, bandwidth)
+    density = fwd.density if need_density and fwd.density is not None else x.new_empty(0, dtype=_density_dtype(x.dtype))
+    if want_stats and stats is None:
+        q, s, b = (t.to(x.dtype).contiguous() for t in fwd.stats)
+        return fwd.output, density, q, s, b
+    return fwd.output, density, x.new_empty(0), x.new_empty(0), x.new_empty(0)
+
+
+def _density_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+@_qact_forward_op.register_fake
+def _(x, quantiles, samples, bandwidth_t, seed, n_tau, c, n_samples, bandwidth, need_density, want_stats):
+    has_samples = n_samples > 0 if samples is None else samples.shape[1] > 0
+    out = x.new_empty(x.shape)
+    density = x.new_empty(x.shape if need_density and has_samples else (0,), dtype=_density_dtype(x.dtype))
+    if want_stats and quantiles is None:
+        ch = x.shape[1]
+        return out, density, x.new_empty(ch, n_tau), x.new_empty(ch, n_samples), x.new_empty(ch)
+    return out, density, x.new_empty(0), x.new_empty(0), x.new_empty(0)
+
+
+def _qact_setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(output[1])
+
+
+def _qact_backward_formula(ctx, grad_output, *unused):
+    (density,) = ctx.saved_tensors
+    return (_backward(grad_output, density),) + (None,) * 10
+
+
+_qact_forward_op.register_autograd(_qact_backward_formula, setup_context=_qact_setup_context)
+
+
+@torch.library.custom_op(
+    "shiftguard::qact_update_", mutates_args=("running_quantiles", "running_samples", "running_bandwidth")
+)
+def _qact_update_op(
+    running_quantiles: torch.Tensor,
+    running_samples: torch.Tensor,
+    running_bandwidth: torch.Tensor,
+    quantiles: torch.Tensor,
+    samples: torch.Tensor,
+    bandwidth: torch.Tensor,
+    momentum: float,
+    count: Optional[torch.Tensor],
+) -> None:
+    """:func:`_move_running` with weight ``momentum``, or ``1 / (count + 1)`` where ``count`` (the
+    update count, a tensor) is given: the cumulative average."""
+    m = momentum if count is None else _cumulative(count)
+    _move_running(
+        _Running(running_quantiles, running_samples, running_bandwidth, m),
+        QACTStatistics(quantiles, samples, bandwidth),
+    )
+
+
+@_qact_update_op.register_fake
+def _(running_quantiles, running_samples, running_bandwidth, quantiles, samples, bandwidth, momentum, count):
+    return None
+
+
+def _traced_apply(
+    x: torch.Tensor,
+    stats: Optional[QACTStatistics],
+    running: Optional[_Running],
+    n_tau: int,
+    c: float,
+    n_samples: int,
+    seed: Optional[torch.Tensor],
+    need_density: bool,
+    bandwidth: Optional[float],
+    count: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """What :func:`_attach` of :func:`_forward` computes, through the operators (the same bits for
+    the same seed): ``running`` moved after the forward, towards the batch's statistics or the
+    given ones (with the fixed ``bandwidth`` in place of theirs); ``count``: the momentum is the
+    cumulative average ``1 / (count + 1)`` instead of ``running.momentum``."""
+    given = (None, None, None) if stats is None else tuple(stats)
+    want_stats = running is not None and stats is None
+    out, _, bq, bs, bb = _qact_forward_op(
+        x, *given, seed, n_tau, float(c), n_samples, bandwidth, need_density, want_stats
+    )
+    if running is not None:
+        new = QACTStatistics(bq, bs, bb)
+        if stats is not None:
+            b = stats.bandwidth
+            new = stats if bandwidth is None else stats._replace(bandwidth=_fixed_bandwidth(bandwidth, b.shape[0], b))
+        _qact_update_op(
+            running.quantiles,
+            running.samples,
+            running.bandwidth,
+            *(t.detach() for t in new),
+            float(running.momentum),
+            count,
+        )
+    return out
 
 
 # ----------------------------------------------------------------------------- compiled-path helpers
@@ -676,9 +884,9 @@ def _running_arrays(running: Optional[_Running], x: torch.Tensor, n_tau: int, n_
 def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = None) -> torch.Tensor:
     """Validate a QACT input. ``finite=None``: the NaN/inf check is left to the compiled forward
     where that runs (its first pass over the values checks them, before anything is drawn or
-    stored); ``True``: check here."""
+    stored); ``True``: check here; ``False``: not here (the operators check it, :func:`_qact_forward_op`)."""
     x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
-    if finite or not _compiled(x):
+    if finite or (finite is None and not _compiled(x)):
         check_finite(x, name)
     return x
 
@@ -710,7 +918,10 @@ def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
     x = check_tensor(x, "x", min_ndim=2, floating=True, nonempty=True)
     if x.shape[1] != stats.quantiles.shape[0]:
         raise ValueError(f"stats: expected statistics for {x.shape[1]} channels, got {stats.quantiles.shape[0]}")
-    return _attach(x, _forward(x, stats, None, stats.quantiles.shape[1], 0.0, 0, None, False))
+    need_density = torch.is_grad_enabled() and x.requires_grad
+    if torch.compiler.is_compiling():
+        return _traced_apply(x, stats, None, stats.quantiles.shape[1], 0.0, 0, None, need_density, None)
+    return _attach(x, _forward(x, stats, None, stats.quantiles.shape[1], 0.0, 0, None, need_density))
 
 
 def quantile_activation(
@@ -728,6 +939,7 @@ def quantile_activation(
     n_samples: int = 1000,
     generator: Optional[torch.Generator] = None,
     bandwidth: Optional[float] = None,
+    seed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """QACT [QACT, Alg. 1-2] with the contract of :func:`torch.nn.functional.batch_norm`.
 
@@ -758,6 +970,16 @@ def quantile_activation(
             in every context -- the batch's statistics are computed with it and it replaces the
             bandwidth of the statistics applied (``"frozen"``, ``statistics``), so the running
             bandwidth moves towards it. The forward does not depend on it.
+        seed: in place of ``generator``, a one-element integer tensor (e.g. ``torch.randint(0,
+            2**62, (1,))``): the KDE draws then come from a fresh generator on ``input``'s device
+            seeded with it, exactly as with ``generator=torch.Generator(input.device)
+            .manual_seed(int(seed))``. Unlike a generator, a seed tensor can enter a
+            ``torch.compile`` graph (``docs/qact.md``, "torch.compile"). Under ``torch.compile``
+            without a seed, one is drawn with ``torch.randint`` from ``generator``'s stream (the
+            global RNG when None), so there the samples differ from the eager call's.
+
+    Under ``torch.compile`` the call is traced as the operators ``torch.ops.shiftguard.qact_forward``
+    and ``qact_update_`` (the same computation; the NaN/inf check runs inside the first).
 
     Returns:
         Tensor shaped like ``input``, values in ``{0, 1/n_tau, ..., 1}``; its gradient is
@@ -770,7 +992,50 @@ def quantile_activation(
             neither None nor a positive finite number.
         TypeError: a tensor argument that is not a (floating) tensor.
     """
-    input = _check_input(input)
+    return _quantile_activation(
+        input,
+        running_quantiles,
+        running_samples,
+        running_bandwidth,
+        training,
+        momentum,
+        context=context,
+        statistics=statistics,
+        n_tau=n_tau,
+        c=c,
+        n_samples=n_samples,
+        generator=generator,
+        bandwidth=bandwidth,
+        seed=seed,
+    )
+
+
+def _quantile_activation(
+    input,
+    running_quantiles,
+    running_samples,
+    running_bandwidth,
+    training,
+    momentum,
+    *,
+    context,
+    statistics,
+    n_tau,
+    c,
+    n_samples,
+    generator,
+    bandwidth,
+    seed,
+    count: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`quantile_activation`; ``count``: the update count (a tensor; the module's
+    ``num_batches_tracked``) whose cumulative average ``1 / (count + 1)`` replaces ``momentum`` (read
+    inside the update operator when traced, so that no Python number in the graph depends on a
+    tensor)."""
+    traced = torch.compiler.is_compiling()
+    if seed is not None and generator is not None:
+        raise ValueError("seed: expected either a seed or a generator, got both")
+    input = _check_input(input, finite=False if traced else None)
     bandwidth = check_bandwidth(bandwidth)
     if context not in ("batch", "frozen"):
         raise ValueError(f"context: expected one of batch, frozen, got {context!r}")
@@ -789,7 +1054,12 @@ def quantile_activation(
             _check_statistic(running_samples, "running_samples", (ch, -1)),
             _check_statistic(running_bandwidth, "running_bandwidth", (ch,)),
         )
-        return _attach(input, _forward(input, stats, None, stats.quantiles.shape[1], 0.0, 0, None, False, bandwidth))
+        need_density = torch.is_grad_enabled() and input.requires_grad
+        if traced:
+            return _traced_apply(input, stats, None, stats.quantiles.shape[1], 0.0, 0, None, need_density, bandwidth)
+        return _attach(
+            input, _forward(input, stats, None, stats.quantiles.shape[1], 0.0, 0, None, need_density, bandwidth)
+        )
     if statistics is not None and statistics.quantiles.shape[0] != ch:
         raise ValueError(f"statistics: expected statistics for {ch} channels, got {statistics.quantiles.shape[0]}")
     n_tau = check_positive(n_tau, "n_tau", integer=True)
@@ -810,4 +1080,24 @@ def quantile_activation(
         )
     need_density = torch.is_grad_enabled() and input.requires_grad
     draws = n_samples if (need_density or running is not None) else 0
+    if traced:
+        if seed is None:
+            seed = torch.randint(0, 2**62, (1,), generator=generator)
+        return _traced_apply(input, statistics, running, n_tau, c, draws, seed, need_density, bandwidth, count)
+    if seed is not None:
+        generator = _seeded(seed, input.device)
+    if running is not None and count is not None:
+        running = running._replace(momentum=_cumulative(count))
     return _attach(input, _forward(input, statistics, running, n_tau, c, draws, generator, need_density, bandwidth))
+
+
+def _seeded(seed: torch.Tensor, device) -> torch.Generator:
+    """A generator on ``device`` seeded with the one-element integer tensor ``seed``."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed.reshape(()).item()))
+    return generator
+
+
+def _cumulative(count: torch.Tensor) -> float:
+    """The weight of the next batch in a cumulative average after ``count`` (a tensor) updates."""
+    return 1.0 / float(count.reshape(()).item() + 1)

@@ -43,11 +43,11 @@ from torch import nn
 from shiftguard._validation import check_positive, check_tensor
 from shiftguard.functional.quantile import (
     QACTStatistics,
+    _quantile_activation,
     channel_values,
     check_bandwidth,
     default_statistics,
     qact_statistics,
-    quantile_activation,
 )
 from shiftguard.registry import Registry, normalize
 
@@ -278,19 +278,27 @@ class QuantileActivation(nn.Module):
         self._ensure_buffers(input)
         batch = self._context == "batch"
         update = self.training and batch
-        out = quantile_activation(
+        # The KDE draws come from a generator seeded with this draw from torch's global RNG, made
+        # inside the operator (shiftguard.functional.quantile._qact_forward_op): a tensor, so that the
+        # forward traces under torch.compile, and the same draws eager or compiled. A cumulative
+        # average (momentum=None) reads the update count inside the update operator.
+        cumulative = update and self.momentum is None
+        out = _quantile_activation(
             input,
             self.running_quantiles,
             self.running_samples,
             self.running_bandwidth,
-            training=update,
-            momentum=self._next_momentum() if update else 0.0,
+            update,
+            1.0 if cumulative or not update else float(self.momentum),  # type: ignore[arg-type]
             context=self._context,
+            statistics=None,
             n_tau=self.n_tau,
             c=self.c,
             n_samples=self.n_samples,
-            generator=self._generator(input.device) if batch else None,
+            generator=None,
             bandwidth=self.bandwidth,
+            seed=torch.randint(0, 2**62, (1,)) if batch else None,
+            count=self.num_batches_tracked if cumulative else None,
         )
         if update:  # counted once the update is done: an input refused leaves every buffer as it was
             self.num_batches_tracked.add_(1)

@@ -37,7 +37,8 @@ What is computed, per channel ``c`` [QACT, Alg. 1-2; module doc of ``quantile.py
   kernel truncated at ``4 h``, 8 nodes per bandwidth: same nodes, weights and error bound; a
   direct convolution per channel instead of one FFT over all, in the samples' precision like the
   eager grid) and, for statistics that did not come
-  with the density (frozen context, DDP), ``grad_output * f_grid(x)`` in one pass.
+  with the density (frozen context, DDP), ``grad_output * f_grid(x)`` in one pass, or
+  (:func:`kde_density`) the density alone, which the forward of a traced layer hands its backward.
 - :func:`batch_channels`: all of the above for a batch context whose gradient will be needed, one
   channel at a time (quantiles, draws and bandwidth, grid, then every value's output and density,
   Alg. 2 eq. (7), for the backward), with the channel's scratch in cache and no Python between
@@ -61,7 +62,7 @@ from __future__ import annotations
 
 from shiftguard._numba import AVAILABLE
 from shiftguard.functional._qact_cpu.fused import batch_channels, lerp_rows_
-from shiftguard.functional._qact_cpu.kde import grounded_samples, kde_density_times, kde_grid
+from shiftguard.functional._qact_cpu.kde import grounded_samples, kde_density, kde_density_times, kde_grid
 from shiftguard.functional._qact_cpu.output import counts_output
 from shiftguard.functional._qact_cpu.quantiles import grounded_quantiles
 from shiftguard.functional._qact_cpu.sort import all_finite, sorted_context_finite, sorted_grounded_context
@@ -78,6 +79,7 @@ __all__ = [
     "counts_output",
     "grounded_samples",
     "kde_grid",
+    "kde_density",
     "kde_density_times",
     "batch_channels",
 ]

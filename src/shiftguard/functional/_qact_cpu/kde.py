@@ -347,6 +347,20 @@ def _grid_density_times(c0, c1, x3, g3, grid, lo, inv_delta, n_grid, out3):
                 out3[n, c, loc] = g3[n, c, loc] * _density_at(x3[n, c, loc], row, a, inv, top)
 
 
+@njit(nogil=True, cache=True)
+def _grid_density(c0, c1, x3, grid, lo, inv_delta, n_grid, out3):
+    # _grid_density_times without the gradient: the density itself, rounded to out3's dtype
+    n_dim, c_dim, l_dim = x3.shape
+    for c in range(c0, c1):
+        row = grid[c]
+        a = lo[c]
+        inv = inv_delta[c]
+        top = n_grid[c] - 1
+        for n in range(n_dim):
+            for loc in range(l_dim):
+                out3[n, c, loc] = _density_at(x3[n, c, loc], row, a, inv, top)
+
+
 def grounded_samples(ctx: np.ndarray, n_samples: int, seed: int):
     """``(C, S)`` sorted KDE points drawn with the grounding weights and their ``(C,)`` Silverman
     bandwidths (float64), from the sorted grounded context ``ctx`` ``(C, M + 2)``."""
@@ -396,4 +410,16 @@ def kde_density_times(
     grid, lo, delta, n_grid = kde_grid(samples, bandwidth, xmin, xmax)
     out = np.empty_like(x3)
     parallel_ranges(_grid_density_times, x3.shape[1], x3.size * 8, x3, g3, grid, lo, 1.0 / delta, n_grid, out)
+    return out
+
+
+def kde_density(
+    x3: np.ndarray, samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray
+) -> np.ndarray:
+    """``f_grid(x3)`` (Alg. 2, eq. (7)) in the dtype of ``x3``: :func:`kde_density_times` without the
+    gradient, for a forward that hands the backward its density (the density of the fused
+    :func:`batch_channels`, rounded the same way)."""
+    grid, lo, delta, n_grid = kde_grid(samples, bandwidth, xmin, xmax)
+    out = np.empty_like(x3)
+    parallel_ranges(_grid_density, x3.shape[1], x3.size * 8, x3, grid, lo, 1.0 / delta, n_grid, out)
     return out

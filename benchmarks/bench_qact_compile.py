@@ -1,0 +1,189 @@
+"""QACT against its BatchNorm twin, eager and under ``torch.compile``, on one device.
+
+Two measurements, each QACT beside its baseline in the same run, both sides run alike (both eager,
+or both compiled with the same backend):
+
+- BN-QACT-BN (``QACTBlock``) vs BN-ReLU-BN (``BNActBlock``) forward+backward at the four shapes of
+  ``bench_qact.py`` (``--smoke``: tiny shapes), eager and compiled;
+- a ResNet-18 (``shiftguard.models``) training step (forward, cross-entropy, backward, SGD step) on
+  32x32 inputs at batch 128 (``--smoke``: batch 8, 16x16, base width 8), ``activation="qact"`` vs
+  its twin ``"bn-relu-bn"``, compiled.
+
+Targets (``docs/performance.md``): ratio QACT / twin <= 2 at every shape, eager and compiled;
+ResNet-18 step <= 1.5 compiled. Prints a table and writes JSON to ``--out`` (the path is printed).
+
+Usage: ``python benchmarks/bench_qact_compile.py --device cuda --out DIR`` (``device_check.sh``);
+``--smoke`` runs a reduced version in seconds (the CPU check of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(256, 64, 12, 12), (128, 64, 16, 16), (256, 512), (1024, 128)]
+SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn, dev, repeats: int, warmup: int) -> float:
+    """Median seconds of ``fn`` after ``warmup`` calls (the compilation happens there)."""
+    for _ in range(warmup):
+        fn()
+    _sync(dev)
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def _maybe_compile(module, backend):
+    return module if backend is None else torch.compile(module, backend=backend)
+
+
+def bench_blocks(dev, shapes, backends, repeats, rows):
+    from shiftguard.nn import BNActBlock, QACTBlock
+
+    for shape in shapes:
+        c = shape[1]
+        for backend in backends:
+            t0 = time.perf_counter()
+            torch.manual_seed(0)
+            qact = _maybe_compile(QACTBlock(c).to(dev).train(), backend)
+            relu = _maybe_compile(BNActBlock(c, "relu").to(dev).train(), backend)
+            x = torch.randn(*shape, device=dev, requires_grad=True)
+            g = torch.randn(*shape, device=dev)
+
+            def step(block):
+                return lambda: block(x).backward(g)
+
+            t_relu = timed(step(relu), dev, repeats, 3)
+            t_qact = timed(step(qact), dev, repeats, 3)
+            rows.append(
+                {
+                    "bench": "block fwd+bwd",
+                    "case": "x".join(map(str, shape)),
+                    "mode": backend or "eager",
+                    "baseline": "BN-ReLU-BN",
+                    "baseline_ms": 1e3 * t_relu,
+                    "ms": 1e3 * t_qact,
+                    "ratio": t_qact / t_relu,
+                    "target": 2.0,
+                    "wall_s": time.perf_counter() - t0,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+
+
+def bench_resnet(dev, smoke, backend, repeats, rows):
+    from shiftguard.models import resnet18
+
+    batch, size, width = (8, 16, 8) if smoke else (128, 32, 64)
+    x = torch.randn(batch, 3, size, size, device=dev)
+    y = torch.randint(0, 10, (batch,), device=dev)
+    times = {}
+    for act in ("bn-relu-bn", "qact"):
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        model = resnet18(activation=act, base_width=width).to(dev).train()
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        fwd = _maybe_compile(model, backend)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            F.cross_entropy(fwd(x), y).backward()
+            opt.step()
+
+        times[act] = (timed(step, dev, repeats, 3), time.perf_counter() - t0)
+    rows.append(
+        {
+            "bench": "resnet18 train step",
+            "case": f"batch {batch}, {size}x{size}, base width {width}",
+            "mode": backend or "eager",
+            "baseline": "bn-relu-bn",
+            "baseline_ms": 1e3 * times["bn-relu-bn"][0],
+            "ms": 1e3 * times["qact"][0],
+            "ratio": times["qact"][0] / times["bn-relu-bn"][0],
+            "target": 1.5,
+            "wall_s": times["qact"][1] + times["bn-relu-bn"][1],
+        }
+    )
+    print(json.dumps(rows[-1]), flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, a few repeats (checks the script)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled runs")
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--skip-resnet", action="store_true")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench_qact_compile_{args.device}{'_smoke' if args.smoke else ''}.json"
+    info: dict = {
+        "benchmark": "bench_qact_compile",
+        "device": args.device,
+        "smoke": args.smoke,
+        "backend": args.backend,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+        "rows": [],
+    }
+    if args.device == "cuda" and not torch.cuda.is_available():
+        info["skipped"] = "no CUDA device: nothing measured"
+        print(f"bench_qact_compile: {info['skipped']}")
+        path.write_text(json.dumps(info, indent=1))
+        print(f"wrote {path}")
+        return 0
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(dev)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None  # QACT then runs its eager torch code on the GPU
+    repeats = args.repeats or (3 if args.smoke else 10)
+    rows: list[dict] = info["rows"]
+    parts = [
+        (
+            "blocks",
+            lambda: bench_blocks(dev, SMOKE_SHAPES if args.smoke else SHAPES, (None, args.backend), repeats, rows),
+        )
+    ]
+    if not args.skip_resnet:
+        parts.append(("resnet18", lambda: bench_resnet(dev, args.smoke, args.backend, repeats, rows)))
+    for name, part in parts:
+        t0 = time.perf_counter()
+        try:
+            part()
+        except Exception as exc:  # report and go on: one failing part must not hide the other
+            rows.append({"bench": name, "error": f"{type(exc).__name__}: {exc}"})
+            print(json.dumps(rows[-1]), flush=True)
+        print(f"{name}: {time.perf_counter() - t0:.1f} s", flush=True)
+        path.write_text(json.dumps(info, indent=1))  # what is done so far survives a timeout
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""Triton kernels of QACT for CUDA tensors: the same mathematics as :mod:`shiftguard.functional.quantile`
+and :mod:`shiftguard.functional.kde`, the GPU counterpart of the numba kernels in
+:mod:`shiftguard.functional._qact_cpu`.
+
+Nothing here imports triton at ``import shiftguard``: :func:`available` only asks whether the
+package is installed (the optional extra ``shiftguard[gpu]``), and :func:`kernels` imports the stage
+modules, and with them triton, on the first CUDA input that takes this path
+(``quantile._triton``). Stages, one module each:
+
+- ``quantiles``: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs.
+  (8)-(9)] -- the closed-form bracket of ``quantile._grounded_quantiles`` with the same operations
+  in the same order, one program per channel, then the running maximum.
+- ``kde``: the KDE grid of the backward [QACT, Alg. 2, eq. (7)] on the nodes of
+  :func:`shiftguard.functional.kde.grid_layout`: each node's value is the Gaussian kernel sum over
+  the channel's samples, truncated at ``TRUNCATE * h``, evaluated directly (no binning, no FFT, no
+  atomics: deterministic). At the nodes this is the exact truncated KDE, so the density
+  interpolated from it is within ``phi(0) delta^2 / (8 h^3) + phi(truncate) / h`` of the exact KDE,
+  inside :func:`shiftguard.functional.kde.kde_grid_error_bound` (the eager grid also bins).
+- ``output``: one pass over the input in its own ``(N, C, *)`` layout: each value's forward output
+  ``#{i : q_i <= x} / n_tau`` (eq. (6); a branchless binary search in the channel's quantiles, the
+  count of ``torch.searchsorted(q, x, right=True)``, read from the eager code's table of ``k / n_tau``)
+  and, where the gradient will be needed, its density linearly interpolated from the grid as
+  :func:`~shiftguard.functional.kde.gaussian_kde_grid` does.
+
+The sort of the context, the systematic draws and Silverman's bandwidth stay torch operations on
+the device (the eager code's, so the same samples for the same generator); no step reads a value
+back to the host. The tests run every kernel in Triton's interpreter (``TRITON_INTERPRET=1``) on
+CPU tensors against the eager code (``tests/test_qact_triton.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from types import SimpleNamespace
+
+__all__ = ["available", "kernels"]
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether triton is installed (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.lru_cache(maxsize=1)
+def kernels() -> SimpleNamespace:
+    """The stages' entry points (imports triton)."""
+    from shiftguard.functional._qact_triton.kde import kde_grid
+    from shiftguard.functional._qact_triton.output import levels_and_density
+    from shiftguard.functional._qact_triton.quantiles import grounded_quantiles
+
+    return SimpleNamespace(
+        grounded_quantiles=grounded_quantiles, kde_grid=kde_grid, levels_and_density=levels_and_density
+    )

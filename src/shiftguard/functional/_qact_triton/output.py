@@ -1,0 +1,109 @@
+"""Stage 3: every value's forward output [QACT, eq. (6)] and, for the backward, its KDE density
+(Alg. 2, eq. (7)), in one pass over the input in its ``(N, C, *)`` layout."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _levels_kernel(
+    x_ptr,
+    q_ptr,
+    table_ptr,
+    out_ptr,
+    grid_ptr,
+    lo_ptr,
+    delta_ptr,
+    n_ptr,
+    dens_ptr,
+    total,
+    C,
+    L,
+    n_tau,
+    G,
+    LOG_T: tl.constexpr,
+    DENSITY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = i < total
+    c = (i // L) % C
+    v = tl.load(x_ptr + i, mask=live, other=0.0)
+    # #{k : q_k <= v}: the quantiles are non-decreasing, so a binary search over the count
+    cnt = tl.zeros([BLOCK], dtype=tl.int64)
+    for b in tl.static_range(LOG_T):
+        cand = cnt + (1 << (LOG_T - 1 - b))
+        ok = live & (cand <= n_tau)
+        qv = tl.load(q_ptr + c * n_tau + cand - 1, mask=ok, other=0.0)
+        cnt = tl.where(ok & (qv <= v), cand, cnt)
+    tl.store(out_ptr + i, tl.load(table_ptr + cnt, mask=live, other=0.0), mask=live)
+    if DENSITY:
+        # gaussian_kde_grid's interpolation: position on the grid, 0 off it, torch.lerp, clamp at 0
+        lo = tl.load(lo_ptr + c, mask=live, other=0.0)
+        delta = tl.load(delta_ptr + c, mask=live, other=1.0)
+        n = tl.load(n_ptr + c, mask=live, other=2)
+        pos = (v - lo) / delta
+        inside = (pos >= 0) & (pos <= (n - 1).to(pos.dtype))
+        j0 = tl.minimum(tl.maximum(tl.floor(pos), 0.0), (n - 2).to(pos.dtype))
+        t = pos - j0
+        j = j0.to(tl.int64)
+        d0 = tl.load(grid_ptr + c * G + j, mask=live, other=0.0)
+        d1 = tl.load(grid_ptr + c * G + j + 1, mask=live, other=0.0)
+        d = tl.where(t < 0.5, d0 + t * (d1 - d0), d1 - (d1 - d0) * (1 - t))
+        d = tl.maximum(tl.where(inside, d, 0.0), 0.0)
+        tl.store(dens_ptr + i, d, mask=live)
+
+
+def levels_and_density(
+    x: torch.Tensor,
+    quantiles: torch.Tensor,
+    values_by_count: torch.Tensor,
+    grid: Optional[torch.Tensor] = None,
+    lo: Optional[torch.Tensor] = None,
+    delta: Optional[torch.Tensor] = None,
+    n_nodes: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The forward output of every value of ``x`` ``(N, C, *)`` (contiguous) against the channels'
+    non-decreasing ``quantiles`` ``(C, n_tau)`` (``values_by_count[k]`` = ``k / n_tau`` in x's dtype),
+    and, with a grid (:func:`kde_grid`'s ``(C, G)`` on nodes ``lo + j * delta``, ``j < n_nodes``), the
+    density at every value; both shaped like ``x``."""
+    x = x.contiguous()
+    ch, n_tau = quantiles.shape
+    total = x.numel()
+    length = total // (x.shape[0] * ch)
+    out = torch.empty_like(x)
+    block = 256
+    launch = (triton.cdiv(total, block),)
+    common = dict(LOG_T=max(1, int(n_tau).bit_length()), BLOCK=block)
+    q = quantiles.contiguous()
+    if grid is None or lo is None or delta is None or n_nodes is None:
+        # (the density's pointers are not read: the values' own stand in for them)
+        _levels_kernel[launch](
+            x, q, values_by_count, out, q, q, q, q, out, total, ch, length, n_tau, 0, DENSITY=False, **common
+        )
+        return out, None
+    dens = torch.empty_like(x)
+    _levels_kernel[launch](
+        x,
+        q,
+        values_by_count,
+        out,
+        grid,
+        lo,
+        delta,
+        n_nodes,
+        dens,
+        total,
+        ch,
+        length,
+        n_tau,
+        grid.shape[1],
+        DENSITY=True,
+        **common,
+    )
+    return out, dens

@@ -1,0 +1,76 @@
+"""Stage 1: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs. (8)-(9)]."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _position(k, n_neg, nn, np_):
+    # quantile._grounded_position: the midpoint CDF position of sorted entry k (same operations)
+    kf = k.to(nn.dtype)
+    return tl.where(k < n_neg, (kf + 0.5) / (2 * nn), 0.5 + (kf - nn + 0.5) / (2 * np_))
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, levels_ptr, q_ptr, K, n_tau, BLOCK_T: tl.constexpr):
+    # quantile._grounded_quantiles for row c: the bracket k (largest with p_k <= tau) in closed
+    # form, two correction steps against the exact positions, linear interpolation, clamping, and
+    # the running maximum
+    c = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_T)
+    live = i < n_tau
+    row = ctx_ptr + c * K
+    tau = tl.load(levels_ptr + i, mask=live, other=0.0)
+    n_neg = tl.load(nneg_ptr + c)
+    nn = n_neg.to(tau.dtype)
+    np_ = K - nn
+    k_neg = tl.floor(2.0 * tau * nn - 0.5)
+    k_pos = nn + tl.floor((tau - 0.5) * 2.0 * np_ - 0.5)
+    k = tl.where(tau < 0.5, k_neg, k_pos).to(tl.int64)
+    k = tl.minimum(tl.maximum(k, -1), K - 1)
+    for _ in tl.static_range(2):
+        up = (k + 1 <= K - 1) & (_position(tl.minimum(k + 1, K - 1), n_neg, nn, np_) <= tau)
+        down = (k >= 0) & (_position(tl.maximum(k, 0), n_neg, nn, np_) > tau)
+        k = k + up.to(tl.int64) - down.to(tl.int64)
+    below = k < 0
+    above = k >= K - 1
+    k = tl.minimum(tl.maximum(k, 0), K - 2)
+    p0 = _position(k, n_neg, nn, np_)
+    p1 = _position(k + 1, n_neg, nn, np_)
+    v0 = tl.load(row + k, mask=live, other=0.0)
+    v1 = tl.load(row + k + 1, mask=live, other=0.0)
+    t = (tau - p0) / (p1 - p0)
+    q = v0 + t * (v1 - v0)
+    q = tl.where(below, tl.load(row), q)
+    q = tl.where(above, tl.load(row + K - 1), q)
+    q = tl.where(live, q, tl.load(row + K - 1))  # (padding: not stored, keeps the scan's maximum)
+    q = tl.associative_scan(q, 0, _maximum)
+    tl.store(q_ptr + c * n_tau + i, q, mask=live)
+
+
+def grounded_quantiles(ctx: torch.Tensor, n_neg: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """``(C, n_tau)`` weighted quantiles of the sorted grounded context ``ctx`` ``(C, K)``, ``K >= 2``,
+    with ``n_neg`` ``(C,)`` values below 0 in each row, at ``levels`` ``(n_tau,)`` (ctx's dtype);
+    the values of ``quantile._grounded_quantiles``."""
+    ch, k_dim = ctx.shape
+    n_tau = levels.shape[0]
+    q = torch.empty(ch, n_tau, dtype=ctx.dtype, device=ctx.device)
+    _grounded_quantiles_kernel[(ch,)](
+        ctx.contiguous(),
+        n_neg.contiguous(),
+        levels.contiguous(),
+        q,
+        k_dim,
+        n_tau,
+        BLOCK_T=triton.next_power_of_2(n_tau),
+        enable_fp_fusion=False,  # (no fused multiply-add: the eager code rounds each operation)
+    )
+    return q

@@ -1,0 +1,138 @@
+"""The Triton kernels of QACT in Triton's interpreter, on CPU tensors, against the eager torch code.
+
+Run as a script (``python tests/_qact_triton_checks.py``) by ``tests/test_qact_triton.py``: the
+interpreter must be switched on (``TRITON_INTERPRET=1``) before triton is imported, which a test
+process that may already have imported triton cannot do. Prints one JSON object: for each check,
+``"ok"`` or what differed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import torch
+
+import shiftguard.functional.quantile as Q
+from shiftguard.functional import (
+    _qact_triton,
+    channel_values,
+    gaussian_kde,
+    kde_grid_error_bound,
+)
+from shiftguard.functional.kde import grid_layout
+
+CASES = [((24, 3), torch.float64), ((6, 2, 3, 3), torch.float32), ((5, 2), torch.float32)]
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def check_quantiles():
+    kern = _qact_triton.kernels()
+    for shape, dtype in CASES:
+        x = torch.randn(shape, dtype=dtype)
+        for n_tau in (7, 100):
+            v = channel_values(x)
+            ch = v.shape[0]
+            bounds = torch.tensor([-100.0, 100.0], dtype=dtype).expand(ch, 2)
+            ctx = torch.sort(torch.cat([v, bounds], 1), 1).values
+            n_neg = torch.searchsorted(ctx, torch.zeros(ch, 1, dtype=dtype))[:, 0]
+            levels = Q.quantile_levels(n_tau, dtype)
+            want = Q._grounded_quantiles(ctx, n_neg, levels.expand(ch, -1).contiguous())
+            got = kern.grounded_quantiles(ctx, n_neg, levels)
+            assert torch.equal(got, want), (shape, dtype, n_tau, (got - want).abs().max())
+
+
+def check_forward():
+    for shape, dtype in CASES:
+        x = torch.randn(shape, dtype=dtype)
+        for need in (False, True):
+            got = Q._triton_forward(x, None, None, 20, 100.0, 50 if need else 0, _gen(3), need)
+            want = Q._eager_forward(x, None, None, 20, 100.0, 50 if need else 0, _gen(3))
+            assert torch.equal(got.output, want.output), (shape, dtype)
+            for a, b in zip(got.stats, want.stats):
+                assert torch.equal(a, b), (shape, dtype)
+            assert (got.density is not None) == need
+
+
+def check_density():
+    for shape, dtype in CASES:
+        x = torch.randn(shape, dtype=dtype) * 2
+        stats = Q.qact_statistics(
+            channel_values(torch.randn(30, shape[1], dtype=dtype)), 10, n_samples=40, generator=_gen(1)
+        )
+        got = Q._triton_forward(x, stats, None, 10, 100.0, 0, None, True)
+        want_out = Q._eager_forward(x, stats, None, 10, 100.0, 0, None)
+        assert torch.equal(got.output, want_out.output)
+        xs = channel_values(x).double()
+        exact = gaussian_kde(xs, stats.samples.double(), stats.bandwidth.double())
+        eager = channel_values(Q._density(x, stats, None)).double()
+        xmin, xmax = torch.aminmax(xs, dim=1)
+        s = stats.samples.double()
+        _, delta, _ = grid_layout(s.min(1).values, s.max(1).values, stats.bandwidth.double(), xmin, xmax)
+        bound = kde_grid_error_bound(stats.bandwidth.double(), delta)[:, None]
+        rounding = 1e-5 if dtype == torch.float32 else 1e-12
+        d = channel_values(got.density).double()
+        assert ((d - exact).abs() <= bound + rounding * exact.abs().max()).all()
+        assert ((d - eager).abs() <= 2 * bound + rounding * exact.abs().max()).all()
+
+
+def check_gradient_through_the_functional():
+    # the whole functional on the Triton path (dispatch opened to CPU tensors here) against the eager code
+    real = Q._triton
+    for shape, dtype in CASES[:2]:
+        x = torch.randn(shape, dtype=dtype)
+        g = torch.randn(shape, dtype=dtype)
+        results = []
+        for use in (True, False):
+            Q._triton = (lambda t: True) if use else (lambda t: False)
+            Q.USE_COMPILED = False
+            try:
+                xi = x.clone().requires_grad_(True)
+                running = [t.clone() for t in Q.default_statistics(shape[1], 10, 40, dtype)]
+                y = Q.quantile_activation(xi, *running, training=True, n_tau=10, n_samples=40, generator=_gen(5))
+                y.backward(g)
+                results.append((y.detach(), xi.grad, running))
+            finally:
+                Q._triton = real
+                Q.USE_COMPILED = True
+        (y1, g1, r1), (y0, g0, r0) = results
+        assert torch.equal(y1, y0)
+        assert all(torch.equal(a, b) for a, b in zip(r1, r0))
+        # the gradient is g * density: the two densities within the grid bound of the exact KDE each
+        stats = Q.qact_statistics(channel_values(x), 10, n_samples=40, generator=_gen(5))
+        xs = channel_values(x).double()
+        xmin, xmax = torch.aminmax(xs, dim=1)
+        s = stats.samples.double()
+        _, delta, _ = grid_layout(s.min(1).values, s.max(1).values, stats.bandwidth.double(), xmin, xmax)
+        bound = kde_grid_error_bound(stats.bandwidth.double(), delta)[:, None]
+        peak = (1.0 / stats.bandwidth.double())[:, None]
+        rounding = 1e-5 if dtype == torch.float32 else 1e-12
+        diff = channel_values((g1 - g0).double()).abs()
+        assert (diff <= channel_values(g.double()).abs() * (2 * bound + rounding * peak)).all()
+
+
+CHECKS = {f.__name__: f for f in (check_quantiles, check_forward, check_density, check_gradient_through_the_functional)}
+
+
+def main(names) -> int:
+    report = {}
+    for name in names or CHECKS:
+        torch.manual_seed(0)
+        try:
+            CHECKS[name]()
+            report[name] = "ok"
+        except Exception:  # report every check's outcome, not just the first failure
+            report[name] = traceback.format_exc()
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

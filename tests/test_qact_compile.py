@@ -1,0 +1,168 @@
+"""QACT under ``torch.compile(fullgraph=True)`` (``backend="aot_eager"``, the CPU): the compiled module,
+functional and a small model give the eager results bit for bit -- outputs, input and parameter
+gradients, running statistics -- in training and evaluation, because the compiled graph calls the
+same kernels through the operators ``torch.ops.shiftguard.qact_forward`` / ``qact_update_`` with the
+same seed (``docs/qact.md``, "torch.compile"). Every comparison is between two computations of this
+run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shiftguard.functional.quantile as Q
+from shiftguard.functional import channel_values, qact_apply, qact_statistics, quantile_activation
+from shiftguard.nn import QACTBlock, QuantileActivation
+
+pytest.importorskip("torch._dynamo")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # every test compiles its own graphs (no recompile limit carried over)
+    yield
+    torch._dynamo.reset()
+
+
+def _compiled(module):
+    return torch.compile(module, backend="aot_eager", fullgraph=True)
+
+
+def _twins(make):
+    a = make()
+    b = make()
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def _step(module, x, seed):
+    """Forward (training or not, per the module) and backward of a fixed loss; returns the output,
+    the input gradient and every parameter gradient (cleared afterwards)."""
+    xi = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    y = module(xi)
+    (y * torch.linspace(-1.0, 2.0, y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return y.detach(), xi.grad, grads
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+        if isinstance(u, (list, tuple)):
+            _assert_same(u, v)
+        else:
+            assert u.dtype == v.dtype and torch.equal(u, v)
+
+
+CASES = {
+    # name: (input shape, dtype, numba kernels, module keyword arguments)
+    "conv-f32": ((16, 4, 5, 5), torch.float32, True, {}),
+    "dense-f64-cumulative": ((48, 6), torch.float64, True, {"momentum": None}),
+    "dense-f32-fixed-bandwidth": ((40, 5), torch.float32, True, {"bandwidth": 0.5}),
+    "conv-f32-eager-torch": ((8, 3, 4, 4), torch.float32, False, {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_compiled_block_trains_and_evaluates_as_the_eager_block(name, monkeypatch):
+    shape, dtype, kernels, kwargs = CASES[name]
+    monkeypatch.setattr(Q, "USE_COMPILED", kernels)
+    torch.manual_seed(0)
+    eager, twin = _twins(lambda: QACTBlock(shape[1], **kwargs).to(dtype))
+    compiled = _compiled(twin)
+    for i in range(2):  # training: batch context, running statistics moved
+        x = torch.randn(shape, dtype=dtype) * (1.0 + i)
+        _assert_same(_step(eager.train(), x, 10 + i), _step(compiled.train(), x, 10 + i))
+    _assert_same(list(eager.state_dict().values()), list(twin.state_dict().values()))
+    x = torch.randn(shape, dtype=dtype)
+    # evaluation: batch context with and without a gradient, then the frozen context
+    _assert_same(_step(eager.eval(), x, 20), _step(compiled.eval(), x, 20))
+    with torch.no_grad():
+        torch.manual_seed(21)
+        want = eager(x)
+        torch.manual_seed(21)
+        assert torch.equal(want, compiled(x))
+    eager.act.context = twin.act.context = "frozen"
+    _assert_same(_step(eager.train(), x, 22), _step(compiled.train(), x, 22))
+    _assert_same(list(eager.state_dict().values()), list(twin.state_dict().values()))
+
+
+def test_compiled_functional_with_a_seed_equals_the_eager_functional():
+    x = torch.randn(32, 4, 3, dtype=torch.float64)
+    stats = qact_statistics(channel_values(torch.randn(64, 4, 3, dtype=torch.float64)))
+
+    def run(fn):
+        running = [t.clone() for t in stats]
+        xi = x.clone().requires_grad_(True)
+        y = fn(xi, running, torch.tensor([123]))
+        y.square().sum().backward()
+        return [y.detach(), xi.grad, *running]
+
+    def batch(xi, running, seed):
+        return quantile_activation(xi, *running, training=True, momentum=0.25, seed=seed)
+
+    def given(xi, running, seed):
+        return quantile_activation(xi, *running, training=True, statistics=Q.QACTStatistics(*stats), bandwidth=0.3)
+
+    def apply(xi, running, seed):
+        return qact_apply(xi, Q.QACTStatistics(*running))
+
+    for fn in (batch, given, apply):
+        want = run(fn)
+        torch._dynamo.reset()
+        _assert_same(want, run(torch.compile(fn, backend="aot_eager", fullgraph=True)))
+    # the seed is the generator's seed
+    gen = torch.Generator().manual_seed(123)
+    assert torch.equal(quantile_activation(x, generator=gen), quantile_activation(x, seed=torch.tensor([123])))
+
+
+def test_seed_and_generator_together_are_refused():
+    with pytest.raises(ValueError, match="^seed:"):
+        quantile_activation(torch.randn(8, 2), seed=torch.tensor([1]), generator=torch.Generator())
+
+
+def test_operators_pass_torch_library_checks():
+    x = torch.randn(16, 3, 2, requires_grad=True)
+    seed = torch.tensor([5])
+    stats = [t.clone() for t in qact_statistics(channel_values(torch.randn(40, 3, 2)))]
+    cases = [
+        (x, None, None, None, seed, 10, 100.0, 50, None, True, True),
+        (x, *stats, None, 10, 100.0, 0, 0.5, True, False),
+        (x.detach(), None, None, None, seed, 10, 100.0, 0, None, False, False),
+    ]
+    for args in cases:
+        # the operator draws from a generator seeded with `seed`: the same result on every call
+        torch.library.opcheck(
+            Q._qact_forward_op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor")
+        )
+    running = [t.clone() for t in stats]
+    torch.library.opcheck(
+        Q._qact_update_op, (*running, *stats, 0.1, None), test_utils=("test_schema", "test_faketensor")
+    )
+
+
+def test_compiled_lenet_with_qact_trains_as_the_eager_model():
+    from shiftguard.models import LeNet5
+
+    torch.manual_seed(0)
+    eager, twin = _twins(lambda: LeNet5(activation="qact"))
+    compiled = _compiled(twin)
+    x = torch.randn(8, 1, 28, 28)
+    _assert_same(_step(eager.train(), x, 3), _step(compiled.train(), x, 3))
+    _assert_same(list(eager.state_dict().values()), list(twin.state_dict().values()))
+    with torch.no_grad():
+        torch.manual_seed(4)
+        want = eager.eval()(x)
+        torch.manual_seed(4)
+        assert torch.equal(want, compiled.eval()(x))
+
+
+def test_lazy_layer_compiles_once_its_statistics_exist():
+    layer = QuantileActivation()
+    x = torch.randn(16, 3)
+    layer(x)  # sizes the statistics (eagerly)
+    twin = QuantileActivation(num_features=3)
+    twin.load_state_dict(layer.state_dict())
+    _assert_same(_step(layer.train(), x, 1), _step(_compiled(twin).train(), x, 1))
