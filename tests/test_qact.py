@@ -1248,3 +1248,21 @@ def test_functional_names_the_argument_it_refuses(kwargs, name):
         kwargs["statistics"] = qact_statistics(torch.randn(kwargs.pop("statistics_channels"), 50))
     with pytest.raises(ValueError, match=rf"^{name}:"):
         quantile_activation(x, *running, **kwargs)
+
+
+def test_functional_momentum_none_is_the_cumulative_average_of_the_given_count():
+    """``momentum=None`` with ``num_batches_tracked=n`` moves the running statistics as
+    ``momentum=1 / (n + 1)`` does, and without the count it is refused, naming it."""
+    from shiftguard.functional import quantile_activation
+
+    x = torch.randn(64, 3, generator=torch.Generator().manual_seed(0))
+    stats = lambda: (torch.zeros(3, 100), torch.zeros(3, 1000), torch.ones(3))
+    a, b = stats(), stats()
+    quantile_activation(
+        x, *a, training=True, momentum=None, num_batches_tracked=torch.tensor(3), seed=torch.tensor([7])
+    )
+    quantile_activation(x, *b, training=True, momentum=0.25, seed=torch.tensor([7]))
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    with pytest.raises(ValueError, match="^num_batches_tracked:"):
+        quantile_activation(x, *stats(), training=True, momentum=None)

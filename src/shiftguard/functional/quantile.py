@@ -930,7 +930,7 @@ def quantile_activation(
     running_samples: Optional[torch.Tensor] = None,
     running_bandwidth: Optional[torch.Tensor] = None,
     training: bool = False,
-    momentum: float = 0.1,
+    momentum: Optional[float] = 0.1,
     *,
     context: str = "batch",
     statistics: Optional[QACTStatistics] = None,
@@ -940,6 +940,7 @@ def quantile_activation(
     generator: Optional[torch.Generator] = None,
     bandwidth: Optional[float] = None,
     seed: Optional[torch.Tensor] = None,
+    num_batches_tracked: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """QACT [QACT, Alg. 1-2] with the contract of :func:`torch.nn.functional.batch_norm`.
 
@@ -959,7 +960,11 @@ def quantile_activation(
             in batch context their shapes must match ``n_tau`` and ``n_samples``.
         training: move the running statistics (batch context only).
         momentum: weight of the batch in the update, in ``[0, 1]``; ``1 / (n + 1)`` after ``n``
-            updates gives the cumulative average.
+            updates gives the cumulative average. None: the cumulative average, ``n`` read from
+            ``num_batches_tracked`` (a tensor, so the weight is computed inside the update, also
+            in a ``torch.compile`` graph, as ``nn.BatchNorm``'s ``momentum=None``).
+        num_batches_tracked: the update count (an integer tensor, the caller's, not incremented
+            here); used, and required, when ``momentum`` is None in a training update.
         context: ``"batch"`` or ``"frozen"``.
         statistics: :class:`QACTStatistics` with ``C`` rows to use instead of ``input``'s own (batch
             context only).
@@ -992,13 +997,16 @@ def quantile_activation(
             neither None nor a positive finite number.
         TypeError: a tensor argument that is not a (floating) tensor.
     """
+    cumulative = momentum is None and training and context == "batch"
+    if cumulative and num_batches_tracked is None:
+        raise ValueError("num_batches_tracked: momentum=None (the cumulative average) needs the update count")
     return _quantile_activation(
         input,
         running_quantiles,
         running_samples,
         running_bandwidth,
         training,
-        momentum,
+        1.0 if momentum is None else momentum,
         context=context,
         statistics=statistics,
         n_tau=n_tau,
@@ -1007,6 +1015,7 @@ def quantile_activation(
         generator=generator,
         bandwidth=bandwidth,
         seed=seed,
+        count=num_batches_tracked if cumulative else None,
     )
 
 

@@ -43,11 +43,11 @@ from torch import nn
 from shiftguard._validation import check_positive, check_tensor
 from shiftguard.functional.quantile import (
     QACTStatistics,
-    _quantile_activation,
     channel_values,
     check_bandwidth,
     default_statistics,
     qact_statistics,
+    quantile_activation,
 )
 from shiftguard.registry import Registry, normalize
 
@@ -282,23 +282,20 @@ class QuantileActivation(nn.Module):
         # inside the operator (shiftguard.functional.quantile._qact_forward_op): a tensor, so that the
         # forward traces under torch.compile, and the same draws eager or compiled. A cumulative
         # average (momentum=None) reads the update count inside the update operator.
-        cumulative = update and self.momentum is None
-        out = _quantile_activation(
+        out = quantile_activation(
             input,
             self.running_quantiles,
             self.running_samples,
             self.running_bandwidth,
-            update,
-            1.0 if cumulative or not update else float(self.momentum),  # type: ignore[arg-type]
+            training=update,
+            momentum=self.momentum if update else 1.0,
             context=self._context,
-            statistics=None,
             n_tau=self.n_tau,
             c=self.c,
             n_samples=self.n_samples,
-            generator=None,
             bandwidth=self.bandwidth,
             seed=torch.randint(0, 2**62, (1,)) if batch else None,
-            count=self.num_batches_tracked if cumulative else None,
+            num_batches_tracked=self.num_batches_tracked,
         )
         if update:  # counted once the update is done: an input refused leaves every buffer as it was
             self.num_batches_tracked.add_(1)
