@@ -758,6 +758,33 @@ def write_gallery(
     return P.save_png(fig, path)
 
 
+def _run_results(results: dict, cfg: C.RunConfig, data: dict, source: str, training: dict, timings: dict) -> dict:
+    """An evaluation's results as a run's: the training provenance, the run's data, config,
+    versions and command, its timings (the evaluation's own kept as ``evaluate_detail`` and
+    ``evaluate_compile_s``) and the summary rows."""
+    from shiftguard.evaluation.report import summary_rows
+
+    results["kind"] = "run"
+    # the models' training images (the heads' support may be a capped subset of them: n_support)
+    results["data"].update(
+        {"dataset": data["name"], "corruption_source": source, "n_train": int(data["train"][1].numel())}
+    )
+    timings["evaluate_detail"] = results["timings"]["evaluate_detail"]
+    timings["evaluate_compile_s"] = results["timings"].get("compile_s", 0.0)
+    results.update(
+        {
+            "config": _jsonable(cfg.to_dict()),
+            "config_source": cfg.source,
+            "versions": versions(),
+            "command": " ".join(["shiftguard", *sys.argv[1:]]) if sys.argv and "shiftguard" in sys.argv[0] else None,
+            "training": training,
+            "timings": timings,  # total_s is set by the caller once the report is written
+        }
+    )
+    results["summary"] = summary_rows(results)
+    return results
+
+
 def execute(
     cfg: C.RunConfig,
     run_dir: Path,
@@ -779,7 +806,7 @@ def execute(
     process) on rank 0's weights; rank 0 alone writes the results and the report, the others
     return ``{}`` after waiting for it at a barrier (docs/distributed.md)."""
     from shiftguard.evaluation import evaluate
-    from shiftguard.evaluation.report import build_report, format_summary, summary_rows
+    from shiftguard.evaluation.report import build_report, format_summary
     from shiftguard.train import to_model_input
     from shiftguard.train.distributed import barrier, broadcast_module, is_distributed, is_main_process
 
@@ -838,27 +865,9 @@ def execute(
     if not is_main_process():
         barrier()  # rank 0 writes the report
         return {}
-    results = evaluated.results
-    results["kind"] = "run"
-    # the models' training images (the heads' support may be a capped subset of them: n_support)
-    results["data"].update(
-        {"dataset": data["name"], "corruption_source": source, "n_train": int(data["train"][1].numel())}
-    )
     timings["evaluate_s"] = time.perf_counter() - t0
-    timings["evaluate_detail"] = results["timings"]["evaluate_detail"]
-    timings["evaluate_compile_s"] = results["timings"].get("compile_s", 0.0)
+    results = _run_results(evaluated.results, cfg, data, source, training, timings)
     timings["total_s"] = time.perf_counter() - t_start
-    results.update(
-        {
-            "config": _jsonable(cfg.to_dict()),
-            "config_source": cfg.source,
-            "versions": versions(),
-            "command": " ".join(["shiftguard", *sys.argv[1:]]) if sys.argv and "shiftguard" in sys.argv[0] else None,
-            "training": training,
-            "timings": timings,
-        }
-    )
-    results["summary"] = summary_rows(results)
     write_gallery(run_dir / "plots" / "corruption_gallery.png", data["test"][0], corruptions, cfg, source, shifted)
     build_report(run_dir, results, progress=progress)
     # results.json says "complete" only once every artefact exists; COMPLETE is the very last write.
