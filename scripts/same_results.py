@@ -2,7 +2,7 @@
 """Check that a change of code changes no number: one fixed evaluation at a git revision and in the
 working tree, and their results compared.
 
-    python scripts/same_results.py REV [--keep DIR]
+    python scripts/same_results.py REV [--run] [--keep DIR]
 
 The evaluation exercises every part of the evaluation floor at a small scale: a QACT LeNet and its
 BatchNorm twin, five heads, two corruptions at two severities, the ``none``, ``bn`` and ``tent``
@@ -59,6 +59,21 @@ def _evaluate(src: Path, out: Path, cache: Path, script: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def _quick_run(src: Path, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    cmd = [sys.executable, "-m", "shiftguard", "run", "--quick", "--no-progress", "--out", str(out)]
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    (results,) = out.glob("*/results.json")
+    run = json.loads(results.read_text())
+    for key in ("created", "timings", "command", "versions", "name"):
+        run.pop(key, None)
+    for summary in run.get("training", {}).values():
+        summary.pop("seconds", None)
+        for epoch in summary.get("history", []):
+            epoch.pop("seconds", None)
+    return run
+
+
 def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     if a == b:
         return []
@@ -79,6 +94,7 @@ def _cache_differences(a: Path, b: Path) -> list[str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("rev", help="the git revision to compare the working tree with (e.g. HEAD~3, a tag)")
+    p.add_argument("--run", action="store_true", help="also compare `shiftguard run --quick`")
     p.add_argument("--keep", type=Path, help="keep both results and caches in this folder")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="same-results-") as tmp:
@@ -90,16 +106,21 @@ def main(argv=None) -> int:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), args.rev], check=True)
         try:
             old = _evaluate(tree / "src", work / "old.json", work / "cache-old", script)
+            old_run = _quick_run(tree / "src", work / "run-old") if args.run else {}
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
         new = _evaluate(ROOT / "src", work / "new.json", work / "cache-new", script)
-        differ = _differences(old, new) + [
-            f"cache: {f}" for f in _cache_differences(work / "cache-old", work / "cache-new")
-        ]
+        new_run = _quick_run(ROOT / "src", work / "run-new") if args.run else {}
+        differ = (
+            _differences(old, new)
+            + _differences(old_run, new_run, "run")
+            + [f"cache: {f}" for f in _cache_differences(work / "cache-old", work / "cache-new")]
+        )
     if differ:
         print(f"results differ from {args.rev}: " + ", ".join(differ[:20]) + (" ..." if len(differ) > 20 else ""))
         return 1
-    print(f"identical to {args.rev}: {len(new['rows'])} rows, the aggregates, intervals and output cache")
+    also = f"; shiftguard run --quick: {len(new_run['rows'])} rows and the training" if args.run else ""
+    print(f"identical to {args.rev}: {len(new['rows'])} rows, the aggregates, intervals and output cache{also}")
     return 0
 
 

@@ -570,3 +570,27 @@ def test_running_update_follows_torch_lerp(m, dtype):
     torch.testing.assert_close(buf, want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()))
     if m == 1.0:
         assert torch.equal(buf, new.to(dtype))
+
+
+def test_frozen_context_gradient_is_the_fused_product_rounded_once():
+    """With given statistics the forward hands the backward a float64 density, so a float32
+    gradient is ``grad * density`` computed in float64 and rounded once: the bits of the kernels'
+    fused product (``kde_density_times``), not a product of two roundings."""
+    import numpy as np
+
+    from shiftguard.functional._qact_cpu import kde_density_times
+    from shiftguard.nn import QuantileActivation
+
+    gen = torch.Generator().manual_seed(0)
+    act = QuantileActivation(3)
+    act.train()
+    act(torch.randn(256, 3, 4, 4, generator=gen))
+    act.context = "frozen"
+    x = torch.randn(64, 3, 4, 4, generator=gen).requires_grad_()
+    g = torch.randn(64, 3, 4, 4, generator=gen)
+    act(x).backward(g)
+    x3, g3 = x.detach().reshape(64, 3, 16).numpy(), g.reshape(64, 3, 16).numpy()
+    lo, hi = x3.min(axis=(0, 2)).astype(np.float64), x3.max(axis=(0, 2)).astype(np.float64)
+    samples = act.running_samples.to(torch.float32).numpy()
+    expected = kde_density_times(x3, g3, samples, act.running_bandwidth.to(torch.float32).double().numpy(), lo, hi)
+    assert torch.equal(x.grad, torch.from_numpy(expected).reshape(x.shape))

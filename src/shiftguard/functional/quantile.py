@@ -496,8 +496,9 @@ def _forward(
 def _density(x: torch.Tensor, stats: QACTStatistics, value_range: Optional[tuple]) -> torch.Tensor:
     """The grid KDE of ``stats``' samples at every value of ``x`` (Alg. 2, eq. (7)), contiguous and
     shaped like ``x``: by the compiled kernels over the value range their forward pass recorded
-    (``value_range``), else by :func:`gaussian_kde_grid` (in float32 for a half-precision ``x``:
-    the KDE's FFT has no half-precision kernel, and a density above 65504, a bandwidth below
+    (``value_range``; in float64, so that the backward rounds its product once,
+    :func:`_density_dtype`), else by :func:`gaussian_kde_grid` (in float32 for a half-precision
+    ``x``: the KDE's FFT has no half-precision kernel, and a density above 65504, a bandwidth below
     ~6e-6, overflows float16; the backward multiplies in float32 and rounds once)."""
     samples, bandwidth = stats.samples.to(x.dtype), stats.bandwidth.to(x.dtype)
     if value_range is not None:
@@ -696,22 +697,29 @@ def _qact_forward_op(
         stats = QACTStatistics(quantiles, samples, bandwidth_t)
     generator = _seeded(seed, x.device) if stats is None and n_samples and seed is not None else None
     fwd = _forward(x, stats, None, n_tau, c, n_samples, generator, need_density, bandwidth)
-    density = fwd.density if need_density and fwd.density is not None else x.new_empty(0, dtype=_density_dtype(x.dtype))
+    dtype = _density_dtype(x, stats is not None)
+    density = fwd.density if need_density and fwd.density is not None else x.new_empty(0, dtype=dtype)
     if want_stats and stats is None:
         q, s, b = (t.to(x.dtype).contiguous() for t in fwd.stats)
         return fwd.output, density, q, s, b
     return fwd.output, density, x.new_empty(0), x.new_empty(0), x.new_empty(0)
 
 
-def _density_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+def _density_dtype(x: torch.Tensor, given: bool) -> torch.dtype:
+    """The dtype of the density the forward hands the backward: float64 from the compiled CPU
+    kernels with given statistics (:func:`_density`), float32 for a half-precision ``x``, else
+    ``x``'s."""
+    if given and _compiled(x):
+        return torch.float64
+    return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
 
 
 @_qact_forward_op.register_fake
 def _(x, quantiles, samples, bandwidth_t, seed, n_tau, c, n_samples, bandwidth, need_density, want_stats):
     has_samples = n_samples > 0 if samples is None else samples.shape[1] > 0
     out = x.new_empty(x.shape)
-    density = x.new_empty(x.shape if need_density and has_samples else (0,), dtype=_density_dtype(x.dtype))
+    dtype = _density_dtype(x, quantiles is not None)
+    density = x.new_empty(x.shape if need_density and has_samples else (0,), dtype=dtype)
     if want_stats and quantiles is None:
         ch = x.shape[1]
         return out, density, x.new_empty(ch, n_tau), x.new_empty(ch, n_samples), x.new_empty(ch)

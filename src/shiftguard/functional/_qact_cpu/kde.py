@@ -349,7 +349,7 @@ def _grid_density_times(c0, c1, x3, g3, grid, lo, inv_delta, n_grid, out3):
 
 @njit(nogil=True, cache=True)
 def _grid_density(c0, c1, x3, grid, lo, inv_delta, n_grid, out3):
-    # _grid_density_times without the gradient: the density itself, rounded to out3's dtype
+    # _grid_density_times without the gradient: the density itself, in out3's dtype
     n_dim, c_dim, l_dim = x3.shape
     for c in range(c0, c1):
         row = grid[c]
@@ -416,10 +416,11 @@ def kde_density_times(
 def kde_density(
     x3: np.ndarray, samples: np.ndarray, bandwidth: np.ndarray, xmin: np.ndarray, xmax: np.ndarray
 ) -> np.ndarray:
-    """``f_grid(x3)`` (Alg. 2, eq. (7)) in the dtype of ``x3``: :func:`kde_density_times` without the
-    gradient, for a forward that hands the backward its density (the density of the fused
-    :func:`batch_channels`, rounded the same way)."""
+    """``f_grid(x3)`` (Alg. 2, eq. (7)) in float64: :func:`kde_density_times` without the gradient,
+    for a forward that hands the backward its density. Kept in float64 so that the backward's
+    ``grad * density``, computed in float64 and rounded once to the gradient's dtype, has the bits of
+    :func:`kde_density_times`' product."""
     grid, lo, delta, n_grid = kde_grid(samples, bandwidth, xmin, xmax)
-    out = np.empty_like(x3)
+    out = np.empty(x3.shape, dtype=np.float64)
     parallel_ranges(_grid_density, x3.shape[1], x3.size * 8, x3, grid, lo, 1.0 / delta, n_grid, out)
     return out
