@@ -329,6 +329,20 @@ def test_every_estimator_outputs_log_probabilities_and_backpropagates(name):
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_every_estimators_predict_proba_is_the_eval_mode_softmax_of_its_output(name):
+    x, _ = _images()
+    model = FACTORIES[name](_mlp())
+    model.train()
+    p = model.predict_proba(x)
+    assert model.training and all(m.training for m in model.modules())  # mode restored
+    assert not p.requires_grad and p.shape == (len(x), 3)
+    with torch.no_grad():
+        assert torch.equal(p, torch.softmax(model.eval()(x), dim=1))
+    with pytest.raises(ValueError, match="^x:"):
+        model.predict_proba(x[:0])
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_every_estimator_works_with_shiftguard_evaluate(name):
     x, y = _images(30)
     pixels = (x * 255).to(torch.uint8)

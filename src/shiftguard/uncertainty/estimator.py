@@ -5,6 +5,8 @@ An estimator is an ``nn.Module`` wrapping a backbone and usable wherever a class
 
 - ``forward(x) -> (N, C)`` LOG predictive probabilities, so ``softmax(forward(x))`` is the
   predictive distribution (``log p`` is a valid logit vector for every logit-based head);
+  ``predict_proba(x) -> (N, C)`` returns that distribution, computed in eval mode without gradients
+  (the verb of the heads and the contrastive classifiers);
   ``forward(x) == classifier(embed(x))``, the ``embed()`` / ``classifier`` contract of
   ``shiftguard.models`` that ``shiftguard.evaluate`` uses. In ``train()`` mode a method may return
   its training-time output (one dropout sample, the GP logits without the mean-field correction).
@@ -243,6 +245,17 @@ class UncertaintyEstimator(nn.Module):
         xt = self._check_input(x)
         yt = check_labels(y, "y", num_classes=self.num_classes, n=xt.shape[0])
         return xt, yt.to(xt.device)
+
+    def predict_proba(self, x) -> torch.Tensor:
+        """The predictive distribution ``softmax(forward(x))``, ``(N, C)`` rows on the simplex.
+
+        Computed in eval mode (every submodule's mode is restored afterwards) without gradients, as
+        :meth:`uncertainty`. Raises ``TypeError`` / ``ValueError`` naming ``x`` for a non-floating,
+        empty or 1-d input.
+        """
+        xt = self._check_input(x)
+        with torch.no_grad(), eval_mode(self):
+            return torch.softmax(self(xt), dim=1)
 
     def uncertainty(self, x) -> dict[str, torch.Tensor]:
         """Every uncertainty of the method for ``x``: ``{name: (N,)}``, higher = more uncertain.
