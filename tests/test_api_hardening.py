@@ -553,7 +553,7 @@ def _losses():
     out = {}
     for name in LOSS_NAMES:
         torch.manual_seed(0)
-        out[f"losses.{name}"] = build_loss(name, embedding_dim=D_LOSS, num_classes=C_LOSS)
+        out[f"losses.{name}"] = build_loss(name, num_classes=C_LOSS, embedding_dim=D_LOSS)
     return out
 
 

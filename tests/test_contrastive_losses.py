@@ -149,7 +149,7 @@ def test_tightness_adds_its_base_loss():
     with torch.no_grad():
         alone.prototypes.fill_(0.5)
     assert math.isclose(combined(emb, y).item(), base(emb, y).item() + alone(emb, y).item(), rel_tol=1e-12)
-    assert isinstance(build_loss("tightness", embedding_dim=3, num_classes=3, base="spce").base, SPCELoss)
+    assert isinstance(build_loss("tightness", num_classes=3, embedding_dim=3, base="spce").base, SPCELoss)
 
 
 def test_momentum_mean_classifier_follows_the_literal_recursion_of_eq_6_11():
@@ -361,14 +361,14 @@ def test_infonce_gradcheck_and_zero_without_pairs():
     "name,cls", [("spce", SPCELoss), ("tightness", TightnessLoss), ("esupcon", ESupConLoss), ("InfoNCE", InfoNCELoss)]
 )
 def test_registry_builds_the_contrastive_losses(name, cls):
-    assert isinstance(build_loss(name, embedding_dim=8, num_classes=3), cls)
+    assert isinstance(build_loss(name, num_classes=3, embedding_dim=8), cls)
 
 
 @pytest.mark.parametrize("name", ["spce", "tightness", "esupcon"])
 def test_class_losses_need_dims_and_reject_labels_and_widths_they_cannot_hold(name):
-    with pytest.raises(ValueError, match="embedding_dim and num_classes"):
+    with pytest.raises(ValueError, match="num_classes and embedding_dim"):
         build_loss(name)
-    loss = build_loss(name, embedding_dim=4, num_classes=3)
+    loss = build_loss(name, num_classes=3, embedding_dim=4)
     with pytest.raises(ValueError, match="labels"):
         loss(torch.randn(4, 4), torch.tensor([0, 1, 2, 3]))
     with pytest.raises(ValueError, match="embeddings"):

@@ -35,6 +35,7 @@ from typing import ClassVar, Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
+from shiftguard._deprecation import positional_dims
 from shiftguard._validation import check_labels, check_positive, check_tensor
 from shiftguard.models import EmbeddingClassifier
 
@@ -120,8 +121,14 @@ class Backbone(NamedTuple):
     classifier: Optional[nn.Linear]
 
 
-def resolve_backbone(backbone, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None) -> Backbone:
+def resolve_backbone(
+    backbone, *args: Optional[int], num_classes: Optional[int] = None, embedding_dim: Optional[int] = None
+) -> Backbone:
     """Read embedding size, class count and (if any) linear classifier off ``backbone``.
+
+    ``resolve_backbone(backbone, *, num_classes=None, embedding_dim=None)``: the sizes are
+    keyword-only, as in the estimators; the former positional ``(embedding_dim, num_classes)`` still
+    works for one release, with a ``DeprecationWarning``.
 
     ``backbone`` is either a ``shiftguard.models.EmbeddingClassifier`` (``embed()``,
     ``embedding_dim``, ``classifier``; the class count is ``classifier.out_features``) or any
@@ -131,6 +138,9 @@ def resolve_backbone(backbone, embedding_dim: Optional[int] = None, num_classes:
     Raises ``TypeError`` (``backbone`` not a module, non-int sizes) or ``ValueError`` (missing or
     inconsistent sizes), naming the argument.
     """
+    num_classes, embedding_dim = positional_dims(
+        "resolve_backbone(backbone, num_classes=..., embedding_dim=...)", args, num_classes, embedding_dim
+    )
     if not isinstance(backbone, nn.Module):
         raise TypeError(f"backbone: expected a torch.nn.Module, got {type(backbone).__name__}")
     classifier: Optional[nn.Linear] = None

@@ -212,7 +212,7 @@ class LossPredictionL2(UncertaintyEstimator):
         seed: int = 0,
     ):
         super().__init__()
-        spec = resolve_backbone(backbone, embedding_dim, num_classes)
+        spec = resolve_backbone(backbone, num_classes=num_classes, embedding_dim=embedding_dim)
         check_positive(loss_weight, "loss_weight", strict=False)
         widths = tuple(hidden)
         for h in widths:
