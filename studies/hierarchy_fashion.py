@@ -60,7 +60,7 @@ def data_dir() -> Path:
 
 def make_loss(name: str, dim: int, hierarchy):
     if name == "softmax":
-        return CrossEntropyLoss(dim, 10)
+        return CrossEntropyLoss(num_classes=10, embedding_dim=dim)
     if name == "NormFace":
         return NormFaceLoss(10, dim, scale=10.0)
     if name == "NormFace-AdaCos":

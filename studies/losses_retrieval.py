@@ -113,7 +113,7 @@ def train_one(loss_name, kw, xtr, ytr, args):
         with torch.no_grad():
             model.body[-1].weight.mul_(args.prob_init_scale)
             model.body[-1].bias.mul_(args.prob_init_scale)
-    loss_fn = build_loss(loss_name, embedding_dim=args.dim, num_classes=10, **kw)
+    loss_fn = build_loss(loss_name, num_classes=10, embedding_dim=args.dim, **kw)
     opt = torch.optim.Adam(
         [
             {"params": list(model.parameters())},

@@ -233,7 +233,7 @@ def test_embedding_models_are_attacked_through_their_training_loss():
     """[NED, Sec. 5]: a DML model is attacked through its loss on the embedding (ProxyDR here)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))  # returns embeddings
-    loss = build_loss("proxydr", embedding_dim=4, num_classes=3)
+    loss = build_loss("proxydr", num_classes=3, embedding_dim=4)
     x, y = torch.rand(12, 6), torch.arange(12) % 3
     adv = pgd(model, x, y, 0.1, steps=5, loss_fn=loss, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

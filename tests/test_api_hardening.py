@@ -94,7 +94,7 @@ def test_an_argument_counts_as_named_only_where_the_validation_convention_puts_i
     from shiftguard import metrics as M
 
     with pytest.raises(ValueError) as info:
-        H.NED(k=0)  # "k: expected a positive value, got 0"
+        H.NED(k=0).fit(torch.randn(4, 2), torch.arange(4) % 2)  # "k: expected a positive value, got 0"
     assert names_an_argument(info.value, ("k",)) and not names_an_argument(info.value, ("x",))
     with pytest.raises(ValueError) as info:
         M.accuracy(torch.full((3, 2), 0.5), torch.zeros(2, dtype=torch.long))  # "mismatched lengths: probs=3, ..."
@@ -553,7 +553,7 @@ def _losses():
     out = {}
     for name in LOSS_NAMES:
         torch.manual_seed(0)
-        out[f"losses.{name}"] = build_loss(name, embedding_dim=D_LOSS, num_classes=C_LOSS)
+        out[f"losses.{name}"] = build_loss(name, num_classes=C_LOSS, embedding_dim=D_LOSS)
     return out
 
 

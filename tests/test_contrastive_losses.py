@@ -70,7 +70,7 @@ def test_spce_posterior_equals_eq_6_8_over_the_reference_set():
     ref, ref_y = _batch(seed=1)
     query = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), dtype=D64)
     loss = SPCELoss(num_classes=4, embedding_dim=3, temperature=0.5).double().fit(ref, ref_y)
-    post = loss.posterior(query)
+    post = loss.predict_proba(query)
     m = ref.shape[0]
     for i in range(4):
         logits = [sum(_dot(ref[j], query[i]) for j in range(m) if int(ref_y[j]) == k) / m / 0.5 for k in range(4)]
@@ -81,14 +81,14 @@ def test_spce_posterior_equals_eq_6_8_over_the_reference_set():
 def test_spce_posterior_needs_fit_and_fit_validates_its_arguments():
     loss = SPCELoss(3, 2)
     with pytest.raises(RuntimeError, match="fit"):
-        loss.posterior(torch.randn(2, 2))
+        loss.predict_proba(torch.randn(2, 2))
     with pytest.raises(ValueError, match="reference_labels"):
         loss.fit(torch.randn(3, 2), torch.tensor([0, 1, 3]))
     with pytest.raises(ValueError, match="reference"):
         loss.fit(torch.randn(3, 5), torch.tensor([0, 1, 2]))
     loss.fit(torch.randn(3, 2), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="embeddings"):
-        loss.posterior(torch.randn(2, 5))
+        loss.predict_proba(torch.randn(2, 5))
 
 
 def test_spce_gradcheck():
@@ -149,7 +149,7 @@ def test_tightness_adds_its_base_loss():
     with torch.no_grad():
         alone.prototypes.fill_(0.5)
     assert math.isclose(combined(emb, y).item(), base(emb, y).item() + alone(emb, y).item(), rel_tol=1e-12)
-    assert isinstance(build_loss("tightness", embedding_dim=3, num_classes=3, base="spce").base, SPCELoss)
+    assert isinstance(build_loss("tightness", num_classes=3, embedding_dim=3, base="spce").base, SPCELoss)
 
 
 def test_momentum_mean_classifier_follows_the_literal_recursion_of_eq_6_11():
@@ -185,7 +185,7 @@ def test_sgd_on_the_tightness_loss_equals_the_momentum_mean_classifier():
         clf.update(z, y)
     assert torch.allclose(loss.prototypes.detach(), clf.prototypes, atol=1e-14)
     x = torch.randn(5, 4, generator=g, dtype=D64)
-    assert torch.allclose(loss.posterior(x), clf.posterior(x), atol=1e-14)
+    assert torch.allclose(loss.predict_proba(x), clf.predict_proba(x), atol=1e-14)
 
 
 def test_momentum_mean_classifier_validates_its_batch_by_name():
@@ -203,7 +203,7 @@ def test_prototype_classifiers_pick_the_nearest_normalised_prototype():
     clf = MomentumMeanClassifier(2, 2, temperature=0.5)
     clf.update(torch.tensor([[3.0, 0.0], [0.0, 0.1], [0.0, 0.1]]), torch.tensor([0, 1, 1]))
     x = torch.tensor([[1.0, 0.9], [0.9, 1.0]])
-    assert clf.posterior(x).argmax(1).tolist() == [0, 1]  # class 1's prototype is longer-lived, not larger
+    assert clf.predict_proba(x).argmax(1).tolist() == [0, 1]  # class 1's prototype is longer-lived, not larger
     assert torch.allclose(clf.logits(x), F.normalize(x, dim=1) @ torch.eye(2) / 0.5)
 
 
@@ -286,7 +286,7 @@ def test_esupcon_posterior_is_the_softmax_over_prototype_cosines():
     emb, _ = _batch()
     loss = ESupConLoss(3, 3, temperature=0.25).double()
     with torch.no_grad():
-        post = loss.posterior(emb)
+        post = loss.predict_proba(emb)
     th = [_unit(r) for r in loss.prototypes.detach()]
     for i in range(7):
         logits = [_dot(_unit(emb[i]), th[k]) / 0.25 for k in range(3)]
@@ -361,14 +361,14 @@ def test_infonce_gradcheck_and_zero_without_pairs():
     "name,cls", [("spce", SPCELoss), ("tightness", TightnessLoss), ("esupcon", ESupConLoss), ("InfoNCE", InfoNCELoss)]
 )
 def test_registry_builds_the_contrastive_losses(name, cls):
-    assert isinstance(build_loss(name, embedding_dim=8, num_classes=3), cls)
+    assert isinstance(build_loss(name, num_classes=3, embedding_dim=8), cls)
 
 
 @pytest.mark.parametrize("name", ["spce", "tightness", "esupcon"])
 def test_class_losses_need_dims_and_reject_labels_and_widths_they_cannot_hold(name):
-    with pytest.raises(ValueError, match="embedding_dim and num_classes"):
+    with pytest.raises(ValueError, match="num_classes and embedding_dim"):
         build_loss(name)
-    loss = build_loss(name, embedding_dim=4, num_classes=3)
+    loss = build_loss(name, num_classes=3, embedding_dim=4)
     with pytest.raises(ValueError, match="labels"):
         loss(torch.randn(4, 4), torch.tensor([0, 1, 2, 3]))
     with pytest.raises(ValueError, match="embeddings"):
@@ -426,6 +426,25 @@ def test_training_on_a_separable_toy_gives_posteriors_well_above_chance(name):
     with torch.no_grad():
         if name == "spce":
             loss.fit(model(x), y)
-        post = loss.posterior(model(x_test))
+        post = loss.predict_proba(model(x_test))
     assert torch.allclose(post.sum(1), torch.ones(300))
     assert float((post.argmax(1) == y_test).float().mean()) > 0.9  # chance is 1/3
+
+
+@pytest.mark.parametrize("name", ["spce", "tightness", "esupcon", "momentum"])
+def test_posterior_is_a_deprecated_alias_of_predict_proba(name):
+    ref, ref_y = _batch(seed=1)
+    clf = {
+        "spce": lambda: SPCELoss(3, 3).double().fit(ref, ref_y),
+        "tightness": lambda: TightnessLoss(3, 3).double(),
+        "esupcon": lambda: ESupConLoss(3, 3).double(),
+        "momentum": lambda: MomentumMeanClassifier(3, 3).double().update(ref, ref_y),
+    }[name]()
+    query = torch.randn(4, 3, generator=torch.Generator().manual_seed(2), dtype=D64)
+    with pytest.warns(
+        DeprecationWarning,
+        match=rf"^{type(clf).__name__}\.posterior is deprecated .*; use {type(clf).__name__}\.predict_proba$",
+    ) as record:
+        old = clf.posterior(query)
+    assert record[0].filename == __file__  # the warning points at the caller
+    assert torch.equal(old, clf.predict_proba(query))

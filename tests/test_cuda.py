@@ -477,13 +477,13 @@ def test_prototype_classifiers_and_ema_proxies_on_cuda_equal_cpu():
     for side, dev in (("cpu", "cpu"), ("gpu", CUDA)):
         torch.manual_seed(0)
         out = {
-            "spce": SPCELoss(4, 16).to(dev).fit(ref.to(dev), ref_y.to(dev)).posterior(query.to(dev)),
-            "tightness": _tightness().to(dev).posterior(query.to(dev)),
-            "esupcon": ESupConLoss(4, 16).to(dev).posterior(query.to(dev)),
+            "spce": SPCELoss(4, 16).to(dev).fit(ref.to(dev), ref_y.to(dev)).predict_proba(query.to(dev)),
+            "tightness": _tightness().to(dev).predict_proba(query.to(dev)),
+            "esupcon": ESupConLoss(4, 16).to(dev).predict_proba(query.to(dev)),
             "momentum": MomentumMeanClassifier(4, 16)
             .to(dev)
             .update(ref.to(dev), ref_y.to(dev))
-            .posterior(query.to(dev)),
+            .predict_proba(query.to(dev)),
         }
         ema = EMAProxies(4, 16, alpha=0.1).to(dev)
         ema.update(ref.to(dev), ref_y.to(dev))

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shiftguard.heads import (
+    HEAD_NAMES,
     NED,
     DistanceRatioHead,
     KNNVote,
@@ -14,6 +15,7 @@ from shiftguard.heads import (
     OneNN,
     TemperatureScaling,
     WeightedKNN,
+    build_head,
 )
 from shiftguard.metrics import ece
 
@@ -311,9 +313,10 @@ def test_k_larger_than_the_support_is_a_clear_error():
         NED(k=8).fit(x, y)  # leave-one-out needs k <= 7
 
 
-def test_ned_rejects_unknown_fit_mode():
-    with pytest.raises(ValueError, match="fit_mode"):
-        NED(fit_mode="cv")
+def test_ned_rejects_unknown_fit_mode_when_fitted():
+    head = NED(fit_mode="cv")  # parameters are checked by fit, as scikit-learn's are
+    with pytest.raises(ValueError, match="^fit_mode: expected 'loo' or 'holdout', got 'cv'$"):
+        head.fit(*blobs())
 
 
 def test_heads_keep_the_device_and_num_classes_can_exceed_the_labels_only_with_proxies():
@@ -367,3 +370,81 @@ def test_temperature_scaling_rejects_bad_input():
     ts = TemperatureScaling().fit(logits, labels)
     with pytest.raises(ValueError, match="embeddings"):
         ts.predict_proba(torch.randn(2, 5, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------ scikit-learn's habits
+def _fit(head, x, y, vx, vy):
+    torch.manual_seed(0)
+    return head.fit(x, y, *((vx, vy) if head.uses_validation else ()))
+
+
+@pytest.mark.parametrize("name", HEAD_NAMES)
+def test_scikit_learns_own_clone_accepts_every_head_and_the_clone_answers_alike(name):
+    from sklearn.base import clone as sklearn_clone
+
+    head = build_head(name, 4, k=5)
+    if head.input == "logits":
+        g = torch.Generator().manual_seed(2)
+        x, y = (
+            torch.randn(120, 4, generator=g, dtype=torch.float64) + 3 * torch.eye(4)[torch.arange(120) % 4],
+            torch.arange(120) % 4,
+        )
+    else:
+        x, y = blobs(n=120)
+    fitted = _fit(head, x, y, x[:60], y[:60])
+    twin = sklearn_clone(fitted)  # it checks that __init__ stores every argument as given
+    assert type(twin) is type(head) and not hasattr(twin, "classes_")
+    assert torch.equal(_fit(twin, x, y, x[:60], y[:60]).predict_proba(x[:30]), fitted.predict_proba(x[:30]))
+
+
+def test_every_way_of_setting_a_parameter_gives_the_same_head():
+    """Parameters are now converted in fit, not in __init__: an int where a float is expected, the
+    constructor, set_params and clone all give bit-identical probabilities."""
+    from shiftguard.heads import clone
+
+    x, y = blobs()
+    q, _ = blobs(n=30, seed=5)
+    by_float = DistanceRatioHead(init_log_rho=1.0, max_iter=30).fit(x, y).predict_proba(q)
+    assert torch.equal(DistanceRatioHead(init_log_rho=1, max_iter=30).fit(x, y).predict_proba(q), by_float)
+    assert torch.equal(DistanceRatioHead().set_params(init_log_rho=1, max_iter=30).fit(x, y).predict_proba(q), by_float)
+    holdout = NED(k=5, fit_mode="holdout", holdout_fraction=0.25, seed=3).fit(x, y)
+    assert torch.equal(clone(holdout).fit(x, y).predict_proba(q), holdout.predict_proba(q))
+    assert clone(holdout).get_params() == holdout.get_params() and not hasattr(clone(holdout), "temperature_")
+    knn = KNNVote().set_params(k=3)
+    assert repr(knn) == "KNNVote(k=3, backend='torch', num_classes=None)"
+
+
+def test_set_params_and_clone_refuse_what_is_not_theirs():
+    from shiftguard.heads import clone
+
+    with pytest.raises(ValueError, match=r"^kk: not a parameter of KNNVote \(its parameters: \['k', 'backend'"):
+        KNNVote().set_params(kk=3)
+    with pytest.raises(TypeError, match="^head: expected a shiftguard.heads.Head, got LogisticRegression$"):
+        from sklearn.linear_model import LogisticRegression
+
+        clone(LogisticRegression())
+
+
+def test_clone_copies_settings_and_shares_caches_and_models():
+    from shiftguard.heads import QuantileClassifierHead, clone
+    from shiftguard.neighbors import SearchCache
+
+    cache = SearchCache()
+    knn = build_head("knn", 4, k=3, searches=cache)
+    assert clone(knn).searches is cache  # a clone keeps sharing the searches of its support
+    logistic = LogisticRegressionHead().fit(*blobs())
+    ts = TemperatureScaling(logit_fn=logistic.decision_function)
+    assert clone(ts).logit_fn == ts.logit_fn
+    proxies = torch.randn(4, 8, dtype=torch.float64)
+    dr = clone(DistanceRatioHead(proxies=proxies))
+    assert dr.proxies is not proxies and torch.equal(dr.proxies, proxies)
+    kwargs = {"n_samples": 20}
+    quantile = clone(QuantileClassifierHead(classifier_kwargs=kwargs))
+    assert quantile.classifier_kwargs == kwargs and quantile.classifier_kwargs is not kwargs
+
+
+def test_classes_are_the_labels_on_the_device_of_the_fitted_data():
+    x, y = blobs()
+    head = KNNVote(k=3).fit(x, y)
+    assert torch.equal(head.classes_, torch.arange(4)) and head.classes_.device == x.device
+    assert torch.equal(head.classes_[head.predict(x[:10])], head.predict(x[:10]))

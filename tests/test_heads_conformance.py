@@ -5,16 +5,23 @@ every name in ``HEAD_NAMES``, fitted the one way the evaluation grid fits every 
 ``fit(train, train_labels, *validation)`` with the inputs its ``input`` names and the validation set
 where it ``uses_validation``. Each check also runs on a head built to break that one rule, and must
 reject it: a check that cannot fail checks nothing.
+
+The last checks are scikit-learn's habits (``sklearn.utils.estimator_checks`` checks the same of its
+estimators): ``__init__`` stores its arguments unchanged and ``fit`` validates them, ``get_params``
+round-trips through the constructor, ``clone`` gives an unfitted head that fits alike, and a fitted
+head has ``classes_``, one label per column of ``predict_proba``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
 
+from shiftguard._validation import check_positive
 from shiftguard.heads import (
     EMBEDDING_HEADS,
     HEAD_INPUTS,
@@ -25,6 +32,7 @@ from shiftguard.heads import (
     LogitHead,
     NotFittedError,
     build_head,
+    clone,
     head_class,
     head_input,
 )
@@ -153,6 +161,110 @@ def check_unfitted_predict_proba_is_a_clear_error(make: Make) -> None:
         raise AssertionError(f"an unfitted {type(head).__name__} answered predict_proba")
 
 
+def _same_params(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x is not y and x != y:
+            return False
+    return True
+
+
+def _learned_state(head: Head) -> list[str]:
+    """The attributes ``fit`` sets: a trailing underscore, no leading one (scikit-learn's convention)."""
+    return sorted(n for n in vars(head) if n.endswith("_") and not n.startswith("_"))
+
+
+def check_get_params_round_trips_through_the_constructor(make: Make) -> None:
+    head = make()
+    name = type(head).__name__
+    try:
+        params = head.get_params()
+        again = type(head)(**params)
+        round_trip = again.get_params()
+    except (AttributeError, TypeError) as exc:
+        raise AssertionError(f"{name}: get_params does not name what __init__ takes and stores: {exc}") from exc
+    for key, value in params.items():
+        # scikit-learn's clone asks the same: the constructor stores each argument as it is given
+        assert round_trip[key] is value, f"{name}.__init__ stores {key}={value!r} as {round_trip[key]!r}"
+    assert _same_params(type(head)().set_params(**params).get_params(), params), f"{name}.set_params loses a value"
+
+
+def check_clone_is_an_unfitted_head_that_fits_alike(make: Make) -> None:
+    prob = problem(make().input)
+    head = fitted(make(), prob)
+    twin = clone(head)
+    name = type(head).__name__
+    assert type(twin) is type(head), f"clone of a {name} is a {type(twin).__name__}"
+    assert not _learned_state(twin), f"a clone of a fitted {name} has learned state {_learned_state(twin)}"
+    assert _same_params(twin.get_params(), head.get_params()), f"a clone of {name} has other parameters"
+    p = probabilities(head, prob)
+    assert torch.equal(probabilities(fitted(twin, prob), prob), p), f"a clone of {name} fitted alike answers otherwise"
+
+
+def check_classes_after_fit(make: Make) -> None:
+    head = make()
+    name = type(head).__name__
+    assert not hasattr(head, "classes_"), f"an unfitted {name} has classes_"
+    prob = problem(head.input)
+    p = probabilities(fitted(head, prob), prob)
+    classes = getattr(head, "classes_", None)
+    assert isinstance(classes, torch.Tensor), f"a fitted {name} has no classes_ tensor (got {classes!r})"
+    assert classes.shape == (p.shape[1],), (
+        f"classes_ has shape {tuple(classes.shape)}, predict_proba {p.shape[1]} columns"
+    )
+    assert torch.equal(classes.cpu(), torch.arange(p.shape[1])), f"classes_ = {classes.tolist()}, not the labels"
+    assert head.num_classes_ == classes.numel(), f"num_classes_ = {head.num_classes_}, {classes.numel()} classes_"
+
+
+#: A bad value for each head parameter of that name: the constructor must accept it, ``fit`` refuse
+#: it with one line that begins with the parameter's name.
+BAD_VALUES: dict[str, Any] = {
+    "num_classes": 0,
+    "k": 0,
+    "fit_mode": "cv",
+    "holdout_fraction": 1.5,
+    "max_fit_queries": 0,
+    "seed": "0",
+    "backend": "annoy",
+    "searches": {},
+    "kind": "uniform",
+    "C": -1.0,
+    "max_iter": 0,
+    "tol": -1.0,
+    "init_log_rho": math.nan,
+    "proxies": torch.zeros(C, D + 1),
+    "logit_fn": "softmax",
+    "classifier_kwargs": ["n_samples"],
+    "fit_kwargs": 30,
+    "temperature": -1.0,
+}
+
+
+def check_parameters_are_validated_by_fit_not_by_the_constructor(make: Make) -> None:
+    head = make()
+    name = type(head).__name__
+    prob = problem(head.input)
+    bad = {key: BAD_VALUES[key] for key in head.get_params() if key in BAD_VALUES}
+    assert "num_classes" in bad, f"{name} has no num_classes parameter"
+    for key, value in bad.items():
+        try:
+            broken = type(head)(**{**head.get_params(), key: value})
+        except (TypeError, ValueError) as exc:
+            raise AssertionError(f"{name}({key}={value!r}) raised in __init__, not in fit: {exc}") from exc
+        try:
+            fitted(broken, prob)
+        except (TypeError, ValueError) as exc:
+            assert str(exc).startswith(f"{key}:"), f"{name}({key}={value!r}).fit: the error does not name {key}: {exc}"
+            assert "\n" not in str(exc), f"{name}({key}={value!r}).fit: a message of several lines: {exc}"
+        else:
+            raise AssertionError(f"{name}({key}={value!r}).fit accepted the bad value")
+
+
 CHECKS = [
     check_declares_what_it_reads,
     check_probabilities_are_rows_on_the_simplex,
@@ -161,6 +273,10 @@ CHECKS = [
     check_fits_without_training_data_only_if_it_says_so,
     check_refitting_gives_the_same_probabilities,
     check_unfitted_predict_proba_is_a_clear_error,
+    check_get_params_round_trips_through_the_constructor,
+    check_clone_is_an_unfitted_head_that_fits_alike,
+    check_classes_after_fit,
+    check_parameters_are_validated_by_fit_not_by_the_constructor,
 ]
 
 
@@ -181,19 +297,28 @@ def test_the_lists_of_heads_follow_the_classes_declarations(name):
 
 # ------------------------------------------------------------------------------------------ each check can fail
 class Prototype(EmbeddingHead):
-    """A correct head: softmax of minus the squared distances to the class means."""
+    """A correct head: softmax of minus the squared distances to the class means over ``temperature``."""
+
+    def __init__(self, temperature: float = 1.0, num_classes: Optional[int] = None):
+        super().__init__(num_classes)
+        self.temperature = temperature
+
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        check_positive(self.temperature, "temperature")
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        self._validate_params()
         self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         self.means_ = torch.stack([emb[y == c].mean(0) for c in range(num_classes)])
-        self.num_classes_ = num_classes
+        self._set_classes(num_classes, emb.device)
         return self
 
     def predict_proba(self, embeddings) -> torch.Tensor:
         self._check_is_fitted()
         emb = self._check_query(embeddings, self.means_.shape[1])
-        return torch.softmax(-(torch.cdist(emb, self.means_) ** 2), dim=1)
+        return torch.softmax(-(torch.cdist(emb, self.means_) ** 2) / self.temperature, dim=1)
 
 
 class ReadsFeatures(Prototype):
@@ -258,6 +383,55 @@ class AnswersUnfitted(Prototype):
         return super().predict_proba(embeddings)
 
 
+class ChangesItsArgument(Prototype):
+    def __init__(self, temperature: float = 1.0, num_classes: Optional[int] = None):
+        super().__init__(2 * temperature, num_classes)  # stores something else than it was given
+
+
+class RenamesItsArgument(Prototype):
+    def __init__(self, tau: float = 1.0, num_classes: Optional[int] = None):
+        super().__init__(tau, num_classes)  # kept as .temperature: get_params cannot find "tau"
+
+
+class MisreportsItsParameters(Prototype):
+    def __init__(self, temperature: float = 0.3, num_classes: Optional[int] = None):
+        super().__init__(temperature, num_classes)
+
+    def get_params(self, deep=True):
+        return {**super().get_params(deep), "temperature": 1.0}  # a clone is built with another value
+
+
+class FittedAtBirth(Prototype):
+    def __init__(self, temperature: float = 1.0, num_classes: Optional[int] = None):
+        super().__init__(temperature, num_classes)
+        self.history_: list = []  # learned state made by the constructor survives a clone
+
+
+class WithoutClasses(Prototype):
+    def fit(self, *args, **kwargs):
+        super().fit(*args, **kwargs)
+        del self.classes_
+        return self
+
+
+class ClassesOneTooMany(Prototype):
+    def fit(self, *args, **kwargs):
+        super().fit(*args, **kwargs)
+        self.classes_ = torch.arange(self.num_classes_ + 1)
+        return self
+
+
+class ValidatesInInit(Prototype):
+    def __init__(self, temperature: float = 1.0, num_classes: Optional[int] = None):
+        super().__init__(temperature, num_classes)
+        self._validate_params()
+
+
+class NeverValidates(Prototype):
+    def _validate_params(self) -> None:
+        pass
+
+
 BROKEN = [
     (check_declares_what_it_reads, ReadsFeatures),
     (check_declares_what_it_reads, LogitsButEmbeddingBase),
@@ -270,6 +444,14 @@ BROKEN = [
     (check_fits_without_training_data_only_if_it_says_so, FitsOnNothing),
     (check_refitting_gives_the_same_probabilities, Drifts),
     (check_unfitted_predict_proba_is_a_clear_error, AnswersUnfitted),
+    (check_get_params_round_trips_through_the_constructor, ChangesItsArgument),
+    (check_get_params_round_trips_through_the_constructor, RenamesItsArgument),
+    (check_clone_is_an_unfitted_head_that_fits_alike, MisreportsItsParameters),
+    (check_clone_is_an_unfitted_head_that_fits_alike, FittedAtBirth),
+    (check_classes_after_fit, WithoutClasses),
+    (check_classes_after_fit, ClassesOneTooMany),
+    (check_parameters_are_validated_by_fit_not_by_the_constructor, ValidatesInInit),
+    (check_parameters_are_validated_by_fit_not_by_the_constructor, NeverValidates),
 ]
 
 

@@ -68,10 +68,10 @@ def test_corr_loss_gradcheck_and_fixed_proxies():
 
 
 def test_corr_loss_without_hierarchy_uses_orthonormal_proxies():
-    loss = build_loss("corr", embedding_dim=5, num_classes=4)
+    loss = build_loss("corr", num_classes=4, embedding_dim=5)
     assert torch.allclose(loss.proxies @ loss.proxies.t(), torch.eye(4), atol=1e-6)
     with pytest.raises(ValueError, match="embedding_dim"):
-        build_loss("corr", embedding_dim=3, num_classes=4)
+        build_loss("corr", num_classes=4, embedding_dim=3)
 
 
 def test_ema_update_is_the_normalised_moving_average_of_the_batch_class_direction():

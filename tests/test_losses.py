@@ -423,6 +423,54 @@ def test_build_loss_unknown_name_lists_valid_names():
         build_loss("nope")
 
 
+def _same_loss(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return type(a) is type(b) and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("name", ["proxydr", "spce", "cross_entropy", "proxy_anchor", "nivmf_proxy"])
+def test_build_loss_takes_num_classes_and_embedding_dim_by_keyword_and_the_old_positional_order_is_deprecated(name):
+    torch.manual_seed(0)
+    new = build_loss(name, num_classes=3, embedding_dim=8)
+    torch.manual_seed(0)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"^passing \(embedding_dim, num_classes\) by position to build_loss is deprecated .*; "
+        r"use keywords: build_loss\(name, num_classes=\.\.\., embedding_dim=\.\.\.\)$",
+    ) as record:
+        old = build_loss(name, 8, 3)  # the former order: embedding_dim, then num_classes
+    assert record[0].filename == __file__  # the warning points at the caller
+    assert _same_loss(old, new)
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning):
+        assert _same_loss(build_loss(name, 8, num_classes=3), new)
+
+
+def test_build_loss_refuses_a_dimension_given_twice_or_too_many():
+    with pytest.raises(TypeError, match="^embedding_dim: given both by position and by keyword$"):
+        build_loss("proxydr", 8, embedding_dim=8)
+    with pytest.raises(TypeError, match="^num_classes: given both by position and by keyword$"):
+        build_loss("proxydr", 8, 3, num_classes=3)
+    with pytest.raises(TypeError, match="^embedding_dim, num_classes: at most 2 dimensions by position, got 3$"):
+        build_loss("proxydr", 8, 3, 1)
+
+
+def test_cross_entropy_loss_takes_keywords_and_its_old_positional_order_is_deprecated():
+    from shiftguard.losses import CrossEntropyLoss
+
+    torch.manual_seed(0)
+    new = CrossEntropyLoss(num_classes=3, embedding_dim=8)
+    assert (new.classifier.out_features, new.classifier.in_features) == (3, 8)
+    assert new.extra_repr() == "num_classes=3, embedding_dim=8"
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match=r"by position to CrossEntropyLoss is deprecated") as record:
+        old = CrossEntropyLoss(8, 3)
+    assert record[0].filename == __file__
+    assert _same_loss(old, new)
+    with pytest.raises(ValueError, match="^num_classes and embedding_dim: both are required"):
+        CrossEntropyLoss(num_classes=3)
+
+
 def test_build_loss_requires_dims_for_proxy_losses():
     with pytest.raises(ValueError, match="num_classes"):
         build_loss("proxydr")
@@ -455,7 +503,7 @@ def test_build_loss_requires_dims_for_proxy_losses():
 def test_build_loss_every_name_gives_a_finite_differentiable_scalar(name):
     emb = torch.randn(12, 6, requires_grad=True)
     y = torch.arange(3).repeat(4)
-    loss = build_loss(name, embedding_dim=6, num_classes=3)
+    loss = build_loss(name, num_classes=3, embedding_dim=6)
     out = loss(emb, y)
     assert out.dim() == 0 and torch.isfinite(out)
     out.backward()
@@ -467,7 +515,7 @@ def test_proxy_nca_pp_is_the_temperature_scaled_normalised_proxy_softmax():
     torch.manual_seed(0)
     emb = torch.randn(10, 5, dtype=D64)
     y = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 0, 1])
-    loss = build_loss("proxy_nca_pp", embedding_dim=5, num_classes=4).double()
+    loss = build_loss("proxy_nca_pp", num_classes=4, embedding_dim=5).double()
     proxies = loss.loss.proxies.detach()
     x, p = F.normalize(emb, dim=1), F.normalize(proxies, dim=1)
     ref = 0.0
@@ -476,7 +524,7 @@ def test_proxy_nca_pp_is_the_temperature_scaled_normalised_proxy_softmax():
         ref += -float(torch.log_softmax(logits, 0)[y[i]]) / 10
     assert float(loss(emb, y).detach()) == pytest.approx(ref, rel=1e-9)
     with pytest.raises(ValueError, match="temperature"):
-        build_loss("proxy_nca_pp", embedding_dim=5, num_classes=4, temperature=0.0)
+        build_loss("proxy_nca_pp", num_classes=4, embedding_dim=5, temperature=0.0)
 
 
 def test_safe_euclidean_large_path_matches_small_path(monkeypatch):

@@ -11,7 +11,7 @@ NAMES = list(LOSS_NAMES)
 
 
 def _make(name):
-    return build_loss(name, embedding_dim=4, num_classes=3)
+    return build_loss(name, num_classes=3, embedding_dim=4)
 
 
 def _finite_scalar_with_finite_grad(loss, emb, y):

@@ -89,7 +89,7 @@ def _train(name, kw, xtr, ytr, epochs):
         with torch.no_grad():
             model[-1].weight.mul_(INIT_SCALE)
             model[-1].bias.mul_(INIT_SCALE)
-    loss_fn = build_loss(name, embedding_dim=16, num_classes=10, **kw)
+    loss_fn = build_loss(name, num_classes=10, embedding_dim=16, **kw)
     opt = torch.optim.Adam([{"params": model.parameters()}, {"params": loss_fn.parameters(), "lr": 1e-2}], lr=2e-3)
     sampler = ClassBalancedBatchSampler(ytr, m=5, batch_size=50, seed=0)
     for epoch in range(epochs):

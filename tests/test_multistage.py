@@ -56,7 +56,7 @@ def test_multistage_works_for_every_loss(name):
     numbers (watershed seeds, vMF samples) see the same RNG state in both, since the loss is
     evaluated once and the no-grad pass of this dropout-free MLP draws nothing."""
     x, y = _data()
-    model, loss_fn = _mlp(), build_loss(name, embedding_dim=5, num_classes=4).double()
+    model, loss_fn = _mlp(), build_loss(name, num_classes=4, embedding_dim=5).double()
     torch.manual_seed(7)
     full = loss_fn(model(x), y)
     full.backward()

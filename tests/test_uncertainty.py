@@ -81,7 +81,7 @@ def test_loss_prediction_head_learns_to_rank_samples_by_their_loss():
     x = torch.randn(1500, 16, generator=g)
     task_loss = x[:, 0].abs() + 0.1 * torch.randn(1500, generator=g)
     head = LossPredictionHead(16, hidden=(32, 32), epochs=25, batch_size=128, lr=3e-3).fit(x[:1000], task_loss[:1000])
-    u = head.predict(x[1000:])
+    u = head.predict_uncertainty(x[1000:])
     hard = task_loss[1000:] > task_loss[1000:].median()
     assert auroc_error(u, hard) > 0.9  # |x_0| itself (the oracle) scores 0.99
     assert head.history_[-1] < head.history_[0]
@@ -91,7 +91,7 @@ def test_loss_prediction_head_trains_on_detached_cached_embeddings():
     x = torch.randn(64, 8, requires_grad=True)
     head = LossPredictionHead(8, hidden=(16,), epochs=1, batch_size=32).fit(x, x.detach()[:, 0] ** 2)
     assert x.grad is None
-    assert head.predict(x).shape == (64,)
+    assert head.predict_uncertainty(x).shape == (64,)
 
 
 def test_loss_prediction_head_rejects_bad_input():
@@ -102,3 +102,14 @@ def test_loss_prediction_head_rejects_bad_input():
         head.fit(torch.randn(10, 8), torch.rand(9))
     with pytest.raises(ValueError, match="task_loss"):
         head.fit(torch.randn(10, 8), torch.full((10,), float("nan")))
+
+
+def test_loss_prediction_head_predict_is_a_deprecated_alias_of_predict_uncertainty():
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    head = LossPredictionHead(8, hidden=(16,), epochs=1, batch_size=32).fit(x, x[:, 0] ** 2)
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"^LossPredictionHead\.predict is deprecated .*; use LossPredictionHead\.predict_uncertainty$",
+    ):
+        old = head.predict(x)
+    assert torch.equal(old, head.predict_uncertainty(x))

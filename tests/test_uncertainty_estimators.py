@@ -329,6 +329,30 @@ def test_every_estimator_outputs_log_probabilities_and_backpropagates(name):
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_every_estimators_predict_proba_is_the_eval_mode_softmax_of_its_output(name):
+    x, _ = _images()
+    model = FACTORIES[name](_mlp())
+    model.train()
+    p = model.predict_proba(x)
+    assert model.training and all(m.training for m in model.modules())  # mode restored
+    assert not p.requires_grad and p.shape == (len(x), 3)
+    with torch.no_grad():
+        assert torch.equal(p, torch.softmax(model.eval()(x), dim=1))
+    with pytest.raises(ValueError, match="^x:"):
+        model.predict_proba(x[:0])
+
+
+def test_resolve_backbone_takes_its_sizes_by_keyword_and_the_old_positional_order_is_deprecated():
+    from shiftguard.uncertainty.estimator import resolve_backbone
+
+    enc = nn.Linear(2, 16)
+    new = resolve_backbone(enc, num_classes=4, embedding_dim=16)
+    assert (new.num_classes, new.embedding_dim) == (4, 16)
+    with pytest.warns(DeprecationWarning, match=r"by position to resolve_backbone is deprecated"):
+        assert resolve_backbone(enc, 16, 4) == new
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_every_estimator_works_with_shiftguard_evaluate(name):
     x, y = _images(30)
     pixels = (x * 255).to(torch.uint8)

@@ -28,17 +28,17 @@ def _nan_embeddings():
 @pytest.mark.parametrize("name", sorted(set(LOSS_NAMES) - STOPS_INSIDE))
 def test_nan_embeddings_raise_with_validate_args_and_flow_through_without(name):
     with pytest.raises(ValueError, match="embeddings: contains non-finite values"):
-        build_loss(name, embedding_dim=4, num_classes=3)(_nan_embeddings(), LABELS)
-    out = build_loss(name, embedding_dim=4, num_classes=3, validate_args=False)(_nan_embeddings(), LABELS)
+        build_loss(name, num_classes=3, embedding_dim=4)(_nan_embeddings(), LABELS)
+    out = build_loss(name, num_classes=3, embedding_dim=4, validate_args=False)(_nan_embeddings(), LABELS)
     assert out.dim() == 0 and not torch.isfinite(out)
 
 
 @pytest.mark.parametrize("name", sorted(STOPS_INSIDE))
 def test_without_validate_args_the_boundary_check_does_not_run(name):
     with pytest.raises(ValueError, match="embeddings: contains non-finite values"):
-        build_loss(name, embedding_dim=4, num_classes=3)(_nan_embeddings(), LABELS)
+        build_loss(name, num_classes=3, embedding_dim=4)(_nan_embeddings(), LABELS)
     with pytest.raises(ValueError) as raised:  # the loss's own guard, further in
-        build_loss(name, embedding_dim=4, num_classes=3, validate_args=False)(_nan_embeddings(), LABELS)
+        build_loss(name, num_classes=3, embedding_dim=4, validate_args=False)(_nan_embeddings(), LABELS)
     assert "embeddings: contains non-finite values" not in str(raised.value)
 
 
@@ -55,9 +55,9 @@ def test_negative_labels_are_refused_with_validate_args_and_taken_as_classes_wit
 def test_labels_beyond_num_classes_are_named_only_with_validate_args(name):
     emb, labels = torch.randn(6, 4), torch.tensor([0, 0, 1, 1, 2, 3])
     with pytest.raises(ValueError, match="labels: .*num_classes=3"):
-        build_loss(name, embedding_dim=4, num_classes=3)(emb, labels)
+        build_loss(name, num_classes=3, embedding_dim=4)(emb, labels)
     try:  # unchecked, the label fails wherever it is used as an index, or not at all
-        build_loss(name, embedding_dim=4, num_classes=3, validate_args=False)(emb, labels)
+        build_loss(name, num_classes=3, embedding_dim=4, validate_args=False)(emb, labels)
     except (IndexError, RuntimeError, ValueError) as exc:
         assert "num_classes=3" not in str(exc)
 
@@ -71,8 +71,11 @@ def test_a_non_finite_loss_is_refused_with_validate_args_and_returned_without():
 
 
 def test_a_tightness_base_built_by_name_follows_the_switch():
-    assert build_loss("tightness", 4, 3, base="supcon", validate_args=False).base.validate_args is False
-    assert build_loss("tightness", 4, 3, base="supcon").base.validate_args is True
+    assert (
+        build_loss("tightness", num_classes=3, embedding_dim=4, base="supcon", validate_args=False).base.validate_args
+        is False
+    )
+    assert build_loss("tightness", num_classes=3, embedding_dim=4, base="supcon").base.validate_args is True
 
 
 @pytest.mark.parametrize("metric", [accuracy, nll, brier, ece])

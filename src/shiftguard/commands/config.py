@@ -271,7 +271,7 @@ _MAX_BOOT = 1_000_000
 #: Heads that search the ``eval.k`` nearest support embeddings (heads/registry.py, build_head).
 _K_HEADS = ("ned", "knn", "wknn")
 #: Keywords ``run`` passes itself: build_model(arch, activation=, num_classes=, in_channels=,
-#: example_input=) and build_loss(loss, embedding_dim=, num_classes=); the same keyword in
+#: example_input=) and build_loss(loss, num_classes=, embedding_dim=); the same keyword in
 #: model_kwargs / loss_kwargs would clash with them.
 _RESERVED_KWARGS = {
     "model_kwargs": ("name", "activation", "num_classes", "in_channels", "example_input"),

@@ -4,11 +4,13 @@ possibly shifted, inputs.
 Every head follows ``fit(train_x, train_labels, val_x=None, val_labels=None) -> self``,
 ``predict_proba(x) -> (N, C)``, ``predict(x) -> (N,)``, and declares its contract as class
 attributes (:class:`Head`): ``input`` (``"logits"`` for :class:`LogitHead`, ``"embeddings"`` for
-:class:`EmbeddingHead`), ``needs_support``, ``uses_validation``, ``needs_validation``. See
-``docs/heads_metrics.md``.
+:class:`EmbeddingHead`), ``needs_support``, ``uses_validation``, ``needs_validation``. As
+scikit-learn's estimators, a head keeps its ``__init__`` arguments unchanged and checks them in
+``fit``, has ``get_params`` / ``set_params`` and ``classes_`` after fit; :func:`clone` gives an
+unfitted copy. See ``docs/heads_metrics.md``.
 """
 
-from shiftguard.heads.base import HEAD_INPUTS, EmbeddingHead, Head, LogitHead, NotFittedError
+from shiftguard.heads.base import HEAD_INPUTS, EmbeddingHead, Head, LogitHead, NotFittedError, clone
 from shiftguard.heads.distance_ratio import DistanceRatioHead
 from shiftguard.heads.knn_baselines import KNNVote, OneNN, WeightedKNN
 from shiftguard.heads.logistic import LogisticRegressionHead
@@ -32,6 +34,7 @@ __all__ = [
     "LogitHead",
     "HEAD_INPUTS",
     "NotFittedError",
+    "clone",
     "NED",
     "OneNN",
     "KNNVote",

@@ -2,9 +2,12 @@
 
 A head is fitted on clean data and returns class probabilities for new inputs:
 ``fit(train_x, train_labels, val_x=None, val_labels=None) -> self``, ``predict_proba(x) -> (N, C)``,
-``predict(x) -> (N,)``. Parameters live in ``__init__``; learned state carries a trailing
-underscore (``num_classes_``, ``temperature_``...). Torch tensors in and out, on the device of the
-input.
+``predict(x) -> (N,)``. scikit-learn's habits: ``__init__`` stores its arguments unchanged, under
+their own names, and ``fit`` validates them (a bad value raises there, with one line naming it);
+``get_params()`` / ``set_params(**params)`` read and change them, and :func:`clone` returns an
+unfitted head with the same parameters. Learned state carries a trailing underscore
+(``num_classes_``, ``classes_``, ``temperature_``...). Torch tensors in and out, on the device of
+the input.
 
 Each head class declares its contract as class attributes, which callers read instead of its name:
 ``input`` (``"logits"``: the model's logits ``(N, C)``, :class:`LogitHead`; ``"embeddings"``: an
@@ -15,13 +18,15 @@ set), ``uses_validation`` (its fit reads ``val_*``; otherwise it refuses them) a
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+import copy
+import inspect
+from typing import Any, ClassVar, Optional
 
 import torch
 
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
 
-__all__ = ["EmbeddingHead", "Head", "LogitHead", "NotFittedError", "HEAD_INPUTS"]
+__all__ = ["EmbeddingHead", "Head", "LogitHead", "NotFittedError", "HEAD_INPUTS", "clone"]
 
 #: The values of :attr:`Head.input`.
 HEAD_INPUTS = ("logits", "embeddings")
@@ -39,7 +44,8 @@ class NotFittedError(RuntimeError):
 
 
 class Head:
-    """Base class of every head: the contract attributes, ``num_classes``, ``predict``, ``repr``.
+    """Base class of every head: the contract attributes, ``num_classes``, ``predict``,
+    ``get_params`` / ``set_params``, ``repr``.
 
     Subclass :class:`EmbeddingHead` or :class:`LogitHead`, which set :attr:`input`.
     """
@@ -57,11 +63,46 @@ class Head:
     needs_validation: ClassVar[bool] = False
     #: names of ``__init__`` parameters shown by ``repr``
     _param_names: tuple[str, ...] = ("num_classes",)
+    #: ``__init__`` parameters that :func:`clone` hands on as they are instead of copying them:
+    #: objects shared on purpose (a search cache, a model), not settings
+    _shared_params: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, num_classes: Optional[int] = None):
-        if num_classes is not None:
-            check_positive(num_classes, "num_classes", integer=True)
         self.num_classes = num_classes
+
+    # -- parameters (scikit-learn's get_params / set_params) ------------------------------------
+    @classmethod
+    def _get_param_names(cls) -> list[str]:
+        """The parameters of ``__init__``, in its order (each stored under its own name)."""
+        names = []
+        for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+            if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                raise TypeError(f"{cls.__name__}: a head's __init__ names each parameter (no *args, **kwargs)")
+            names.append(p.name)
+        return names
+
+    def get_params(self, deep: bool = True) -> dict[str, Any]:
+        """The ``__init__`` parameters, ``{name: value}``; ``type(head)(**head.get_params())`` is an
+        unfitted head with the same parameters. ``deep`` is accepted for scikit-learn's signature
+        (no head holds another estimator as a parameter, so both give the same)."""
+        return {name: getattr(self, name) for name in self._get_param_names()}
+
+    def set_params(self, **params: Any) -> "Head":
+        """Set ``__init__`` parameters by name; returns ``self``. The values are checked by the next
+        ``fit``; an unknown name raises ``ValueError`` naming it (and the parameters there are)."""
+        valid = self._get_param_names()
+        for name in params:
+            if name not in valid:
+                raise ValueError(f"{name}: not a parameter of {type(self).__name__} (its parameters: {valid})")
+        for name, value in params.items():
+            setattr(self, name, value)
+        return self
+
+    def _validate_params(self) -> None:
+        """Check the parameters, raising ``TypeError`` / ``ValueError`` that name the bad one; the
+        first thing ``fit`` does. Subclasses extend it (calling ``super()._validate_params()``)."""
+        if self.num_classes is not None:
+            check_positive(self.num_classes, "num_classes", integer=True)
 
     # -- public API -----------------------------------------------------------------------------
     def fit(self, train_x, train_labels, val_x=None, val_labels=None):
@@ -84,6 +125,12 @@ class Head:
                 f"{what or 'val_' + self.input}: {type(self).__name__} does not use validation "
                 "data (its fit reads the training data only); leave val_* unset"
             )
+
+    def _set_classes(self, num_classes: int, device=None) -> None:
+        """Record the fitted classes: ``num_classes_`` and ``classes_ = arange(num_classes_)`` (the
+        labels, on ``device``; column ``j`` of ``predict_proba`` is class ``classes_[j]``)."""
+        self.num_classes_ = num_classes
+        self.classes_ = torch.arange(num_classes, device=device)
 
     def _check_is_fitted(self) -> None:
         if not hasattr(self, "num_classes_"):
@@ -149,3 +196,24 @@ class EmbeddingHead(Head):
         if emb.shape[1] != dim:
             raise ValueError(f"{name}: expected {dim} features (as in fit), got {emb.shape[1]}")
         return emb
+
+
+def clone(head: Head) -> Head:
+    """A new, unfitted head of the same class with the same parameters (``sklearn.base.clone``):
+    ``type(head)(**params)`` with each parameter deep-copied, except the objects a head shares on
+    purpose (its class's ``_shared_params``: the kNN heads' ``searches`` cache, temperature
+    scaling's ``logit_fn``), which the clone shares too. Nothing learned by ``fit`` is carried over.
+
+    Raises ``TypeError`` naming ``head`` for anything but a :class:`Head`.
+    """
+    if not isinstance(head, Head):
+        raise TypeError(f"head: expected a shiftguard.heads.Head, got {type(head).__name__}")
+
+    def copied(name: str, value: Any) -> Any:
+        if name in head._shared_params:
+            return value
+        if isinstance(value, torch.Tensor):  # deepcopy refuses tensors computed with autograd
+            return value.detach().clone().requires_grad_(value.requires_grad)
+        return copy.deepcopy(value)
+
+    return type(head)(**{name: copied(name, value) for name, value in head.get_params(deep=False).items()})

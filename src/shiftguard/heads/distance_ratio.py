@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from shiftguard._validation import check_tensor
+from shiftguard._validation import check_positive, check_tensor
 from shiftguard.functional.scaling import distance_scale_exponent, ldexp
 from shiftguard.heads._optim import minimize_lbfgs
 from shiftguard.heads.base import EmbeddingHead
@@ -75,7 +75,7 @@ class DistanceRatioHead(EmbeddingHead):
         max_iter: L-BFGS iterations for ``log_rho``.
         num_classes: number of classes; inferred when None.
 
-    Learned state: ``representatives_ (C, D)``, ``rho_``, ``num_classes_``.
+    Learned state: ``representatives_ (C, D)``, ``rho_``, ``num_classes_``, ``classes_``.
     """
 
     _param_names = ("init_log_rho", "num_classes")
@@ -89,10 +89,21 @@ class DistanceRatioHead(EmbeddingHead):
     ):
         super().__init__(num_classes)
         self.proxies = proxies
-        self.init_log_rho = float(init_log_rho)
+        self.init_log_rho = init_log_rho
         self.max_iter = max_iter
 
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        try:
+            init_log_rho = float(self.init_log_rho)
+        except (TypeError, ValueError):
+            raise TypeError(f"init_log_rho: expected a number, got {type(self.init_log_rho).__name__}") from None
+        if not math.isfinite(init_log_rho):
+            raise ValueError(f"init_log_rho: expected a finite number, got {self.init_log_rho}")
+        check_positive(self.max_iter, "max_iter", integer=True)
+
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        self._validate_params()
         self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(
             train_embeddings, train_labels, require_all_classes=self.proxies is None
@@ -125,7 +136,7 @@ class DistanceRatioHead(EmbeddingHead):
         log_d = 0.5 * torch.log(sq.clamp(min=_SQ_DIST_FLOOR[torch.float64]))
         theta, _, _ = minimize_lbfgs(
             lambda p: F.nll_loss(F.log_softmax(-torch.exp(p[0]) * log_d, dim=1), t),
-            torch.tensor([self.init_log_rho], dtype=torch.float64, device=x.device),
+            torch.tensor([float(self.init_log_rho)], dtype=torch.float64, device=x.device),
             max_iter=self.max_iter,
         )
         self.rho_ = float(torch.exp(theta[0]))
@@ -137,7 +148,7 @@ class DistanceRatioHead(EmbeddingHead):
                 "representative than the others, so the DR head cannot fit rho"
             )
         self.representatives_ = reps
-        self.num_classes_ = num_classes
+        self._set_classes(num_classes, emb.device)
         return self
 
     def predict_log_proba(self, embeddings) -> torch.Tensor:

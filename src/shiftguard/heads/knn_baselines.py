@@ -19,7 +19,7 @@ import torch
 
 from shiftguard._validation import check_positive
 from shiftguard.heads.base import EmbeddingHead
-from shiftguard.neighbors import SearchCache, knn_search
+from shiftguard.neighbors import SearchCache, check_backend, knn_search
 
 __all__ = ["KNNHeadBase", "OneNN", "KNNVote", "WeightedKNN", "dudani_weights", "gou_weights"]
 
@@ -50,6 +50,7 @@ class KNNHeadBase(EmbeddingHead):
     """
 
     _param_names: tuple[str, ...] = ("k", "backend", "num_classes")
+    _shared_params = ("searches",)
 
     def __init__(
         self,
@@ -59,24 +60,29 @@ class KNNHeadBase(EmbeddingHead):
         searches: Optional[SearchCache] = None,
     ):
         super().__init__(num_classes)
-        check_positive(k, "k", integer=True)
-        if searches is not None and not isinstance(searches, SearchCache):
-            raise TypeError(
-                f"searches: expected a shiftguard.neighbors.SearchCache or None, got {type(searches).__name__}"
-            )
         self.k = k
         self.backend = backend
         self.searches = searches
 
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        check_positive(self.k, "k", integer=True)
+        check_backend(self.backend)
+        if self.searches is not None and not isinstance(self.searches, SearchCache):
+            raise TypeError(
+                f"searches: expected a shiftguard.neighbors.SearchCache or None, got {type(self.searches).__name__}"
+            )
+
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         """Store the support set (``val_*`` are refused: these heads have no fitted parameter)."""
+        self._validate_params()
         self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         if self.k > emb.shape[0]:
             raise ValueError(f"k: {self.k} neighbours requested but the support has {emb.shape[0]} rows")
         self.support_embeddings_ = emb
         self.support_labels_ = y
-        self.num_classes_ = num_classes
+        self._set_classes(num_classes, emb.device)
         return self
 
     def kneighbors(self, embeddings, k: Optional[int] = None):
@@ -144,9 +150,12 @@ class WeightedKNN(KNNHeadBase):
         searches: Optional[SearchCache] = None,
     ):
         super().__init__(k=k, backend=backend, num_classes=num_classes, searches=searches)
-        if kind not in ("dudani", "gou"):
-            raise ValueError(f"kind: expected 'dudani' or 'gou', got {kind!r}")
         self.kind = kind
+
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        if self.kind not in ("dudani", "gou"):
+            raise ValueError(f"kind: expected 'dudani' or 'gou', got {self.kind!r}")
 
     def _neighbour_weights(self, sq_dist):
         dist = sq_dist.clamp(min=0).sqrt()

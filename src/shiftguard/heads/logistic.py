@@ -37,7 +37,7 @@ class LogisticRegressionHead(EmbeddingHead):
         num_classes: number of classes; inferred when None.
 
     Learned state: ``coef_ (C, D)``, ``intercept_ (C,)`` (in standardised units when
-    ``standardize``), ``mean_``, ``scale_``, ``num_classes_``, ``n_iter_``.
+    ``standardize``), ``mean_``, ``scale_``, ``num_classes_``, ``classes_``, ``n_iter_``.
     """
 
     _param_names = ("C", "standardize", "max_iter", "num_classes")
@@ -51,14 +51,20 @@ class LogisticRegressionHead(EmbeddingHead):
         num_classes: Optional[int] = None,
     ):
         super().__init__(num_classes)
-        check_positive(C, "C")
         self.C = C
         self.standardize = standardize
         self.max_iter = max_iter
         self.tol = tol
 
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        check_positive(self.C, "C")
+        check_positive(self.max_iter, "max_iter", integer=True)
+        check_positive(self.tol, "tol")
+
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         """Fit on ``train_*`` (``val_*`` are refused: the protocol of [QACT] fits on train only)."""
+        self._validate_params()
         self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
         x = emb.double()
@@ -93,7 +99,7 @@ class LogisticRegressionHead(EmbeddingHead):
         )
         self.coef_ = theta[: num_classes * d].view(num_classes, d).clone()
         self.intercept_ = theta[num_classes * d :].clone()
-        self.num_classes_ = num_classes
+        self._set_classes(num_classes, emb.device)
         return self
 
     def decision_function(self, embeddings) -> torch.Tensor:

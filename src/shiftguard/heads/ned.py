@@ -109,7 +109,7 @@ class NED(KNNHeadBase):
             searches on its own.
 
     Learned state: ``temperature_``, ``nll_`` (calibration NLL at ``temperature_``),
-    ``n_fit_excluded_``, ``support_embeddings_``, ``support_labels_``, ``num_classes_``,
+    ``n_fit_excluded_``, ``support_embeddings_``, ``support_labels_``, ``num_classes_``, ``classes_``,
     ``knn_index_`` (the ``PrunedKNNIndex`` of the support with ``backend="pruned"``, else None;
     it holds a reordered copy of the support).
     """
@@ -129,16 +129,27 @@ class NED(KNNHeadBase):
         searches: Optional[SearchCache] = None,
     ):
         super().__init__(k=k, backend=backend, num_classes=num_classes, searches=searches)
-        if fit_mode not in ("loo", "holdout"):
-            raise ValueError(f"fit_mode: expected 'loo' or 'holdout', got {fit_mode!r}")
-        if not 0.0 < float(holdout_fraction) < 1.0:
-            raise ValueError(f"holdout_fraction: expected a value in (0, 1), got {holdout_fraction}")
         self.fit_mode = fit_mode
-        self.holdout_fraction = float(holdout_fraction)
-        if max_fit_queries is not None:
-            check_positive(max_fit_queries, "max_fit_queries", integer=True)
+        self.holdout_fraction = holdout_fraction
         self.max_fit_queries = max_fit_queries
         self.seed = seed
+
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        if self.fit_mode not in ("loo", "holdout"):
+            raise ValueError(f"fit_mode: expected 'loo' or 'holdout', got {self.fit_mode!r}")
+        try:
+            fraction = float(self.holdout_fraction)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"holdout_fraction: expected a number in (0, 1), got {type(self.holdout_fraction).__name__}"
+            ) from None
+        if not 0.0 < fraction < 1.0:
+            raise ValueError(f"holdout_fraction: expected a value in (0, 1), got {self.holdout_fraction}")
+        if self.max_fit_queries is not None:
+            check_positive(self.max_fit_queries, "max_fit_queries", integer=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed: expected an int, got {type(self.seed).__name__}")
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
         """Store the support set and fit the temperature by NLL (see the module docstring)."""
@@ -176,7 +187,7 @@ class NED(KNNHeadBase):
             same = y[idx] == val_y[rows].unsqueeze(1)
         else:
             perm = torch.randperm(n, generator=gen).to(support.device)
-            n_cal = max(1, int(round(self.holdout_fraction * n)))
+            n_cal = max(1, int(round(float(self.holdout_fraction) * n)))
             cal, rest = perm[:n_cal], perm[n_cal:]
             if self.k > rest.numel():
                 raise ValueError(f"k: the holdout split leaves {rest.numel()} support rows, fewer than k={self.k}")

@@ -100,7 +100,7 @@ class QuantileClassifierHead(EmbeddingHead):
         classifier_kwargs: keyword arguments for ``QuantileClassifier(in_features, num_classes, **kw)``.
         fit_kwargs: keyword arguments for ``fit_quantile_classifier(classifier, emb, labels, **kw)``.
 
-    Learned state: ``classifier_`` (the fitted ``QuantileClassifier``), ``num_classes_``.
+    Learned state: ``classifier_`` (the fitted ``QuantileClassifier``), ``num_classes_``, ``classes_``.
     """
 
     _param_names = ("num_classes", "classifier_kwargs", "fit_kwargs")
@@ -112,17 +112,25 @@ class QuantileClassifierHead(EmbeddingHead):
         fit_kwargs: Optional[dict[str, Any]] = None,
     ):
         super().__init__(num_classes)
-        self.classifier_kwargs = dict(classifier_kwargs or {})
-        self.fit_kwargs = dict(fit_kwargs or {})
+        self.classifier_kwargs = classifier_kwargs
+        self.fit_kwargs = fit_kwargs
+
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        for name in ("classifier_kwargs", "fit_kwargs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise TypeError(f"{name}: expected a dict of keyword arguments or None, got {type(value).__name__}")
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        self._validate_params()
         self._no_validation(val_embeddings, val_labels)
         emb, y, num_classes = self._check_fit_inputs(train_embeddings, train_labels)
-        clf = QuantileClassifier(emb.shape[1], num_classes, **self.classifier_kwargs).to(emb.device)
-        fit_quantile_classifier(clf, emb, y, **self.fit_kwargs)
+        clf = QuantileClassifier(emb.shape[1], num_classes, **(self.classifier_kwargs or {})).to(emb.device)
+        fit_quantile_classifier(clf, emb, y, **(self.fit_kwargs or {}))
         self.classifier_ = clf
         self.in_features_ = emb.shape[1]
-        self.num_classes_ = num_classes
+        self._set_classes(num_classes, emb.device)
         return self
 
     def predict_proba(self, embeddings) -> torch.Tensor:

@@ -19,10 +19,11 @@ class SoftmaxHead(LogitHead):
 
     ``fit(train_logits=None, train_labels=None)``: the width of ``train_logits`` is the number of
     classes; without them, ``num_classes`` is (labels are not read; ``val_*`` are refused).
-    Learned state: ``num_classes_``.
+    Learned state: ``num_classes_``, ``classes_``.
     """
 
     def fit(self, train_logits=None, train_labels=None, val_logits=None, val_labels=None):
+        self._validate_params()
         self._no_validation(val_logits, val_labels, "val_logits")
         if train_logits is None:
             if self.num_classes is None:
@@ -30,12 +31,12 @@ class SoftmaxHead(LogitHead):
                     "train_logits: give the logits (their width is the number of classes) or "
                     "construct the head with num_classes"
                 )
-            self.num_classes_ = self.num_classes
+            self._set_classes(self.num_classes)
             return self
         logits = check_tensor(train_logits, "train_logits", ndim=2, floating=True, finite=True)
         if self.num_classes is not None and logits.shape[1] != self.num_classes:
             raise ValueError(f"train_logits: {logits.shape[1]} columns, num_classes={self.num_classes}")
-        self.num_classes_ = logits.shape[1]
+        self._set_classes(logits.shape[1], logits.device)
         return self
 
     def predict_proba(self, logits) -> torch.Tensor:

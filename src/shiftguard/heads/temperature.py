@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from shiftguard._validation import check_labels, check_same_length, check_tensor
+from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
 from shiftguard.heads._optim import minimize_lbfgs
 from shiftguard.heads.base import LogitHead, _compute_dtype
 
@@ -43,10 +43,11 @@ class TemperatureScaling(LogitHead):
     ``fit(x, labels, val_x=None, val_labels=None)``: T is fitted on ``val_*`` when given (the
     held-out split of Guo et al.; ``x`` and ``labels`` may then be None), otherwise on
     ``(x, labels)``, which should then be held-out data (``needs_validation``: an evaluation fits
-    it on its validation set only). Learned state: ``temperature_``, ``num_classes_``.
+    it on its validation set only). Learned state: ``temperature_``, ``num_classes_``, ``classes_``.
     """
 
     _param_names = ("logit_fn", "num_classes")
+    _shared_params = ("logit_fn",)
     uses_validation = True
     needs_validation = True
 
@@ -60,6 +61,12 @@ class TemperatureScaling(LogitHead):
         self.logit_fn = logit_fn
         self.max_iter = max_iter
 
+    def _validate_params(self) -> None:
+        super()._validate_params()
+        if self.logit_fn is not None and not callable(self.logit_fn):
+            raise TypeError(f"logit_fn: expected a callable or None, got {type(self.logit_fn).__name__}")
+        check_positive(self.max_iter, "max_iter", integer=True)
+
     def _logits(self, x, name: str) -> torch.Tensor:
         x = check_tensor(x, name, ndim=2, floating=True, finite=True)
         logits = self.logit_fn(x) if self.logit_fn is not None else x
@@ -69,6 +76,7 @@ class TemperatureScaling(LogitHead):
         return logits
 
     def fit(self, train_embeddings, train_labels, val_embeddings=None, val_labels=None):
+        self._validate_params()
         if (val_embeddings is None) != (val_labels is None):
             raise ValueError("val_embeddings and val_labels: give both or neither")
         x, y, name = (
@@ -82,7 +90,7 @@ class TemperatureScaling(LogitHead):
         if logits.shape[0] == 0:
             raise ValueError(f"{name}: expected a non-empty tensor")
         self.temperature_ = fit_temperature(logits, y, self.max_iter)
-        self.num_classes_ = logits.shape[1]
+        self._set_classes(logits.shape[1], logits.device)
         return self
 
     def predict_proba(self, embeddings) -> torch.Tensor:

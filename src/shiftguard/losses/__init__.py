@@ -11,9 +11,9 @@ smooth_ap           :class:`SmoothAPLoss`                                       
 mcinfonce           :class:`MCInfoNCELoss`                                      [Kirchhof, App. B, eq. (7)]
 nivmf_proxy         :class:`NivMFProxyLoss` (EL-nivMF)                          [Kirchhof, App. A, eq. (4)-(6)]
 hib / elk           :class:`HIBLoss` / :class:`ELKLoss`                         [Kirchhof, App. B, eq. (54)/(55)]
-spce                :class:`SPCELoss` (``fit`` + ``posterior``, eq. (6.8))       [Patel, Ch. 6, eq. (6.7)]
+spce                :class:`SPCELoss` (``fit`` + ``predict_proba``, eq. (6.8))   [Patel, Ch. 6, eq. (6.7)]
 tightness           :class:`TightnessLoss` (``base=`` representation loss)       [Patel, Ch. 6, eq. (6.9)-(6.11)]
-esupcon             :class:`ESupConLoss` (prototypes, ``posterior``)             [Patel, Ch. 6, eq. (6.12)-(6.15)]
+esupcon             :class:`ESupConLoss` (prototypes, ``predict_proba``)         [Patel, Ch. 6, eq. (6.12)-(6.15)]
 infonce             :class:`InfoNCELoss` (NT-Xent on instance ids)               [Kirchhof, URL App. B.2]
 corr                :class:`CORRLoss` (fixed proxies from a ``hierarchy=``)       [Kim, Art. IV, eq. (11)]
 normalized_softmax  :class:`NormFaceLoss` (``dynamic``/AdaCos, ``ema_alpha``)    [Kim, Art. IV, eq. (5), (9)-(10)]
@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 from torch import nn
 
+from shiftguard._deprecation import positional_dims
 from shiftguard.losses.base import EmbeddingLoss
 from shiftguard.losses.contrastive import (
     ESupConLoss,
@@ -79,67 +80,69 @@ __all__ = [
     "hierarchy_proxies",
 ]
 
-#: The losses :func:`build_loss` builds by name: ``name -> builder(embedding_dim, num_classes, **kw)``.
+#: The losses :func:`build_loss` builds by name: ``name -> builder(*, num_classes, embedding_dim, **kw)``.
 #: Names are matched ignoring case, ``-`` and ``_``; ``recall@k`` is an alias of ``recall_at_k``.
 LOSS_REGISTRY: Registry[Callable[..., nn.Module]] = Registry("loss", argument="name")
 
 
-def _need_dims(name: str, embedding_dim, num_classes) -> None:
-    if embedding_dim is None or num_classes is None:
-        raise ValueError(f"embedding_dim and num_classes: both are required for loss {name!r}")
+def _need_dims(name: str, num_classes, embedding_dim) -> None:
+    if num_classes is None or embedding_dim is None:
+        raise ValueError(f"num_classes and embedding_dim: both are required for loss {name!r}")
 
 
-def _dr(embedding_dim, num_classes, **kw):
+def _dr(*, num_classes, embedding_dim, **kw):
     if kw.get("mode") == "proxies":
         return DRLoss(num_classes=num_classes, embedding_dim=embedding_dim, **kw)
     return DRLoss(**kw)
 
 
-def _proxydr(embedding_dim, num_classes, **kw):
-    _need_dims("proxydr", embedding_dim, num_classes)
+def _proxydr(*, num_classes, embedding_dim, **kw):
+    _need_dims("proxydr", num_classes, embedding_dim)
     return ProxyDRLoss(num_classes, embedding_dim, **kw)
 
 
-def _nivmf_proxy(embedding_dim, num_classes, **kw):
-    _need_dims("nivmf_proxy", embedding_dim, num_classes)
+def _nivmf_proxy(*, num_classes, embedding_dim, **kw):
+    _need_dims("nivmf_proxy", num_classes, embedding_dim)
     return NivMFProxyLoss(num_classes, embedding_dim, **kw)
 
 
-def _spce(embedding_dim, num_classes, **kw):
-    _need_dims("spce", embedding_dim, num_classes)
+def _spce(*, num_classes, embedding_dim, **kw):
+    _need_dims("spce", num_classes, embedding_dim)
     return SPCELoss(num_classes, embedding_dim, **kw)
 
 
-def _tightness(embedding_dim, num_classes, base=None, **kw):
+def _tightness(*, num_classes, embedding_dim, base=None, **kw):
     """``base`` may be a loss name: it is built with the same dimensions and ``validate_args`` and
     trained beside ``l_tt``."""
-    _need_dims("tightness", embedding_dim, num_classes)
+    _need_dims("tightness", num_classes, embedding_dim)
     if isinstance(base, str):
-        base = build_loss(base, embedding_dim, num_classes, validate_args=kw.get("validate_args", True))
+        base = build_loss(
+            base, num_classes=num_classes, embedding_dim=embedding_dim, validate_args=kw.get("validate_args", True)
+        )
     return TightnessLoss(num_classes, embedding_dim, base=base, **kw)
 
 
-def _esupcon(embedding_dim, num_classes, **kw):
-    _need_dims("esupcon", embedding_dim, num_classes)
+def _esupcon(*, num_classes, embedding_dim, **kw):
+    _need_dims("esupcon", num_classes, embedding_dim)
     return ESupConLoss(num_classes, embedding_dim, **kw)
 
 
-def _corr(embedding_dim, num_classes, **kw):
+def _corr(*, num_classes, embedding_dim, **kw):
     """``hierarchy=`` places the proxies; without it, a flat hierarchy of ``num_classes`` classes."""
     if kw.get("hierarchy") is None:
-        _need_dims("corr", embedding_dim, num_classes)
+        _need_dims("corr", num_classes, embedding_dim)
     return CORRLoss(num_classes=num_classes, embedding_dim=embedding_dim, **kw)
 
 
-def _normalized_softmax(embedding_dim, num_classes, **kw):
-    _need_dims("normalized_softmax", embedding_dim, num_classes)
+def _normalized_softmax(*, num_classes, embedding_dim, **kw):
+    _need_dims("normalized_softmax", num_classes, embedding_dim)
     return NormFaceLoss(num_classes, embedding_dim, **kw)
 
 
 def _without_dims(cls: type) -> Callable[..., nn.Module]:
     """A builder for a loss without per-class parameters: the dimensions are not passed on."""
 
-    def build(embedding_dim, num_classes, **kw):
+    def build(*, num_classes, embedding_dim, **kw):
         return cls(**kw)
 
     return build
@@ -168,21 +171,32 @@ del _name
 LOSS_NAMES = tuple(LOSS_REGISTRY.names())
 
 
-def build_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None, **kw) -> nn.Module:
+def build_loss(
+    name: str, *args: Optional[int], num_classes: Optional[int] = None, embedding_dim: Optional[int] = None, **kw
+) -> nn.Module:
     """Build a loss by name (see :data:`LOSS_NAMES`); extra keywords go to its constructor.
 
-    ``name`` is matched ignoring case, ``-`` and ``_`` (``recall@k`` names ``recall_at_k``).
-    ``embedding_dim`` and ``num_classes`` are required by losses that own per-class parameters
-    (proxies or a classifier): ``proxydr``, ``nivmf_proxy``, ``spce``, ``tightness``, ``esupcon``,
-    ``cross_entropy``, ``proxy_nca``, ``proxy_anchor``, ``normface`` and ``dr`` with ``mode="proxies"``;
-    other losses ignore them. ``tightness`` takes ``base=<loss name>`` (built with the same dimensions).
-    Every loss takes ``validate_args`` (default ``True``; ``False`` skips the per-call checks that read
-    tensor values and so synchronise with the device: :class:`~shiftguard.losses.base.EmbeddingLoss`).
+    ``build_loss(name, *, num_classes=None, embedding_dim=None, **kw)``. ``name`` is matched ignoring
+    case, ``-`` and ``_`` (``recall@k`` names ``recall_at_k``). ``num_classes`` and ``embedding_dim``
+    are keyword-only (the order of every loss constructor, ``ProxyDRLoss(num_classes, embedding_dim)``)
+    and required by losses that own per-class parameters (proxies or a classifier): ``proxydr``,
+    ``nivmf_proxy``, ``spce``, ``tightness``, ``esupcon``, ``cross_entropy``, ``proxy_nca``,
+    ``proxy_anchor``, ``normface`` and ``dr`` with ``mode="proxies"``; other losses ignore them.
+    ``tightness`` takes ``base=<loss name>`` (built with the same dimensions). Every loss takes
+    ``validate_args`` (default ``True``; ``False`` skips the per-call checks that read tensor values
+    and so synchronise with the device: :class:`~shiftguard.losses.base.EmbeddingLoss`).
+
+    The former positional form ``build_loss(name, embedding_dim, num_classes)`` still works for one
+    release (read in that order) and emits a ``DeprecationWarning`` asking for the keywords.
 
     Raises:
-        TypeError: ``name`` is not a str.
+        TypeError: ``name`` is not a str; more than two positional dimensions, or one given both by
+            position and by keyword.
         ValueError: an unknown ``name`` (the message lists :data:`LOSS_NAMES` and suggests the
-            closest); missing ``embedding_dim`` / ``num_classes`` where required; invalid
+            closest); missing ``num_classes`` / ``embedding_dim`` where required; invalid
             constructor arguments (raised by the loss).
     """
-    return LOSS_REGISTRY.get(name)(embedding_dim, num_classes, **kw)
+    num_classes, embedding_dim = positional_dims(
+        "build_loss(name, num_classes=..., embedding_dim=...)", args, num_classes, embedding_dim
+    )
+    return LOSS_REGISTRY.get(name)(num_classes=num_classes, embedding_dim=embedding_dim, **kw)

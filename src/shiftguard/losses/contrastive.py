@@ -18,7 +18,8 @@ augmented view; views share their label), labels ``y_i in {0..K-1}``, class prot
 Every loss follows the package contract (``shiftguard.losses.base``): ``loss(embeddings, labels) -> scalar``,
 input validated once, float32 computation for half-precision input, labels ``>= num_classes`` and a wrong
 embedding width rejected naming the argument.  Each classifier exposes ``logits(embeddings) -> (N, K)`` and
-``posterior(embeddings) -> (N, K)`` (the softmax of the logits).
+``predict_proba(embeddings) -> (N, K)`` (the softmax of the logits, the posterior of the chapter; the verb of
+the heads); ``posterior`` is its deprecated alias.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shiftguard._deprecation import warn_deprecated
 from shiftguard._validation import check_positive, check_tensor
 from shiftguard.functional.scaling import normalize_rows
 from shiftguard.losses.base import EmbeddingLoss, validate_batch, zero_loss
@@ -106,7 +108,7 @@ class SPCELoss(EmbeddingLoss):
     Posterior: the classifier weights are the reference-set class sums divided by the reference size,
     ``w_k = 1/M_ref sum_{j: y_j = k} z_j`` (= ``(M_k / M_ref) c_k`` with ``c_k`` the class mean), and
     ``p(k|z) = softmax_k(w_k^T z / tau)`` -- eq. (6.8) with the sum over the reference set.
-    :meth:`fit` stores ``w`` from reference (training) embeddings; :meth:`logits` / :meth:`posterior`
+    :meth:`fit` stores ``w`` from reference (training) embeddings; :meth:`logits` / :meth:`predict_proba`
     apply it. The weights depend on the class frequencies of the reference set, as the equation states.
 
     Args:
@@ -126,7 +128,7 @@ class SPCELoss(EmbeddingLoss):
         >>> z, y = torch.tensor([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0, 1])
         >>> round(float(loss(z, y)), 4)
         0.3268
-        >>> loss.fit(z, y).posterior(torch.tensor([[1.0, 0.0]])).argmax(1).tolist()
+        >>> loss.fit(z, y).predict_proba(torch.tensor([[1.0, 0.0]])).argmax(1).tolist()
         [0]
     """
 
@@ -195,13 +197,18 @@ class SPCELoss(EmbeddingLoss):
     def logits(self, embeddings) -> torch.Tensor:
         """``(N, K)`` logits ``w_k^T z / tau`` of eq. (6.8); ``RuntimeError`` before :meth:`fit`."""
         if not bool(self.fitted_):
-            raise RuntimeError("SPCELoss: call fit(reference, reference_labels) before logits/posterior")
+            raise RuntimeError("SPCELoss: call fit(reference, reference_labels) before logits/predict_proba")
         z = self._prepare(_check_embeddings(embeddings, self.embedding_dim))
         return z @ self.class_weights_.to(z.dtype).t() / self.temperature
 
-    def posterior(self, embeddings) -> torch.Tensor:
+    def predict_proba(self, embeddings) -> torch.Tensor:
         """``(N, K)`` class probabilities ``p(k|z)`` [Patel, Ch. 6, eq. (6.8)]."""
         return torch.softmax(self.logits(embeddings), dim=1)
+
+    def posterior(self, embeddings) -> torch.Tensor:
+        """Deprecated alias of :meth:`predict_proba`."""
+        warn_deprecated("SPCELoss.posterior", "SPCELoss.predict_proba")
+        return self.predict_proba(embeddings)
 
 
 # ------------------------------------------------------------------------------- tightness and its classifier
@@ -278,9 +285,14 @@ class TightnessLoss(EmbeddingLoss):
         z = _check_embeddings(embeddings, self.prototypes.shape[1])
         return _cosine_logits(z, self.prototypes, self.temperature)
 
-    def posterior(self, embeddings) -> torch.Tensor:
+    def predict_proba(self, embeddings) -> torch.Tensor:
         """``(N, K)`` softmax of :meth:`logits`; its argmax is the nearest (normalised) prototype."""
         return torch.softmax(self.logits(embeddings), dim=1)
+
+    def posterior(self, embeddings) -> torch.Tensor:
+        """Deprecated alias of :meth:`predict_proba`."""
+        warn_deprecated("TightnessLoss.posterior", "TightnessLoss.predict_proba")
+        return self.predict_proba(embeddings)
 
 
 class MomentumMeanClassifier(nn.Module):
@@ -339,9 +351,14 @@ class MomentumMeanClassifier(nn.Module):
         z = _check_embeddings(embeddings, self.prototypes.shape[1])
         return _cosine_logits(z, self.prototypes, self.temperature)
 
-    def posterior(self, embeddings) -> torch.Tensor:
+    def predict_proba(self, embeddings) -> torch.Tensor:
         """``(N, K)`` softmax of :meth:`logits`."""
         return torch.softmax(self.logits(embeddings), dim=1)
+
+    def posterior(self, embeddings) -> torch.Tensor:
+        """Deprecated alias of :meth:`predict_proba`."""
+        warn_deprecated("MomentumMeanClassifier.posterior", "MomentumMeanClassifier.predict_proba")
+        return self.predict_proba(embeddings)
 
     def forward(self, embeddings) -> torch.Tensor:
         return self.logits(embeddings)
@@ -381,7 +398,7 @@ class ESupConLoss(EmbeddingLoss):
 
     Posterior: the explicit linear classifier the loss trains, ``p(k|z) = softmax_k(s(z, theta_k))`` --
     the cross-entropy part of ``l_pt`` [Patel, Ch. 6, eq. (6.16)] -- via :meth:`logits` /
-    :meth:`posterior`. :meth:`terms` returns the per-sample pieces, and the identity of eq. (6.17)
+    :meth:`predict_proba`. :meth:`terms` returns the per-sample pieces, and the identity of eq. (6.17)
     ``l_pt = log(exp(l_CE(z_i)) + exp(l_SupCon(z_i, theta_{y_i})) - 1)`` holds for them (tested).
 
     Args:
@@ -450,6 +467,11 @@ class ESupConLoss(EmbeddingLoss):
         z = _check_embeddings(embeddings, self.prototypes.shape[1])
         return _cosine_logits(z, self.prototypes, self.temperature)
 
-    def posterior(self, embeddings) -> torch.Tensor:
+    def predict_proba(self, embeddings) -> torch.Tensor:
         """``(N, K)`` class probabilities ``softmax_k(s(z, theta_k))``."""
         return torch.softmax(self.logits(embeddings), dim=1)
+
+    def posterior(self, embeddings) -> torch.Tensor:
+        """Deprecated alias of :meth:`predict_proba`."""
+        warn_deprecated("ESupConLoss.posterior", "ESupConLoss.predict_proba")
+        return self.predict_proba(embeddings)

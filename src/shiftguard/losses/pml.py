@@ -4,7 +4,8 @@ Thin wrappers: the maths is pytorch-metric-learning's (v2.9); we only add input 
 constructor.  Proxy/classifier parameters live inside the wrapped module, so ``loss.parameters()`` must be
 given to the optimiser (as for every loss with learnable parameters in :mod:`shiftguard.losses`).
 
-* ``cross_entropy`` -- a linear classifier ``nn.Linear(embedding_dim, num_classes)`` on top of the
+* ``cross_entropy`` -- a linear classifier ``nn.Linear(embedding_dim, num_classes)`` (built by
+  ``CrossEntropyLoss(num_classes=..., embedding_dim=...)``) on top of the
   embeddings followed by ``F.cross_entropy``; the classifier is part of the loss module.
 * ``triplet`` -- ``TripletMarginLoss(margin)`` on triplets mined by ``TripletMarginMiner`` (semihard by
   default).
@@ -31,6 +32,7 @@ from pytorch_metric_learning import losses as pml_losses
 from pytorch_metric_learning import miners as pml_miners
 from torch import nn
 
+from shiftguard._deprecation import positional_dims
 from shiftguard._validation import check_positive
 from shiftguard.losses.base import EmbeddingLoss
 
@@ -68,14 +70,30 @@ class PMLLoss(EmbeddingLoss):
 
 
 class CrossEntropyLoss(EmbeddingLoss):
-    """Softmax cross-entropy through a linear classifier over the embeddings (owned by the loss)."""
+    """Softmax cross-entropy through a linear classifier over the embeddings (owned by the loss).
 
-    def __init__(self, embedding_dim: int, num_classes: int, *, validate_args: bool = True):
+    ``CrossEntropyLoss(*, num_classes, embedding_dim)``: the classifier is
+    ``nn.Linear(embedding_dim, num_classes)``. The dimensions are keyword-only; the former positional
+    form ``CrossEntropyLoss(embedding_dim, num_classes)`` still works for one release (read in that
+    order) and emits a ``DeprecationWarning`` asking for the keywords.
+    """
+
+    def __init__(
+        self,
+        *args: int,
+        num_classes: Optional[int] = None,
+        embedding_dim: Optional[int] = None,
+        validate_args: bool = True,
+    ):
         super().__init__(validate_args=validate_args)
+        num_classes, embedding_dim = positional_dims(
+            "CrossEntropyLoss(num_classes=..., embedding_dim=...)", args, num_classes, embedding_dim
+        )
+        num_classes, embedding_dim = _need(num_classes, embedding_dim, "cross_entropy")
         self.classifier = nn.Linear(embedding_dim, num_classes)
 
     def extra_repr(self) -> str:
-        return f"embedding_dim={self.classifier.in_features}, num_classes={self.classifier.out_features}"
+        return f"num_classes={self.classifier.out_features}, embedding_dim={self.classifier.in_features}"
 
     def compute(self, embeddings, labels):
         if embeddings.shape[1] != self.classifier.in_features:
@@ -90,28 +108,36 @@ class CrossEntropyLoss(EmbeddingLoss):
         return F.cross_entropy(F.linear(embeddings, w, b), labels)
 
 
-def _need(embedding_dim, num_classes, name) -> tuple[int, int]:
-    """``(embedding_dim, num_classes)``, both given and positive integers."""
-    if embedding_dim is None or num_classes is None:
-        raise ValueError(f"embedding_dim and num_classes: both are required for loss {name!r}")
-    check_positive(embedding_dim, "embedding_dim", integer=True)
+def _need(num_classes, embedding_dim, name) -> tuple[int, int]:
+    """``(num_classes, embedding_dim)``, both given and positive integers."""
+    if num_classes is None or embedding_dim is None:
+        raise ValueError(f"num_classes and embedding_dim: both are required for loss {name!r}")
     check_positive(num_classes, "num_classes", integer=True)
-    return embedding_dim, num_classes
+    check_positive(embedding_dim, "embedding_dim", integer=True)
+    return num_classes, embedding_dim
 
 
-def make_pml_loss(name: str, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None, **kw):
+def make_pml_loss(
+    name: str, *args: Optional[int], num_classes: Optional[int] = None, embedding_dim: Optional[int] = None, **kw
+):
     """Build one of :data:`PML_LOSSES` by name (``validate_args`` goes to the wrapper, the other
-    keywords to the pytorch-metric-learning loss)."""
+    keywords to the pytorch-metric-learning loss). ``num_classes`` and ``embedding_dim`` are
+    keyword-only; the former positional ``(embedding_dim, num_classes)`` still works for one release,
+    with a ``DeprecationWarning``."""
+    num_classes, embedding_dim = positional_dims(
+        "make_pml_loss(name, num_classes=..., embedding_dim=...)", args, num_classes, embedding_dim
+    )
     validate_args = kw.pop("validate_args", True)
     if name == "cross_entropy":
-        return CrossEntropyLoss(*_need(embedding_dim, num_classes, name), validate_args=validate_args)
+        num_classes, embedding_dim = _need(num_classes, embedding_dim, name)
+        return CrossEntropyLoss(num_classes=num_classes, embedding_dim=embedding_dim, validate_args=validate_args)
     if name == "triplet":
         margin = kw.pop("margin", 0.1)
         miner = pml_miners.TripletMarginMiner(margin=margin, type_of_triplets=kw.pop("type_of_triplets", "semihard"))
         return PMLLoss(pml_losses.TripletMarginLoss(margin=margin, **kw), miner, validate_args=validate_args)
     if name == "supcon":
         return PMLLoss(pml_losses.SupConLoss(temperature=kw.pop("temperature", 0.1), **kw), validate_args=validate_args)
-    _need(embedding_dim, num_classes, name)
+    _need(num_classes, embedding_dim, name)
     if name == "proxy_nca":
         loss = pml_losses.ProxyNCALoss(num_classes, embedding_dim, **kw)
     elif name == "proxy_nca_pp":

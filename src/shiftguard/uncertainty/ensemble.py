@@ -124,7 +124,7 @@ class DeepEnsemble(UncertaintyEstimator):
         seed: int = 0,
     ):
         super().__init__()
-        spec = resolve_backbone(backbone, embedding_dim, num_classes)
+        spec = resolve_backbone(backbone, num_classes=num_classes, embedding_dim=embedding_dim)
         check_positive(num_members, "num_members", integer=True)
         if not isinstance(independent, bool):
             raise TypeError(f"independent: expected a bool, got {type(independent).__name__}")

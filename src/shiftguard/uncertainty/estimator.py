@@ -5,6 +5,8 @@ An estimator is an ``nn.Module`` wrapping a backbone and usable wherever a class
 
 - ``forward(x) -> (N, C)`` LOG predictive probabilities, so ``softmax(forward(x))`` is the
   predictive distribution (``log p`` is a valid logit vector for every logit-based head);
+  ``predict_proba(x) -> (N, C)`` returns that distribution, computed in eval mode without gradients
+  (the verb of the heads and the contrastive classifiers);
   ``forward(x) == classifier(embed(x))``, the ``embed()`` / ``classifier`` contract of
   ``shiftguard.models`` that ``shiftguard.evaluate`` uses. In ``train()`` mode a method may return
   its training-time output (one dropout sample, the GP logits without the mean-field correction).
@@ -33,6 +35,7 @@ from typing import ClassVar, Iterator, NamedTuple, Optional
 import torch
 from torch import nn
 
+from shiftguard._deprecation import positional_dims
 from shiftguard._validation import check_labels, check_positive, check_tensor
 from shiftguard.models import EmbeddingClassifier
 
@@ -118,8 +121,14 @@ class Backbone(NamedTuple):
     classifier: Optional[nn.Linear]
 
 
-def resolve_backbone(backbone, embedding_dim: Optional[int] = None, num_classes: Optional[int] = None) -> Backbone:
+def resolve_backbone(
+    backbone, *args: Optional[int], num_classes: Optional[int] = None, embedding_dim: Optional[int] = None
+) -> Backbone:
     """Read embedding size, class count and (if any) linear classifier off ``backbone``.
+
+    ``resolve_backbone(backbone, *, num_classes=None, embedding_dim=None)``: the sizes are
+    keyword-only, as in the estimators; the former positional ``(embedding_dim, num_classes)`` still
+    works for one release, with a ``DeprecationWarning``.
 
     ``backbone`` is either a ``shiftguard.models.EmbeddingClassifier`` (``embed()``,
     ``embedding_dim``, ``classifier``; the class count is ``classifier.out_features``) or any
@@ -129,6 +138,9 @@ def resolve_backbone(backbone, embedding_dim: Optional[int] = None, num_classes:
     Raises ``TypeError`` (``backbone`` not a module, non-int sizes) or ``ValueError`` (missing or
     inconsistent sizes), naming the argument.
     """
+    num_classes, embedding_dim = positional_dims(
+        "resolve_backbone(backbone, num_classes=..., embedding_dim=...)", args, num_classes, embedding_dim
+    )
     if not isinstance(backbone, nn.Module):
         raise TypeError(f"backbone: expected a torch.nn.Module, got {type(backbone).__name__}")
     classifier: Optional[nn.Linear] = None
@@ -243,6 +255,17 @@ class UncertaintyEstimator(nn.Module):
         xt = self._check_input(x)
         yt = check_labels(y, "y", num_classes=self.num_classes, n=xt.shape[0])
         return xt, yt.to(xt.device)
+
+    def predict_proba(self, x) -> torch.Tensor:
+        """The predictive distribution ``softmax(forward(x))``, ``(N, C)`` rows on the simplex.
+
+        Computed in eval mode (every submodule's mode is restored afterwards) without gradients, as
+        :meth:`uncertainty`. Raises ``TypeError`` / ``ValueError`` naming ``x`` for a non-floating,
+        empty or 1-d input.
+        """
+        xt = self._check_input(x)
+        with torch.no_grad(), eval_mode(self):
+            return torch.softmax(self(xt), dim=1)
 
     def uncertainty(self, x) -> dict[str, torch.Tensor]:
         """Every uncertainty of the method for ``x``: ``{name: (N,)}``, higher = more uncertain.

@@ -162,7 +162,7 @@ class HETXL(UncertaintyEstimator):
         seed: int = 0,
     ):
         super().__init__()
-        spec = resolve_backbone(backbone, embedding_dim, num_classes)
+        spec = resolve_backbone(backbone, num_classes=num_classes, embedding_dim=embedding_dim)
         check_positive(rank, "rank", integer=True)
         check_positive(num_samples, "num_samples", integer=True)
         check_positive(temperature, "temperature")

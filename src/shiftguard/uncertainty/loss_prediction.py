@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shiftguard._deprecation import warn_deprecated
 from shiftguard._validation import check_labels, check_positive, check_same_length, check_tensor
 from shiftguard.uncertainty.estimator import UncertaintyEstimator, _entropy, backbone_embed, resolve_backbone, seeded
 
@@ -52,8 +53,10 @@ class LossPredictionHead(nn.Module):
         epochs, batch_size, lr, weight_decay: AdamW training on cached embeddings.
         seed: seed for initialisation and batch order.
 
-    ``fit(embeddings, task_loss)`` trains on detached inputs; ``predict(embeddings)`` returns ``(N,)``
-    uncertainties (higher = larger expected loss), also available as ``forward``.
+    ``fit(embeddings, task_loss)`` trains on detached inputs; ``predict_uncertainty(embeddings)``
+    returns ``(N,)`` uncertainties (higher = larger expected loss), also available as ``forward``.
+    They rank like the task loss but are not in its units (the ranking objective is scale-free), so
+    they are no loss estimate. ``predict`` is a deprecated alias of ``predict_uncertainty``.
     """
 
     def __init__(
@@ -143,11 +146,17 @@ class LossPredictionHead(nn.Module):
         return self
 
     @torch.no_grad()
-    def predict(self, embeddings) -> torch.Tensor:
-        """Uncertainty ``(N,)``; higher = the model expects a larger task loss."""
+    def predict_uncertainty(self, embeddings) -> torch.Tensor:
+        """Uncertainty ``(N,)``; higher = the model expects a larger task loss (a ranking score, not
+        a loss value)."""
         emb = self._check(embeddings)
         p = next(self.parameters())
         return self(emb.to(p.device, p.dtype)).to(emb.dtype)
+
+    def predict(self, embeddings) -> torch.Tensor:
+        """Deprecated alias of :meth:`predict_uncertainty`."""
+        warn_deprecated("LossPredictionHead.predict", "LossPredictionHead.predict_uncertainty")
+        return self.predict_uncertainty(embeddings)
 
 
 def loss_prediction_l2_loss(logits, y, predicted_loss, loss_weight: float = 0.5) -> torch.Tensor:
@@ -203,7 +212,7 @@ class LossPredictionL2(UncertaintyEstimator):
         seed: int = 0,
     ):
         super().__init__()
-        spec = resolve_backbone(backbone, embedding_dim, num_classes)
+        spec = resolve_backbone(backbone, num_classes=num_classes, embedding_dim=embedding_dim)
         check_positive(loss_weight, "loss_weight", strict=False)
         widths = tuple(hidden)
         for h in widths:

@@ -113,7 +113,7 @@ class MCDropout(UncertaintyEstimator):
         seed: int = 0,
     ):
         super().__init__()
-        spec = resolve_backbone(backbone, embedding_dim, num_classes)
+        spec = resolve_backbone(backbone, num_classes=num_classes, embedding_dim=embedding_dim)
         rate = _check_rate(rate)
         check_positive(num_samples, "num_samples", integer=True)
         linear = self._adopt_backbone(spec, seed)

@@ -268,7 +268,7 @@ class SNGP(UncertaintyEstimator):
         seed: int = 0,
     ):
         super().__init__()
-        spec = resolve_backbone(backbone, embedding_dim, num_classes)
+        spec = resolve_backbone(backbone, num_classes=num_classes, embedding_dim=embedding_dim)
         if not isinstance(spectral_norm, bool):
             raise TypeError(f"spectral_norm: expected a bool, got {type(spectral_norm).__name__}")
         check_positive(spectral_bound, "spectral_bound")
