@@ -21,34 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_device import timed  # (the same timing as the other device benchmark)
+
 SHAPES = [(256, 64, 12, 12), (128, 64, 16, 16), (256, 512), (1024, 128)]
 SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def timed(fn, dev, repeats: int, warmup: int) -> float:
-    """Median seconds of ``fn`` after ``warmup`` calls (the compilation happens there)."""
-    for _ in range(warmup):
-        fn()
-    _sync(dev)
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
 
 
 def _maybe_compile(module, backend):
