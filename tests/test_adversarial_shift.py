@@ -234,3 +234,26 @@ def test_run_config_names_a_bad_attack():
         C.config_from_dict({"eval": {"attacks": ["deepfool"]}, "models": [{"arch": "lenet"}]})
     with pytest.raises(ValueError, match="key eval.attack_eps must be a non-empty list of finite budgets"):
         C.config_from_dict({"eval": {"attacks": ["fgsm"], "attack_eps": [-1]}, "models": [{"arch": "lenet"}]})
+
+
+def test_attacking_a_qact_model_neither_reads_nor_moves_the_callers_random_stream():
+    """QACT draws its sampling seeds from torch's global generator: the attack's passes run under
+    the grid's fixed seed, so the adversarial cells are the same whatever the caller's stream
+    was, and the stream is where the caller left it."""
+    from shiftguard.models import build_model
+
+    torch.manual_seed(0)
+    net = build_model("lenet", num_classes=4, activation="qact")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (40, 1, 28, 28), dtype=torch.uint8, generator=g)
+    y = torch.arange(40) % 4
+    kw = dict(corruptions=["fog"], severities=[1], heads=["softmax"], n_boot=10, batch_size=20)
+    kw.update(attacks=["fgsm"], attack_eps=[2 / 255], contexts=["batch"])
+    torch.manual_seed(1)
+    state = torch.get_rng_state()
+    first = shiftguard.evaluate(net, (x, y), **kw)
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(2)
+    second = shiftguard.evaluate(net, (x, y), **kw)
+    adversarial = [(a, b) for a, b in zip(first.rows, second.rows) if a["group"] == "adversarial"]
+    assert adversarial and all(a == b for a, b in adversarial)

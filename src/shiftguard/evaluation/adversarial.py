@@ -31,6 +31,7 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from shiftguard._rng import seeded
 from shiftguard.adversarial import AttackSpec
 
 from .cell import Cell
@@ -247,7 +248,10 @@ class AttackSuite:
         # model (and the reverse) as its own evaluation feeds it. An evaluation called under
         # torch.inference_mode() or no_grad() still needs input gradients here: both are lifted for
         # the attack, and images made under inference mode are copied into ordinary tensors.
-        with torch.inference_mode(False), torch.enable_grad():
+        # The global RNG is fixed to seed 0 for the attack's passes, as for every other pass of the
+        # grid (QACT draws its sampling seeds from it): the images do not depend on the caller's
+        # random stream, which is restored after.
+        with torch.inference_mode(False), torch.enable_grad(), seeded(0, self.device):
             x = self.test_x.clone() if self.test_x.is_inference() else self.test_x
             y = self.test_y.clone() if self.test_y.is_inference() else self.test_y
             return spec.run(
