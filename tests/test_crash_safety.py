@@ -588,10 +588,10 @@ elif mode == "model-write":            # die when the final weights' temp file i
 elif mode == "evaluation":             # die when the first corrupted cell is about to be embedded
     from shiftguard.evaluation import cache as E
     orig_get = E.OutputCache.get_or_compute
-    def get_or_compute(self, key, fn):
+    def get_or_compute(self, key, fn, *rest):
         if key == "rotate-s5":
             die()
-        return orig_get(self, key, fn)
+        return orig_get(self, key, fn, *rest)
     E.OutputCache.get_or_compute = get_or_compute
 from shiftguard.cli import main
 sys.exit(main(sys.argv[2:]))

@@ -544,9 +544,9 @@ def _sharded_worker(rank: int, world: int, port: int, out_dir: str) -> None:
         written = []  # the cache files this process wrote (a miss is computed and written)
         compute = OutputCache.get_or_compute
 
-        def recording(self, key, fn):
+        def recording(self, key, fn, *rest):
             misses = self.misses
-            out = compute(self, key, fn)
+            out = compute(self, key, fn, *rest)
             if self.misses > misses:
                 written.append(str(self.path(key).relative_to(out_dir)))
             return out
@@ -685,3 +685,23 @@ def test_no_process_reaches_the_grid_before_the_cache_fingerprints_are_written(t
     )
     E._check_cache(plan, preprocess=None, output="logits", embed=None, source="engine", suite="mnist-c")
     assert seen == [True]
+
+
+def test_gathered_results_are_loaded_through_the_receiving_process_map_location():
+    """A peer's fitted heads travel with their tensors' devices; ``map_location`` is applied to
+    every tensor inside them (the grid passes the process's own device)."""
+    from shiftguard.heads import build_head
+    from shiftguard.train import distributed as D
+
+    x = torch.randn(12, 4)
+    head = build_head("knn", 3, k=2).fit(x, torch.arange(12) % 3)
+    seen = []
+
+    def where(storage, location):
+        seen.append(location)
+        return storage
+
+    back = D._loads(D._dumps({"head": head, "rows": [{"a": 1.0}]}), where)
+    assert seen and set(seen) == {"cpu"}
+    assert back["rows"] == [{"a": 1.0}]
+    assert torch.equal(back["head"].predict_proba(x), head.predict_proba(x))

@@ -34,7 +34,10 @@ __all__ = ["WeightedSplitConformal", "likelihood_ratio_weights", "weighted_thres
 
 def likelihood_ratio_weights(cal_features, test_features, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w_cal (n,), w_test (m,))``: the estimated ``dP_test / dP_cal`` at every calibration and
-    test input, from a logistic regression telling the two sets apart (module docstring)."""
+    test input, from a logistic regression telling the two sets apart (module docstring).
+
+    The regression is scikit-learn's, on the host: the features are copied there and the weights
+    returned on ``cal_features``' device."""
     from sklearn.linear_model import LogisticRegression
     from sklearn.preprocessing import StandardScaler
 
@@ -48,8 +51,8 @@ def likelihood_ratio_weights(cal_features, test_features, seed: int = 0) -> tupl
     clf = LogisticRegression(C=1.0, max_iter=1000, random_state=seed).fit(x, d)
     logit = clf.decision_function(x)  # log P(1 | x) / P(0 | x)
     w = np.exp(logit + math.log(a.shape[0] / b.shape[0]))
-    w_cal = torch.as_tensor(w[: a.shape[0]], dtype=torch.float64)
-    w_test = torch.as_tensor(w[a.shape[0] :], dtype=torch.float64)
+    w_cal = torch.as_tensor(w[: a.shape[0]], dtype=torch.float64).to(a.device)
+    w_test = torch.as_tensor(w[a.shape[0] :], dtype=torch.float64).to(a.device)
     return w_cal, w_test
 
 
@@ -65,7 +68,7 @@ def weighted_thresholds(
     total = cum[-1] + test_weights.double()
     target = (1.0 - alpha) * total
     idx = torch.searchsorted(cum, target * (1 - 1e-12))  # first k with cum[k] >= target (rounding kept in)
-    out = torch.full(test_weights.shape, math.inf, dtype=torch.float64)
+    out = torch.full(test_weights.shape, math.inf, dtype=torch.float64, device=test_weights.device)
     ok = idx < s.numel()
     out[ok] = s[idx[ok]]
     return out

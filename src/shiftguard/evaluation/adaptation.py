@@ -366,7 +366,7 @@ class AdaptedModel:
         try:
             with seeded(0, device), qact_context(self.model, "batch" if context == "none" else context):
                 for a, b in zip(bounds[:-1], bounds[1:]):
-                    self.outputs.raw(images[order[a:b]], device)
+                    self.outputs.raw(images[order[a:b].to(images.device)], device)
         finally:
             for bn, m in zip(layers, momenta):
                 bn.momentum = m
@@ -387,7 +387,7 @@ class AdaptedModel:
                 for p in range(self.spec.passes):
                     order, bounds = batch_order(n, batch_size, order_seed=self.seed * 1_000_003 + p + 1)
                     for a, b in zip(bounds[:-1], bounds[1:]):
-                        self.outputs.raw(images[order[a:b]], device)
+                        self.outputs.raw(images[order[a:b].to(images.device)], device)
         finally:
             self.model.eval()
 
@@ -415,7 +415,7 @@ class AdaptedModel:
         try:
             with seeded(0, device), qact_context(model, "batch" if context == "none" else context):
                 for a, b in zip(bounds[:-1], bounds[1:]):
-                    x = images[order[a:b]]
+                    x = images[order[a:b].to(images.device)]
                     emb: Optional[torch.Tensor] = None
                     lg: Optional[torch.Tensor] = None
                     for _ in range(self.spec.steps):
@@ -427,15 +427,16 @@ class AdaptedModel:
                             loss.backward()
                         opt.step()
                     assert lg is not None  # steps >= 1
-                    logits.append(lg.detach().reshape(lg.shape[0], -1).float().cpu())
+                    logits.append(lg.detach().reshape(lg.shape[0], -1).float())
                     if emb is not None:
-                        embs.append(emb.detach().reshape(emb.shape[0], -1).float().cpu())
+                        embs.append(emb.detach().reshape(emb.shape[0], -1).float())
         finally:
             opt.zero_grad(set_to_none=True)
             for p, f in flags.items():
                 p.requires_grad_(f)
         inv = torch.empty_like(order)
         inv[order] = torch.arange(n)
+        inv = inv.to(device)
         return {
             "embeddings": torch.cat(embs)[inv] if self.outputs.has_embeddings else None,
             "logits": torch.cat(logits)[inv],

@@ -146,17 +146,27 @@ class OutputCache:
     def path(self, key: str) -> Path:
         return self.root / f"{key}.pt"
 
-    def get_or_compute(self, key: str, fn: Callable[[], dict]) -> dict:
+    def get_or_compute(self, key: str, fn: Callable[[], dict], device: Optional[torch.device] = None) -> dict:
+        """The outputs ``fn()`` computes, read from ``<root>/<key>.pt`` when that file is there.
+
+        The file holds host copies (the same bytes whatever device computed them); outputs read
+        from it are moved to ``device`` (None: left on the host), computed ones returned as ``fn``
+        made them."""
         p = self.path(key)
         if self.enabled and p.is_file():
             try:
                 out = torch.load(p, map_location="cpu", weights_only=True)
                 self.hits += 1
-                return out
+                return out if device is None else _map_tensors(out, lambda t: t.to(device))
             except Exception:  # damaged cache file: recompute it
                 pass
         out = fn()
         self.misses += 1
         if self.enabled:
-            atomic_write(p, lambda fh: torch.save(out, fh))
+            on_host = _map_tensors(out, lambda t: t.cpu())
+            atomic_write(p, lambda fh: torch.save(on_host, fh))
         return out
+
+
+def _map_tensors(out: dict, fn: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in out.items()}

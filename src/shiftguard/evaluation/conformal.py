@@ -118,7 +118,9 @@ def set_metrics(
         if spec.weighted:
             assert weights is not None
             w_cal, w_test = weights
-            wsets = conf.predict_sets(probs, uniform=uniform, cal_weights=w_cal[conf.kept_], test_weights=w_test)
+            wsets = conf.predict_sets(
+                probs, uniform=uniform, cal_weights=w_cal[conf.kept_.to(w_cal.device)], test_weights=w_test
+            )
             out[f"coverage_{m}_weighted"] = coverage(wsets, labels)
             out[f"set_size_{m}_weighted"] = float(wsets.sum(1).double().mean())
     return out

@@ -468,6 +468,16 @@ def evaluate(
             corruption means. ``transfer_from``: model names whose white-box images are also scored
             on every model, as cells ``"<attack>@<model>"`` (a transfer attack, the black-box check
             of gradient masking; ``docs/adversarial.md``).
+        device: where the models run (``"cpu"``, ``"cuda"``, ``"cuda:1"``; a model elsewhere is
+            evaluated as a copy moved there). What a model computes stays there: its logits and
+            embeddings, the heads' fits and scores, the kNN searches, the adaptation arms and the
+            attacks' gradients; what comes back to the host are the results (metrics, each
+            head's per-image correctness and confidence), the files of ``cache_dir``, and what
+            scikit-learn computes (the weighted sets' likelihood ratio). Images stay where
+            ``test`` is and reach the model a batch at a time: the corruption engine draws its
+            noise on the images' device, so test images on the CPU (the default) give every
+            device the same corrupted cells; move ``test`` to the GPU to corrupt (and attack)
+            there.
         cache_dir: keep the model outputs of every cell there (resumable). A model's folder is
             reused only by the same evaluation: a fingerprint of its weights, the data, what
             ``preprocess`` does, the batch size, output, embedding, corruption source and seed

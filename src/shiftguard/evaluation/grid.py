@@ -160,11 +160,11 @@ def run_grid(plan: EvaluationPlan) -> GridResult:
     try:
         fitted: dict[tuple, Any] = {}
         timings = Timings()
-        for part, seconds in _exchange(lambda: heads.fit(fit_share), world, "fitting the heads"):
+        for part, seconds in _exchange(lambda: heads.fit(fit_share), world, "fitting the heads", plan.device):
             fitted.update(part)
             timings += seconds
         scorer = _UnitScorer(plan, source, fitted, jobs)
-        shares = _exchange(lambda: scorer.score(unit_share), world, "scoring the grid")
+        shares = _exchange(lambda: scorer.score(unit_share), world, "scoring the grid", plan.device)
     finally:
         bar.close()
     units = {u: r for part, _ in shares for u, r in part.items()}
@@ -189,14 +189,15 @@ def grid_shards(n_jobs: int, n_cells: int, rank: int = 0, world_size: int = 1) -
     return range(rank, n_jobs, world_size), shard_range(n_jobs * n_cells, rank, world_size)
 
 
-def _exchange(fn: Callable[[], object], world: int, what: str) -> list:
+def _exchange(fn: Callable[[], object], world: int, what: str, device: torch.device) -> list:
     """``[fn()]`` in one process, else every process's ``fn()`` in rank order, on every process
-    (:func:`~shiftguard.train.distributed.all_gather_results`: a failure anywhere raises everywhere)."""
+    (:func:`~shiftguard.train.distributed.all_gather_results`: a failure anywhere raises everywhere),
+    the tensors of a peer's result (its fitted heads) moved to this process's ``device``."""
     if world == 1:
         return [fn()]
     from shiftguard.train.distributed import all_gather_results
 
-    return all_gather_results(fn, what)
+    return all_gather_results(fn, what, map_location=device)
 
 
 class _OutputSource:
@@ -219,7 +220,7 @@ class _OutputSource:
         if static:
             with qact_context(m.model, "batch" if job.context == "none" else job.context):
                 out = cache.get_or_compute(
-                    key, lambda: compute_outputs(m.outputs, make_images(), plan.batch_size, plan.device)
+                    key, lambda: compute_outputs(m.outputs, make_images(), plan.batch_size, plan.device), plan.device
                 )
             seconds.embed_s += time.perf_counter() - t0
         else:
@@ -230,7 +231,7 @@ class _OutputSource:
                     arm = self.adapted[m.name, job.arm.label] = AdaptedModel(job.arm, m.outputs, seed=plan.seed)
                 return arm.outputs_on(make_images(), plan.batch_size, plan.device, job.context)
 
-            out = cache.get_or_compute(key, compute)
+            out = cache.get_or_compute(key, compute, plan.device)
             seconds.adapt_s += time.perf_counter() - t0
         self.bar.update(1, info=f"{m.name}/{job.context}/{job.arm.label}/{key}")
         return out
@@ -287,6 +288,7 @@ class _HeadFitter:
         plan, m, ctx = self.plan, job.entry, job.context
         assert plan.calibration is not None and plan.conformal is not None
         cal_x, cal_y = plan.calibration
+        cal_y = cal_y.to(plan.device)
         cal = self.source(job, "calibration", lambda: cal_x, seconds)
         out: dict[tuple, Any] = {
             (m.name, ctx, "calibration-features"): cal["embeddings"] if cal["embeddings"] is not None else cal["logits"]
@@ -306,6 +308,7 @@ class _UnitScorer:
     def __init__(self, plan: EvaluationPlan, source: _OutputSource, fitted: dict, jobs: Sequence[Job]) -> None:
         self.plan, self.source, self.fitted, self.jobs = plan, source, fitted, jobs
         self.cells = plan.all_cells
+        self.labels = plan.test[1].to(plan.device)  # the cells are scored where the outputs are
 
     def score(self, units: Sequence[int]) -> tuple[dict[int, dict], Timings]:
         """``({unit: {"rows", "kept"}}, seconds)`` for ``units`` (cell-major indices)."""
@@ -347,9 +350,10 @@ class _UnitScorer:
                     features = out["embeddings"] if out["embeddings"] is not None else out["logits"]
                     cal = self.fitted[job.entry.name, job.context, "calibration-features"]
                     weights = cell_weights(cal, features, plan.seed)
-                sets = {"spec": plan.conformal, "uniform": cell_uniform(n_test, plan.seed, c), "weights": weights}
+                uniform = cell_uniform(n_test, plan.seed, c).to(plan.device)
+                sets = {"spec": plan.conformal, "uniform": uniform, "weights": weights}
             keep = cell.severity == 0 or cell.group == "benchmark"
-            results[u] = _score_unit(plan, out, self.fitted, job, cell, keep=keep, conformal=sets)
+            results[u] = _score_unit(plan, out, self.labels, self.fitted, job, cell, keep=keep, conformal=sets)
             seconds.score_s += time.perf_counter() - t0
         self.source.bar.close()
         return results, seconds
@@ -396,6 +400,7 @@ def _assemble(plan: EvaluationPlan, jobs: Sequence[Job], units: dict[int, dict])
 def _score_unit(
     plan: EvaluationPlan,
     out: dict,
+    test_y: torch.Tensor,
     fitted: dict,
     job: Job,
     cell: Cell,
@@ -403,11 +408,12 @@ def _score_unit(
     conformal: Optional[dict] = None,
 ) -> dict:
     """Rows of every head of one job on one cell; with ``keep``, also each head's per-image
-    ``(correct, confidence, hit)``, for the intervals and reliability pools. Each head reads the
+    ``(correct, confidence, hit)`` on the host, for the intervals and reliability pools (the one
+    copy of a head's per-image results; everything else stays on the outputs' device, where
+    ``test_y`` is). Each head reads the
     outputs its ``input`` names (the kNN heads share their searches through their
     ``SearchCache``). ``conformal``: ``{"spec", "uniform", "weights"}`` of the cell; each head's
     calibrators are ``fitted[name, ctx, head, "conformal"]``."""
-    test_y = plan.test[1]
     name, ctx = job.entry.name, job.context
     if out["embeddings"] is not None:
         retrieval, miss = score_retrieval(out["embeddings"], test_y, plan.retrieval_ks)
@@ -426,7 +432,7 @@ def _score_unit(
         conf, top_class = calib.max(1)
         hit = top_class == test_y  # the top-label event the ECE is about
         correct = norm.argmax(1) == test_y  # the prediction accuracy counts
-        kept.append((correct, conf, hit) if keep else None)
+        kept.append(_on_host(correct, conf, hit) if keep else None)
         sets = {}
         if conformal is not None:
             calibrators = fitted[name, ctx, h, "conformal"]
@@ -449,3 +455,10 @@ def _score_unit(
             }
         )
     return {"rows": rows, "kept": kept}
+
+
+def _on_host(correct: torch.Tensor, conf: torch.Tensor, hit: torch.Tensor) -> tuple:
+    """``(correct, conf, hit)`` copied to the host in one transfer (float32 holds the booleans
+    exactly; ``conf`` is float32 already)."""
+    both = torch.stack((correct.float(), conf.float(), hit.float())).cpu()
+    return both[0].bool(), both[1], both[2].bool()

@@ -149,7 +149,7 @@ class ModelOutputs:
         return self.preprocess(x) if self.preprocess is not None else x
 
     def __call__(self, pixels: torch.Tensor, device="cpu") -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """``(embeddings (N, D) | None, logits (N, C) | None)``, float32 on the CPU, no graph."""
+        """``(embeddings (N, D) | None, logits (N, C) | None)``, float32 on ``device``, no graph."""
         emb, logits = self.raw(pixels, device)
         return (None if emb is None else _as_2d(emb)), (None if logits is None else _as_2d(logits))
 
@@ -240,7 +240,7 @@ def _checked(t, what: str) -> torch.Tensor:
 
 
 def _as_2d(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().reshape(t.shape[0], -1).float().cpu()
+    return t.detach().reshape(t.shape[0], -1).float()
 
 
 def batch_order(n: int, batch_size: int, order_seed: Optional[int] = 0) -> tuple[torch.Tensor, list[int]]:
@@ -273,6 +273,8 @@ def compute_outputs(
     ``batch_size / 2`` images is merged into the previous one, so every context holds at least
     half a batch. The global RNG (QACT's KDE draws) is fixed to seed 0 inside and restored after,
     so the same call gives the same outputs without disturbing the caller's random stream.
+    The outputs stay on ``device`` (the heads are fitted and scored there); ``images`` may be on
+    the host or on ``device``, a batch at a time is moved.
     """
     outputs.model.eval()
     with seeded(0, device):
@@ -282,13 +284,14 @@ def compute_outputs(
         embs: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            e, lg = outputs(images[order[a:b]], device)
+            e, lg = outputs(images[order[a:b].to(images.device)], device)
             if e is not None:
                 embs.append(e)
             if lg is not None:
                 logits.append(lg)
     inv = torch.empty_like(order)
     inv[order] = torch.arange(n)
+    inv = inv.to(device)
     return {
         "embeddings": torch.cat(embs)[inv] if outputs.has_embeddings else None,
         "logits": torch.cat(logits)[inv] if outputs.has_logits else None,

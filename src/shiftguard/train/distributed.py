@@ -41,8 +41,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import io
 import math
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -197,7 +199,7 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def all_gather_results(fn: Callable[[], object], what: str = "work") -> list:
+def all_gather_results(fn: Callable[[], object], what: str = "work", map_location=None) -> list:
     """Run ``fn()`` on every process; return every process's result, in rank order, on every process.
 
     Every process must call it (it is a collective). A failure on any process, an exception in
@@ -207,15 +209,16 @@ def all_gather_results(fn: Callable[[], object], what: str = "work") -> list:
     Outside a process group (or with one process) it is ``[fn()]``.
 
     Results travel pickled (``dist.all_gather_object``): meant for rows, fitted heads and
-    per-image arrays, not for bulk tensors (use ``dist.all_gather`` for those).
+    per-image arrays, not for bulk tensors (use ``dist.all_gather`` for those). A pickled tensor
+    comes back on the device it left (``cuda:0`` of process 0 stays ``cuda:0`` in process 1);
+    ``map_location`` (as ``torch.load``'s: this process's device) moves every tensor of the
+    results where this process computes instead.
     """
     if not is_distributed():
         return [fn()]
-    import pickle
-
     error: Optional[BaseException] = None
     try:
-        message: tuple[str, object] = ("ok", pickle.dumps(fn(), protocol=pickle.HIGHEST_PROTOCOL))
+        message: tuple[str, object] = ("ok", _dumps(fn()))
     except Exception as exc:  # any failure of fn: every process must still reach the gather below
         error, message = exc, ("error", f"{type(exc).__name__}: {exc}")
     box: list = [None] * dist.get_world_size()
@@ -226,7 +229,20 @@ def all_gather_results(fn: Callable[[], object], what: str = "work") -> list:
     if failed:
         rank, msg = failed[0]
         raise RuntimeError(f"{what}: process {rank} of {len(box)} failed: {msg}")
-    return [pickle.loads(m[1]) for m in box]
+    return [_loads(m[1], map_location) for m in box]
+
+
+def _dumps(obj: object) -> bytes:
+    """``obj`` serialised by ``torch.save`` (pickle, with tensors stored by device), for :func:`_loads`."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes, map_location=None) -> object:
+    """The object :func:`_dumps` made, its tensors moved by ``map_location``. Not ``weights_only``:
+    the bytes are this program's own results (heads, rows), made by a peer process of the group."""
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=False)
 
 
 def shard_range(n: int, rank: Optional[int] = None, world_size: Optional[int] = None) -> range:
