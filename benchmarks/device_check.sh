@@ -5,8 +5,12 @@
 #   2. benchmarks/bench_qact_compile.py on the GPU: BN-QACT-BN vs BN-ReLU-BN fwd+bwd at the four
 #      benchmark shapes, eager and compiled (both sides alike), and a compiled ResNet-18 training step
 #      (32x32, batch 128), QACT vs its bn-relu-bn twin, 200 s;
-#   3. the same on the machine's CPU cores, for the ratio, 150 s;
-#   4. what is left of the budget: the remaining CUDA tests, benchmarks/bench_device.py and the
+#   3. benchmarks/bench_evaluate_device.py on the GPU: evaluate() of a ResNet-18 on 10,000 32x32
+#      images x 19 CIFAR-10-C corruptions x 5 severities (softmax, temperature, kNN heads): images
+#      per second, the forward passes' share of the wall time, the GPU's busy share, 150 s;
+#   4. the QACT benchmark on the machine's CPU cores, for the ratio, 150 s, and the evaluation on
+#      500 images there, 60 s;
+#   5. what is left of the budget: the remaining CUDA tests, benchmarks/bench_device.py and the
 #      retrieval comparison benchmarks/bench_retrieval.py (shiftguard vs pytorch-metric-learning).
 # Logs and JSON go to $OUT (default benchmarks/results/device); the script prints the path of each
 # JSON file as it is written (bench_qact_compile_cuda.json, bench_qact_compile_cpu.json, ...).
@@ -71,8 +75,10 @@ CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null 
 
 if ((SMOKE)); then
     QARGS=(--smoke --backend aot_eager)
+    EARGS=(--smoke)
 else
     QARGS=()
+    EARGS=()
 fi
 if ((CUDA)); then
     # pytest-timeout (in the image) stops a single hanging test after 90 s; without it the option is ignored.
@@ -80,12 +86,16 @@ if ((CUDA)); then
         --durations=10 tests/test_cuda.py -k qact
     run_part 200 "$OUT/bench_qact_compile_cuda.txt" $PY benchmarks/bench_qact_compile.py --device cuda --out "$OUT" \
         "${QARGS[@]}"
+    run_part 150 "$OUT/bench_evaluate_device_cuda.txt" $PY benchmarks/bench_evaluate_device.py --device cuda \
+        --out "$OUT" "${EARGS[@]}"
 else
-    echo "skipped: no CUDA device (QACT CUDA tests, GPU benchmark; no GPU figure is measured)" |
-        tee "$OUT/cuda_qact_tests.txt" "$OUT/bench_qact_compile_cuda.txt"
+    echo "skipped: no CUDA device (QACT CUDA tests, GPU benchmarks; no GPU figure is measured)" |
+        tee "$OUT/cuda_qact_tests.txt" "$OUT/bench_qact_compile_cuda.txt" "$OUT/bench_evaluate_device_cuda.txt"
 fi
 run_part 150 "$OUT/bench_qact_compile_cpu.txt" $PY benchmarks/bench_qact_compile.py --device cpu --out "$OUT" \
     "${QARGS[@]}"
+run_part 60 "$OUT/bench_evaluate_device_cpu.txt" $PY benchmarks/bench_evaluate_device.py --device cpu --n 500 \
+    --out "$OUT" "${EARGS[@]}"
 if ((CUDA)); then
     run_part 100 "$OUT/cuda_tests.txt" $PY -m pytest -q -p no:cacheprovider -o addopts="" -o timeout=90 \
         --durations=15 tests/test_cuda.py -k "not qact" "tests/test_corruptions.py::test_runs_on_gpu_with_the_same_contract"
