@@ -166,3 +166,23 @@ def test_lazy_layer_compiles_once_its_statistics_exist():
     twin = QuantileActivation(num_features=3)
     twin.load_state_dict(layer.state_dict())
     _assert_same(_step(layer.train(), x, 1), _step(_compiled(twin).train(), x, 1))
+
+
+def test_the_kde_draws_read_nothing_back_from_a_device():
+    """The batch context's draws and Silverman bandwidth run on the device without a read back
+    (a synchronisation, refused inside CUDA-graph capture): the drawn rows are sorted by
+    construction, so the bandwidth is told so instead of checking. Same draws as on the CPU."""
+    from _fake_device import DEVICE, FakeDevice
+
+    from shiftguard.functional.kde import silverman_bandwidth
+
+    ctx = torch.sort(torch.randn(8, 65, generator=torch.Generator().manual_seed(0)), dim=1).values
+    n_neg = (ctx < 0).sum(1)
+    with FakeDevice() as fd:
+        gen = torch.Generator(device=DEVICE).manual_seed(3)
+        samples, bw = Q._draw_samples(ctx.to(DEVICE), n_neg.to(DEVICE), 40, gen, None)
+        samples, bw = samples.cpu(), bw.cpu()
+    assert [h.kind for h in fd.host_reads] == ["copy", "copy"]  # the two .cpu() above, nothing else
+    ref_samples, ref_bw = Q._draw_samples(ctx, n_neg, 40, torch.Generator().manual_seed(3), None)
+    assert torch.equal(samples, ref_samples) and torch.equal(bw, ref_bw)
+    assert torch.equal(bw, silverman_bandwidth(ref_samples))  # the checking path agrees

@@ -76,11 +76,14 @@ def _sorted_quantile(srt: torch.Tensor, level: float) -> torch.Tensor:
     return srt[:, lo] + (pos - lo) * (srt[:, hi] - srt[:, lo])
 
 
-def silverman_bandwidth(samples: torch.Tensor) -> torch.Tensor:
+def silverman_bandwidth(samples: torch.Tensor, *, presorted: bool = False) -> torch.Tensor:
     """Silverman's rule of thumb per row: ``0.9 * A * S^(-1/5)``, ``A = min(std, IQR/1.34)``.
 
     Args:
         samples: ``(C, S)`` sample points (any order), ``S >= 1``.
+        presorted: the caller knows every row is sorted ascending: the check that would find it
+            out, which reads a value back from a GPU (a synchronisation, refused inside CUDA-graph
+            capture), is skipped. Rows that are not sorted then give a wrong IQR.
 
     Returns:
         ``(C,)`` strictly positive bandwidths. Where the IQR is 0 (more than half the sample on one
@@ -88,7 +91,7 @@ def silverman_bandwidth(samples: torch.Tensor) -> torch.Tensor:
         to ``1e-3 * max(1, |value|)`` so that the density stays finite.
     """
     s = samples.shape[1]
-    srt = samples if _is_sorted(samples) else torch.sort(samples, dim=1).values
+    srt = samples if presorted or _is_sorted(samples) else torch.sort(samples, dim=1).values
     std = samples.std(dim=1, unbiased=s > 1) if s > 1 else torch.zeros_like(samples[:, 0])
     iqr = (_sorted_quantile(srt, 0.75) - _sorted_quantile(srt, 0.25)) / 1.34
     a = torch.minimum(std, iqr)

@@ -371,8 +371,8 @@ def _draw_samples(
     counts_through = _comb_counts(n_neg, k_dim, n_samples, u)
     draw = torch.arange(n_samples, device=ctx.device).expand(ch, -1).contiguous()
     idx = torch.searchsorted(counts_through, draw, right=True)
-    samples = torch.gather(ctx, 1, idx)
-    bw = silverman_bandwidth(samples) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, ctx)
+    samples = torch.gather(ctx, 1, idx)  # sorted: ctx is, and idx is non-decreasing along each row
+    bw = silverman_bandwidth(samples, presorted=True) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, ctx)
     return samples, bw
 
 
@@ -394,7 +394,9 @@ def default_statistics(
     s = s.to(dtype).expand(num_channels, -1).clone()
     bandwidth = check_bandwidth(bandwidth)
     return QACTStatistics(
-        q, s, silverman_bandwidth(s) if bandwidth is None else _fixed_bandwidth(bandwidth, num_channels, s)
+        q,
+        s,
+        silverman_bandwidth(s, presorted=True) if bandwidth is None else _fixed_bandwidth(bandwidth, num_channels, s),
     )
 
 

@@ -164,7 +164,11 @@ def sketch_statistics(
     idx = torch.searchsorted(cum.contiguous(), u * cum[:, -1:], right=True).clamp_max(v.shape[1] - 1)
     samples, _ = torch.sort(torch.gather(v, 1, idx), dim=1)
     bandwidth = check_bandwidth(bandwidth)
-    bw = silverman_bandwidth(samples) if bandwidth is None else torch.full((ch,), bandwidth, dtype=dtype, device=device)
+    bw = (
+        silverman_bandwidth(samples, presorted=True)
+        if bandwidth is None
+        else torch.full((ch,), bandwidth, dtype=dtype, device=device)
+    )
     return QACTStatistics(q, samples, bw)
 
 
