@@ -152,3 +152,15 @@ def test_device_data_attacks_weighted_sets_and_the_cache_on_a_device(same_arithm
     assert files and all(
         t.device.type == "cpu" for f in files for t in torch.load(f, weights_only=True).values() if t is not None
     )
+
+
+def test_the_grid_waits_for_a_gpu_before_reading_the_clock(monkeypatch):
+    """The steps' seconds (``timings``) are read after the device's queued kernels are done, so
+    that a step's GPU time is not counted in the next step that reads a result back."""
+    from shiftguard.evaluation import grid
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    grid._clock(torch.device("cuda", 0))
+    grid._clock(torch.device("cpu"))
+    assert calls == [torch.device("cuda", 0)]

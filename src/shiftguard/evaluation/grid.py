@@ -108,6 +108,15 @@ def grid_jobs(
     return jobs, skipped_heads, skipped_arms
 
 
+def _clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once the device's queued work is done: on a GPU the kernels run
+    asynchronously, and without the synchronisation a step's seconds would be counted in whichever
+    later step reads a result back (``Timings``)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _slug(label: str) -> str:
     """An arm label as a folder name."""
     return "".join(ch if ch.isalnum() or ch in "-." else "-" for ch in label)
@@ -216,13 +225,13 @@ class _OutputSource:
         if not static:
             root = root / f"adapt-{_slug(job.arm.label)}"
         cache = OutputCache(root, enabled=plan.cache_root is not None)
-        t0 = time.perf_counter()
+        t0 = _clock(plan.device)
         if static:
             with qact_context(m.model, "batch" if job.context == "none" else job.context):
                 out = cache.get_or_compute(
                     key, lambda: compute_outputs(m.outputs, make_images(), plan.batch_size, plan.device), plan.device
                 )
-            seconds.embed_s += time.perf_counter() - t0
+            seconds.embed_s += _clock(plan.device) - t0
         else:
 
             def compute():
@@ -232,7 +241,7 @@ class _OutputSource:
                 return arm.outputs_on(make_images(), plan.batch_size, plan.device, job.context)
 
             out = cache.get_or_compute(key, compute, plan.device)
-            seconds.adapt_s += time.perf_counter() - t0
+            seconds.adapt_s += _clock(plan.device) - t0
         self.bar.update(1, info=f"{m.name}/{job.context}/{job.arm.label}/{key}")
         return out
 
@@ -270,7 +279,7 @@ class _HeadFitter:
                 sup = self.source(job, "support", lambda: sup_x, seconds)
             if val_x is not None and learns:
                 val = self.source(job, "validation", lambda: val_x, seconds)
-            t0 = time.perf_counter()
+            t0 = _clock(plan.device)
             for h, head in built.items():
                 train = (sup[head.input], sup_y) if sup is not None else (None, None)
                 held_out = (val[head.input], val_y) if val is not None and head.uses_validation else ()
@@ -281,7 +290,7 @@ class _HeadFitter:
                 fitted[m.name, ctx, h] = head
             if plan.conformal is not None:
                 fitted.update(self._calibrate(job, fitted, seconds))
-            seconds.fit_heads_s += time.perf_counter() - t0
+            seconds.fit_heads_s += _clock(plan.device) - t0
         return fitted, seconds
 
     def _calibrate(self, job: Job, fitted: dict, seconds: Timings) -> dict:
@@ -324,17 +333,17 @@ class _UnitScorer:
                 continue
 
             def make_images(cell=cell, c=c, job=job) -> torch.Tensor:
-                t0 = time.perf_counter()
+                t0 = _clock(plan.device)
                 if cell.group == ADVERSARIAL:  # white-box: every (model, context) has its own images
                     assert plan.attacks is not None
                     x = plan.attacks(job.entry, job.context, cell.corruption, cell.severity)
-                    seconds.attack_s += time.perf_counter() - t0
+                    seconds.attack_s += _clock(plan.device) - t0
                     return x
                 if images.get("cell") != c:
                     clean = cell.corruption == CLEAN
                     images["x"] = plan.test[0] if clean else plan.shifted(cell.corruption, cell.severity)
                     images["cell"] = c
-                    seconds.corrupt_s += time.perf_counter() - t0
+                    seconds.corrupt_s += _clock(plan.device) - t0
                 return images["x"]
 
             if cell.group == ADVERSARIAL and plan.attacks is not None:
@@ -342,7 +351,7 @@ class _UnitScorer:
             else:
                 key = f"{cell.corruption}-s{cell.severity}"
             out = self.source(job, key, make_images, seconds)
-            t0 = time.perf_counter()
+            t0 = _clock(plan.device)
             sets = None
             if plan.conformal is not None:
                 weights = None
@@ -354,7 +363,7 @@ class _UnitScorer:
                 sets = {"spec": plan.conformal, "uniform": uniform, "weights": weights}
             keep = cell.severity == 0 or cell.group == "benchmark"
             results[u] = _score_unit(plan, out, self.labels, self.fitted, job, cell, keep=keep, conformal=sets)
-            seconds.score_s += time.perf_counter() - t0
+            seconds.score_s += _clock(plan.device) - t0
         self.source.bar.close()
         return results, seconds
 

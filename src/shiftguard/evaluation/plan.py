@@ -84,7 +84,8 @@ class EvaluationPlan:
 class Timings:
     """Seconds spent by the grid's steps (summed over processes under torch.distributed). The
     corruption and attack seconds are part of the embedding and adaptation seconds, which include
-    making the images they read."""
+    making the images they read. On a CUDA device each is read after the device's queued work is
+    done (the grid synchronises at the steps' ends)."""
 
     embed_s: float = 0.0
     adapt_s: float = 0.0
