@@ -234,9 +234,9 @@ def all_gather_results(fn: Callable[[], object], what: str = "work", map_locatio
 
 def _dumps(obj: object) -> bytes:
     """``obj`` serialised by ``torch.save`` (pickle, with tensors stored by device), for :func:`_loads`."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
-    return buffer.getvalue()
+    buf = io.BytesIO()
+    torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    return buf.getvalue()
 
 
 def _loads(data: bytes, map_location=None) -> object:
