@@ -81,33 +81,45 @@ def test_the_fake_device_refuses_what_a_gpu_refuses_and_records_what_comes_back(
     assert _per_image_matrices(fd.host_reads)
 
 
-def test_evaluate_on_a_device_gives_the_cpu_numbers_and_brings_back_only_per_image_results(same_arithmetic):
+@pytest.mark.parametrize(
+    "name, heads, adapt",
+    [
+        # every head, and TENT: a backward pass and an optimiser step on the device
+        ("twin", list(HEAD_NAMES), ["none", "tent:steps=1"]),
+        # QACT in its batch and frozen contexts; its eager path (its device path) is slow on the
+        # fake device, so one head and the static arm
+        ("qact", ["knn"], ["none"]),
+    ],
+)
+def test_evaluate_on_a_device_gives_the_cpu_numbers_and_brings_back_only_per_image_results(
+    same_arithmetic, name, heads, adapt
+):
     test, support, validation = _data()
-    models = _models()
+    model = _models()[name]
     kw = dict(
         support=support,
         validation=validation,
         corruptions=["shot_noise"],
         severities=[5],
-        # every head on the BatchNorm twin; QACT's eager path (its device path) is slow to run on
-        # the fake device, so two heads there
-        heads={"twin": list(HEAD_NAMES), "qact": ["softmax", "knn"]},
-        adapt=["none", "bn", "tent:steps=1"],
+        heads=heads,
+        adapt=adapt,
         conformal=["lac", "aps"],
         n_boot=10,
         batch_size=20,
         k=3,
     )
-    cpu = shiftguard.evaluate(models, test, **kw)
+    cpu = shiftguard.evaluate(model, test, **kw)
     with FakeDevice() as fd:
-        dev = shiftguard.evaluate(models, test, device=DEVICE, **kw)
+        dev = shiftguard.evaluate(model, test, device=DEVICE, **kw)
     assert len(dev.rows) == len(cpu.rows) > 0
     assert _rows(dev) == _rows(cpu)
     assert dev.results["aggregates"] == cpu.results["aggregates"]
-    assert {m.split("/")[0] for m in (r["model"] for r in dev.rows)} == {"qact", "twin"}
+    assert {(r["head"], r["adaptation"]) for r in dev.rows} == {(h, a.split(":")[0]) for h in heads for a in adapt}
+    if name == "qact":
+        assert {r["context"] for r in dev.rows} == {"batch", "frozen"}
     assert not _per_image_matrices(fd.host_reads)
-    for name, model in models.items():  # the caller's models stay where they were
-        assert all(p.device.type == "cpu" and not isinstance(p, DeviceTensor) for p in model.parameters()), name
+    # the caller's model stays where it was
+    assert all(p.device.type == "cpu" and not isinstance(p, DeviceTensor) for p in model.parameters())
 
 
 def test_device_data_attacks_weighted_sets_and_the_cache_on_a_device(same_arithmetic, tmp_path):
