@@ -22,20 +22,50 @@ import torch
 from torch import nn
 
 
-def _sync(dev: torch.device) -> None:
+def sync(dev: torch.device) -> None:
+    """Wait for ``dev``'s queued work (a no-op off CUDA): what every timing here reads the clock after."""
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
+
+
+def report_header(benchmark: str, device: str, out: str, smoke: bool, **fields) -> tuple[Path, dict]:
+    """``(path, info)`` of a device benchmark's JSON report: ``<out>/<benchmark>_<device>[_smoke].json``
+    (the folder made) and its header (versions, platform, threads, ``fields``). Without CUDA for
+    ``device="cuda"`` the report says it was skipped and is written at once: the caller checks
+    ``"skipped" in info``."""
+    import platform
+
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{benchmark}_{device}{'_smoke' if smoke else ''}.json"
+    info: dict = {
+        "benchmark": benchmark,
+        "device": device,
+        "smoke": smoke,
+        **fields,
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "threads": torch.get_num_threads(),
+    }
+    if device == "cuda" and not torch.cuda.is_available():
+        info["skipped"] = "no CUDA device: nothing measured"
+        print(f"{benchmark}: {info['skipped']}")
+        path.write_text(json.dumps(info, indent=1))
+        print(f"wrote {path}")
+    elif device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return path, info
 
 
 def timed(fn, dev, repeats: int = 5, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
-    _sync(dev)
+    sync(dev)
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(dev)
+        sync(dev)
         out.append(time.perf_counter() - t0)
     return statistics.median(out)
 
@@ -75,7 +105,7 @@ def bench_corruptions(dev, rows, n):
     for name in K.names("mnist-c"):
         for s in range(1, 6):
             K.corrupt(xd, name, s, seed=0)
-    _sync(dev)
+    sync(dev)
     t = time.perf_counter() - t0
     rows.append({"bench": "corruptions", "case": f"{n} x 28x28, 15 x 5", "ms": 1e3 * t, "images_per_s": 75 * n / t})
 
@@ -96,7 +126,7 @@ def bench_neighbours(dev, rows, n_retrieval):
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     r = retrieval_metrics(emb, labels, ks=(1,))
-    _sync(dev)
+    sync(dev)
     t = time.perf_counter() - t0
     peak = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
     rows.append(

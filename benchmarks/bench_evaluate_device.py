@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -37,12 +37,10 @@ import shiftguard
 from shiftguard import corruptions as K
 from shiftguard.models import resnet18
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_device import report_header, sync
+
 HEADS = ["softmax", "temperature", "knn"]
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
 
 
 def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,13 +51,13 @@ def _images(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _forward_seconds(model, x: torch.Tensor, batch_size: int, repeats: int, dev: torch.device) -> float:
     """Seconds of ``repeats`` eval-mode forward passes over ``x`` in batches, on ``dev``."""
     model.eval()
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     with torch.no_grad():
         for _ in range(repeats):
             for a in range(0, x.shape[0], batch_size):
                 model(x[a : a + batch_size].to(dev, torch.float32).div_(255.0))
-    _sync(dev)
+    sync(dev)
     return time.perf_counter() - t0
 
 
@@ -69,10 +67,10 @@ def _busy_share(evaluate, dev: torch.device) -> float:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         evaluate()
-        _sync(dev)
+        sync(dev)
         wall = time.perf_counter() - t0
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
     busy, end = 0.0, float("-inf")
@@ -92,27 +90,10 @@ def main() -> int:
     p.add_argument("--data", default="device", choices=("device", "host"), help="where the images are given")
     p.add_argument("--smoke", action="store_true", help="64 images, base width 8, two cells")
     args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_evaluate_device_{args.device}{'_smoke' if args.smoke else ''}.json"
-    info: dict = {
-        "benchmark": "bench_evaluate_device",
-        "device": args.device,
-        "smoke": args.smoke,
-        "data": args.data,
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-    }
-    if args.device == "cuda" and not torch.cuda.is_available():
-        info["skipped"] = "no CUDA device: nothing measured"
-        print(f"bench_evaluate_device: {info['skipped']}")
-        path.write_text(json.dumps(info, indent=1))
-        print(f"wrote {path}")
+    path, info = report_header("bench_evaluate_device", args.device, args.out, args.smoke, data=args.data)
+    if "skipped" in info:
         return 0
     dev = torch.device(args.device)
-    if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(dev)
     n = 64 if args.smoke else args.n
     corruptions = ["gaussian_noise", "fog"] if args.smoke else K.names("cifar-c") + K.names("cifar-c-extra")
     severities = [3] if args.smoke else [1, 2, 3, 4, 5]
@@ -136,10 +117,10 @@ def main() -> int:
         return shiftguard.evaluate(model, test, corruptions=cs, severities=ss, **kw)
 
     evaluate(cs=corruptions[:1], ss=[1])  # warm-up: kernels, cuDNN's choices, the corruption tables
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     res = evaluate()
-    _sync(dev)
+    sync(dev)
     wall = time.perf_counter() - t0
     cells = 1 + len(corruptions) * len(severities)  # the clean test set is a cell too
     images = n * cells + 2 * n + validation[1].numel()  # + the support and validation passes

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_device import timed  # (the same timing as the other device benchmark)
+from bench_device import report_header, timed  # (the same timing and report as the other device benchmarks)
 
 SHAPES = [(256, 64, 12, 12), (128, 64, 16, 16), (256, 512), (1024, 128)]
 SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
@@ -118,28 +117,11 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--skip-resnet", action="store_true")
     args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench_qact_compile_{args.device}{'_smoke' if args.smoke else ''}.json"
-    info: dict = {
-        "benchmark": "bench_qact_compile",
-        "device": args.device,
-        "smoke": args.smoke,
-        "backend": args.backend,
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "threads": torch.get_num_threads(),
-        "rows": [],
-    }
-    if args.device == "cuda" and not torch.cuda.is_available():
-        info["skipped"] = "no CUDA device: nothing measured"
-        print(f"bench_qact_compile: {info['skipped']}")
-        path.write_text(json.dumps(info, indent=1))
-        print(f"wrote {path}")
+    path, info = report_header("bench_qact_compile", args.device, args.out, args.smoke, backend=args.backend, rows=[])
+    if "skipped" in info:
         return 0
     dev = torch.device(args.device)
     if dev.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(dev)
         try:
             import triton
 

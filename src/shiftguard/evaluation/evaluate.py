@@ -473,7 +473,8 @@ def evaluate(
             embeddings, the heads' fits and scores, the kNN searches, the adaptation arms and the
             attacks' gradients; what comes back to the host are the results (metrics, each
             head's per-image correctness and confidence), the files of ``cache_dir``, and what
-            scikit-learn computes (the weighted sets' likelihood ratio). Images stay where
+            scikit-learn or SciPy compute (the weighted sets' likelihood ratio, the L-BFGS fits
+            of the logistic and temperature heads). Images stay where
             ``test`` is and reach the model a batch at a time: the corruption engine draws its
             noise on the images' device, so test images on the CPU (the default) give every
             device the same corrupted cells; move ``test`` to the GPU to corrupt (and attack)

@@ -419,9 +419,8 @@ def _score_unit(
     """Rows of every head of one job on one cell; with ``keep``, also each head's per-image
     ``(correct, confidence, hit)`` on the host, for the intervals and reliability pools (the one
     copy of a head's per-image results; everything else stays on the outputs' device, where
-    ``test_y`` is). Each head reads the
-    outputs its ``input`` names (the kNN heads share their searches through their
-    ``SearchCache``). ``conformal``: ``{"spec", "uniform", "weights"}`` of the cell; each head's
+    ``test_y`` is). Each head reads the outputs its ``input`` names (the kNN heads share their
+    searches through their ``SearchCache``). ``conformal``: ``{"spec", "uniform", "weights"}`` of the cell; each head's
     calibrators are ``fitted[name, ctx, head, "conformal"]``."""
     name, ctx = job.entry.name, job.context
     if out["embeddings"] is not None:
@@ -469,5 +468,5 @@ def _score_unit(
 def _on_host(correct: torch.Tensor, conf: torch.Tensor, hit: torch.Tensor) -> tuple:
     """``(correct, conf, hit)`` copied to the host in one transfer (float32 holds the booleans
     exactly; ``conf`` is float32 already)."""
-    both = torch.stack((correct.float(), conf.float(), hit.float())).cpu()
-    return both[0].bool(), both[1], both[2].bool()
+    block = torch.stack((correct.float(), conf.float(), hit.float())).cpu()
+    return block[0].bool(), block[1], block[2].bool()
