@@ -10,7 +10,10 @@
 #      per second, the forward passes' share of the wall time, the GPU's busy share, 150 s;
 #   4. the QACT benchmark on the machine's CPU cores, for the ratio, 150 s, and the evaluation on
 #      500 images there, 60 s;
-#   5. what is left of the budget: the remaining CUDA tests, benchmarks/bench_device.py and the
+#   5. the QACT paper's reference code beside shiftguard's QACT (benchmarks/bench_peer_qact.py), block
+#      against block on the GPU, when a checkout of it is in .peer/quantile_activation (git-ignored:
+#      carry it to the device machine), 60 s;
+#   6. what is left of the budget: the remaining CUDA tests, benchmarks/bench_device.py and the
 #      retrieval comparison benchmarks/bench_retrieval.py (shiftguard vs pytorch-metric-learning).
 # Logs and JSON go to $OUT (default benchmarks/results/device); the script prints the path of each
 # JSON file as it is written (bench_qact_compile_cuda.json, bench_qact_compile_cpu.json, ...).
@@ -96,6 +99,16 @@ run_part 150 "$OUT/bench_qact_compile_cpu.txt" $PY benchmarks/bench_qact_compile
     "${QARGS[@]}"
 run_part 60 "$OUT/bench_evaluate_device_cpu.txt" $PY benchmarks/bench_evaluate_device.py --device cpu --n 500 \
     --out "$OUT" "${EARGS[@]}"
+PEER=.peer/quantile_activation
+if [[ -d $PEER ]]; then
+    if ((CUDA)); then PEER_DEVICE=cuda; else PEER_DEVICE=cpu; fi
+    if ((CUDA)) || ((SMOKE)); then
+        run_part 60 "$OUT/bench_peer_qact.txt" $PY benchmarks/bench_peer_qact.py --peer "$PEER" \
+            --device "$PEER_DEVICE" --out "$OUT" "${EARGS[@]}"
+    fi
+else
+    echo "skipped: no checkout of the reference QACT code in $PEER (the peer figure)" | tee "$OUT/bench_peer_qact.txt"
+fi
 if ((CUDA)); then
     run_part 100 "$OUT/cuda_tests.txt" $PY -m pytest -q -p no:cacheprovider -o addopts="" -o timeout=90 \
         --durations=15 tests/test_cuda.py -k "not qact" "tests/test_corruptions.py::test_runs_on_gpu_with_the_same_contract"
