@@ -28,6 +28,14 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
+def write_skipped(path: Path, info: dict, reason: str) -> None:
+    """Record in the report at ``path`` that nothing was measured, and why; say so."""
+    info["skipped"] = reason
+    print(f"{info['benchmark']}: {reason}")
+    path.write_text(json.dumps(info, indent=1))
+    print(f"wrote {path}")
+
+
 def report_header(benchmark: str, device: str, out: str, smoke: bool, **fields) -> tuple[Path, dict]:
     """``(path, info)`` of a device benchmark's JSON report: ``<out>/<benchmark>_<device>[_smoke].json``
     (the folder made) and its header (versions, platform, threads, ``fields``). Without CUDA for
@@ -48,10 +56,7 @@ def report_header(benchmark: str, device: str, out: str, smoke: bool, **fields) 
         "threads": torch.get_num_threads(),
     }
     if device == "cuda" and not torch.cuda.is_available():
-        info["skipped"] = "no CUDA device: nothing measured"
-        print(f"{benchmark}: {info['skipped']}")
-        path.write_text(json.dumps(info, indent=1))
-        print(f"wrote {path}")
+        write_skipped(path, info, "no CUDA device: nothing measured")
     elif device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return path, info

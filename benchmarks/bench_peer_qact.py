@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_device import report_header, timed
+from bench_device import report_header, timed, write_skipped
 
 SHAPES = [(256, 64, 12, 12), (128, 64, 16, 16), (256, 512), (1024, 128)]
 SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
@@ -60,10 +60,7 @@ def main() -> int:
     try:
         peer_1d, peer_2d = _peer_layers(args.peer)
     except (FileNotFoundError, ImportError) as exc:
-        info["skipped"] = f"the reference code could not be imported: {exc}"
-        print(f"bench_peer_qact: {info['skipped']}")
-        path.write_text(json.dumps(info, indent=1))
-        print(f"wrote {path}")
+        write_skipped(path, info, f"the reference code could not be imported: {exc}")
         return 0
     from shiftguard.nn import BNActBlock, QACTBlock
 

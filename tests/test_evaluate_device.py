@@ -57,10 +57,6 @@ def _per_image_matrices(reads) -> list:
     return [r for r in reads if r.kind == "copy" and len(r.shape) >= 2 and r.shape[0] > 3]
 
 
-def _rows(res) -> list[dict]:
-    return [dict(r) for r in res.rows]
-
-
 def test_the_fake_device_refuses_what_a_gpu_refuses_and_records_what_comes_back():
     with FakeDevice() as fd:
         a = torch.ones(3, 2).to(DEVICE)
@@ -112,7 +108,7 @@ def test_evaluate_on_a_device_gives_the_cpu_numbers_and_brings_back_only_per_ima
     with FakeDevice() as fd:
         dev = shiftguard.evaluate(model, test, device=DEVICE, **kw)
     assert len(dev.rows) == len(cpu.rows) > 0
-    assert _rows(dev) == _rows(cpu)
+    assert dev.rows == cpu.rows
     assert dev.results["aggregates"] == cpu.results["aggregates"]
     assert {(r["head"], r["adaptation"]) for r in dev.rows} == {(h, a.split(":")[0]) for h in heads for a in adapt}
     if name == "qact":
@@ -150,7 +146,7 @@ def test_device_data_attacks_weighted_sets_and_the_cache_on_a_device(same_arithm
         again = shiftguard.evaluate(
             model, on[0], support=on[1], validation=on[2], device=DEVICE, cache_dir=tmp_path / "c", **kw
         )
-    assert _rows(first) == _rows(again)
+    assert first.rows == again.rows
     assert [(r["corruption"], r["head"]) for r in first.rows] == [(r["corruption"], r["head"]) for r in cpu.rows]
     for a, b in zip(cpu.rows, first.rows):
         # corruption noise and the attack's start are drawn from the images' device generator

@@ -54,7 +54,7 @@ from shiftguard._rng import seeded
 from shiftguard.nn import QuantileActivation, has_qact, qact_context
 from shiftguard.registry import Registry
 
-from .outputs import ModelOutputs, batch_order, compute_outputs
+from .outputs import ModelOutputs, batch_order, compute_outputs, in_input_order
 
 __all__ = [
     "ARMS",
@@ -362,11 +362,11 @@ class AdaptedModel:
             bn.reset_running_stats()
             bn.momentum = None  # cumulative average over the cell's batches
         self._set_modes(batchnorm=True, qact=False)
-        order, bounds = batch_order(images.shape[0], batch_size)
+        order, bounds = batch_order(images.shape[0], batch_size, device=images.device)
         try:
             with seeded(0, device), qact_context(self.model, "batch" if context == "none" else context):
                 for a, b in zip(bounds[:-1], bounds[1:]):
-                    self.outputs.raw(images[order[a:b].to(images.device)], device)
+                    self.outputs.raw(images[order[a:b]], device)
         finally:
             for bn, m in zip(layers, momenta):
                 bn.momentum = m
@@ -385,9 +385,10 @@ class AdaptedModel:
         try:
             with seeded(0, device), qact_context(self.model, "batch"):
                 for p in range(self.spec.passes):
-                    order, bounds = batch_order(n, batch_size, order_seed=self.seed * 1_000_003 + p + 1)
+                    seed = self.seed * 1_000_003 + p + 1
+                    order, bounds = batch_order(n, batch_size, order_seed=seed, device=images.device)
                     for a, b in zip(bounds[:-1], bounds[1:]):
-                        self.outputs.raw(images[order[a:b].to(images.device)], device)
+                        self.outputs.raw(images[order[a:b]], device)
         finally:
             self.model.eval()
 
@@ -409,13 +410,13 @@ class AdaptedModel:
         else:
             opt = torch.optim.SGD(params, lr=self.spec.lr, momentum=0.9, weight_decay=0.0)
         n = images.shape[0]
-        order, bounds = batch_order(n, batch_size)
+        order, bounds = batch_order(n, batch_size, device=images.device)
         embs: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
         try:
             with seeded(0, device), qact_context(model, "batch" if context == "none" else context):
                 for a, b in zip(bounds[:-1], bounds[1:]):
-                    x = images[order[a:b].to(images.device)]
+                    x = images[order[a:b]]
                     emb: Optional[torch.Tensor] = None
                     lg: Optional[torch.Tensor] = None
                     for _ in range(self.spec.steps):
@@ -434,12 +435,9 @@ class AdaptedModel:
             opt.zero_grad(set_to_none=True)
             for p, f in flags.items():
                 p.requires_grad_(f)
-        inv = torch.empty_like(order)
-        inv[order] = torch.arange(n)
-        inv = inv.to(device)
         return {
-            "embeddings": torch.cat(embs)[inv] if self.outputs.has_embeddings else None,
-            "logits": torch.cat(logits)[inv],
+            "embeddings": in_input_order(embs, order) if self.outputs.has_embeddings else None,
+            "logits": in_input_order(logits, order),
         }
 
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from shiftguard._rng import seeded
 
-__all__ = ["ModelOutputs", "OUTPUTS", "batch_order", "compute_outputs", "model_dtype"]
+__all__ = ["ModelOutputs", "OUTPUTS", "batch_order", "compute_outputs", "in_input_order", "model_dtype"]
 
 #: What ``model(x)`` may return (``ModelOutputs(output=...)``).
 OUTPUTS = ("logits", "embedding", "probabilities")
@@ -243,14 +243,15 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(t.shape[0], -1).float()
 
 
-def batch_order(n: int, batch_size: int, order_seed: Optional[int] = 0) -> tuple[torch.Tensor, list[int]]:
+def batch_order(n: int, batch_size: int, order_seed: Optional[int] = 0, device=None) -> tuple[torch.Tensor, list[int]]:
     """``(order, bounds)``: the order in which :func:`compute_outputs` feeds ``n`` images to a model
     and its batch boundaries (batch ``i`` is ``order[bounds[i]:bounds[i + 1]]``).
 
     A fixed random permutation (``order_seed``; ``None`` keeps the file order), cut into batches of
     ``batch_size``; a last batch of fewer than ``batch_size / 2`` images is merged into the previous
     one, so every batch (the context of QACT and of batch-statistics BatchNorm) holds at least half
-    a batch."""
+    a batch. The permutation is drawn on the CPU (the same on every device) and placed on
+    ``device`` (the images' device, so that indexing them moves nothing; None: the CPU)."""
     if order_seed is None:
         order = torch.arange(n)
     else:
@@ -258,7 +259,16 @@ def batch_order(n: int, batch_size: int, order_seed: Optional[int] = 0) -> tuple
     bounds = list(range(0, n, batch_size)) + [n]
     if len(bounds) > 2 and bounds[-1] - bounds[-2] < batch_size // 2:
         del bounds[-2]
-    return order, bounds
+    return (order if device is None else order.to(device)), bounds
+
+
+def in_input_order(batches: list[torch.Tensor], order: torch.Tensor) -> torch.Tensor:
+    """The rows of ``batches``, computed for the images ``order`` (:func:`batch_order`) in turn, put
+    back in the images' order, on the batches' device."""
+    rows = torch.cat(batches)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return rows[inv.to(rows.device)]
 
 
 @torch.no_grad()
@@ -279,20 +289,17 @@ def compute_outputs(
     outputs.model.eval()
     with seeded(0, device):
         n = images.shape[0]
-        order, bounds = batch_order(n, batch_size, order_seed)
+        order, bounds = batch_order(n, batch_size, order_seed, device=images.device)
         # Each batch returns embeddings exactly when outputs.has_embeddings, logits when has_logits.
         embs: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            e, lg = outputs(images[order[a:b].to(images.device)], device)
+            e, lg = outputs(images[order[a:b]], device)
             if e is not None:
                 embs.append(e)
             if lg is not None:
                 logits.append(lg)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(n)
-    inv = inv.to(device)
     return {
-        "embeddings": torch.cat(embs)[inv] if outputs.has_embeddings else None,
-        "logits": torch.cat(logits)[inv] if outputs.has_logits else None,
+        "embeddings": in_input_order(embs, order) if outputs.has_embeddings else None,
+        "logits": in_input_order(logits, order) if outputs.has_logits else None,
     }
