@@ -8,7 +8,10 @@ refuses, it refuses: an operation mixing a device tensor with a CPU tensor of mo
 (CUDA allows 0-dim CPU scalars, so does this), and ``.numpy()`` of a device tensor. Every copy to
 the host (``.cpu()``, ``.to("cpu")``, ``copy_`` into a CPU tensor) and every scalar read
 (``.item()``, ``float(t)``, ``.tolist()``, a tensor's truth value) is recorded in :attr:`FakeDevice.host_reads`
-(:class:`HostRead`: kind, shape, the source line), so a test can bound what crosses back to the host.
+(:class:`HostRead`: kind, shape, the source line), so a test can bound what crosses back to the host;
+every copy from the host to the device (``torch.tensor(data, device=)``, ``.to(device)`` of a CPU
+tensor) in :attr:`FakeDevice.uploads`, and every generator made on the device in
+:attr:`FakeDevice.generators` (the source line): neither is allowed while a CUDA graph is captured.
 
 Code that branches on ``device.type == "cpu"`` takes its non-CPU path, as it would on a GPU; code
 that branches on ``"cuda"`` (CUDA generators, Triton, cuDNN flags) is not exercised.
@@ -68,6 +71,9 @@ class _DeviceGenerator(_Generator):
     CPU one: a CPU generator drawing device tensors, which CUDA refuses, passes here.)"""
 
     def __new__(cls, device="cpu"):
+        if _is_device(device):
+            for mode in _ACTIVE:
+                mode.generators.append(_caller())
         return _Generator.__new__(cls, device="cpu" if _is_device(device) else device)
 
     def __init__(self, device="cpu") -> None:
@@ -80,6 +86,9 @@ def _is_device(d) -> bool:
 
 def _is_cpu(d) -> bool:
     return d is not None and torch.device(d).type == "cpu"
+
+
+_ACTIVE: list["FakeDevice"] = []
 
 
 class _Constructors(TorchFunctionMode):
@@ -97,8 +106,9 @@ class _Constructors(TorchFunctionMode):
 
 
 class HostRead(NamedTuple):
-    """One crossing back to the host: ``kind`` (``"copy"`` or ``"scalar"``), the tensor's shape,
-    and ``where``: the innermost ``shiftguard`` source line that asked for it."""
+    """One crossing between host and device: ``kind`` (``"copy"`` or ``"scalar"`` back to the host,
+    ``"upload"`` to the device), the tensor's shape, and ``where``: the innermost ``shiftguard``
+    source line that asked for it."""
 
     kind: str
     shape: tuple
@@ -118,15 +128,19 @@ class FakeDevice(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.host_reads: list[HostRead] = []
+        self.uploads: list[HostRead] = []
+        self.generators: list[str] = []
 
     def __enter__(self):
         torch.Generator = _DeviceGenerator  # type: ignore[misc]
+        _ACTIVE.append(self)
         self._constructors = _Constructors()
         self._constructors.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.Generator = _Generator  # type: ignore[misc]
+        _ACTIVE.remove(self)
         try:
             return super().__exit__(*exc)
         finally:
@@ -142,6 +156,7 @@ class FakeDevice(TorchDispatchMode):
                 self.host_reads.append(HostRead("copy", tuple(src.shape), _caller()))
                 return func(src.elem, **kwargs)
             if not isinstance(src, DeviceTensor) and _is_device(target):
+                self.uploads.append(HostRead("upload", tuple(src.shape), _caller()))
                 kwargs["device"] = torch.device("cpu")
                 return DeviceTensor(func(src, **kwargs))
         if (
