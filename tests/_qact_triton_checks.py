@@ -52,9 +52,11 @@ def check_quantiles():
 def check_forward():
     for shape, dtype in CASES:
         x = torch.randn(shape, dtype=dtype)
-        for need in (False, True):
-            got = Q._triton_forward(x, None, None, 20, 100.0, 50 if need else 0, _gen(3), need)
-            want = Q._eager_forward(x, None, None, 20, 100.0, 50 if need else 0, _gen(3))
+        # draws from a generator, and from a seed tensor (the module's on CUDA: comb offsets by
+        # SplitMix64 on the device)
+        for need, draws in ((False, _gen), (True, _gen), (True, lambda s: torch.tensor([s << 40]))):
+            got = Q._triton_forward(x, None, None, 20, 100.0, 50 if need else 0, draws(3), need)
+            want = Q._eager_forward(x, None, None, 20, 100.0, 50 if need else 0, draws(3))
             assert torch.equal(got.output, want.output), (shape, dtype)
             for a, b in zip(got.stats, want.stats):
                 assert torch.equal(a, b), (shape, dtype)

@@ -28,12 +28,14 @@ N = 60  # test images
 def same_arithmetic(monkeypatch):
     """The CPU takes the device's code paths: QACT's eager torch code instead of its compiled CPU
     kernels, ``torch.topk`` instead of the compiled kNN selection (they differ among tied distances,
-    which QACT's quantised embeddings have)."""
+    which QACT's quantised embeddings have), and a seed's KDE draws as off the CPU (the comb offsets
+    from the seed itself instead of from a CPU generator seeded with it)."""
     import shiftguard.functional.quantile as quantile
     import shiftguard.neighbors.select as select
 
     monkeypatch.setattr(quantile, "USE_COMPILED", False)
     monkeypatch.setattr(select, "scan_applies", lambda block, k: False)
+    monkeypatch.setattr(quantile, "_draws_of_seed", lambda seed, device: seed.to(device))
 
 
 def _data():

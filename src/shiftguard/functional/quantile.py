@@ -47,7 +47,8 @@ pass where it can. One private dispatch (:func:`_forward`) chooses between the c
 and the eager code below and returns a typed result (:class:`_Forward`); one autograd Function
 (:class:`_QACTFunction`) carries the backward. Everything is vectorised over channels (one ``torch.sort`` of the
 ``(C, M + 2)`` context, ``searchsorted`` for the levels and for the forward count), works on any
-device and floating dtype, and is deterministic given the ``generator`` used for the KDE samples.
+device and floating dtype, and is deterministic given the ``generator`` (or seed tensor,
+:func:`_draws_of_seed`) used for the KDE samples.
 
 On CPU float32/float64 the same computation runs through compiled kernels
 (:mod:`shiftguard.functional._qact_cpu`, numba): the values of the forward are identical (float64:
@@ -63,17 +64,23 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import numpy as np
 import torch
 
+from shiftguard import _rng
 from shiftguard._validation import check_finite, check_positive, check_tensor
 from shiftguard.functional import _qact_cpu, _qact_triton
 from shiftguard.functional.kde import TRUNCATE, gaussian_kde_grid, grid_layout, silverman_bandwidth
 
 #: The grid nodes of a channel's KDE at most (``max_points`` of :func:`~shiftguard.functional.kde.grid_layout`).
 _MAX_GRID_NODES = 4096
+
+#: Where the KDE draws of one call come from: a ``torch.Generator`` (None: torch's default generator
+#: of the values' device), or a one-element integer seed tensor (:func:`_comb_offsets`,
+#: :func:`_draws_of_seed`).
+Draws = Union[torch.Generator, torch.Tensor, None]
 
 __all__ = [
     "QACTStatistics",
@@ -306,6 +313,13 @@ def _fixed_bandwidth(bandwidth: float, channels: int, like: torch.Tensor) -> tor
     return torch.full((channels,), bandwidth, dtype=like.dtype, device=like.device)
 
 
+def _grounded(values: torch.Tensor, c: float) -> torch.Tensor:
+    """``(C, M + 2)``: each row of ``values`` followed by ``-c`` and ``+c`` (Alg. 1's grounding),
+    made on the values' device (no host tensor to copy over)."""
+    ch = values.shape[0]
+    return torch.cat([values, values.new_full((ch, 1), -c), values.new_full((ch, 1), c)], dim=1)
+
+
 def _sort_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.sort(t, dim=1)`` (values, indices). On CPU float32/float64 it goes through
     ``numpy.argsort``, whose vectorised (x86-simd-sort) kernels are faster than ``torch.sort`` on
@@ -318,7 +332,7 @@ def _sort_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _qact_statistics(
-    values, n_tau, c, n_samples, generator, with_counts: bool = False, bandwidth: Optional[float] = None
+    values, n_tau, c, n_samples, draws: Draws, with_counts: bool = False, bandwidth: Optional[float] = None
 ):
     """:func:`qact_statistics` without input validation (callers have validated ``x`` and ``bandwidth``).
 
@@ -332,10 +346,9 @@ def _qact_statistics(
     """
     if not with_counts and _compiled(values):
         sorted_ctx = _qact_cpu.sorted_grounded_context(values.detach().contiguous().numpy()[None], c)
-        return _compiled_statistics(sorted_ctx, n_tau, n_samples, generator, values, bandwidth=bandwidth)
+        return _compiled_statistics(sorted_ctx, n_tau, n_samples, draws, values, bandwidth=bandwidth)
     ch, m = values.shape
-    bounds = torch.tensor([-c, c], dtype=values.dtype, device=values.device).expand(ch, 2)
-    ctx, order = _sort_rows(torch.cat([values, bounds], dim=1))
+    ctx, order = _sort_rows(_grounded(values, c))
     k_dim = ctx.shape[1]
     zero = torch.zeros(ch, 1, dtype=values.dtype, device=values.device)
     n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]  # number of values < 0
@@ -354,20 +367,35 @@ def _qact_statistics(
         bw = values.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, values)
         stats = QACTStatistics(quantiles, empty, bw)
         return (stats, counts) if with_counts else stats
-    samples, bw = _draw_samples(ctx, n_neg, n_samples, generator, bandwidth)
+    samples, bw = _draw_samples(ctx, n_neg, n_samples, draws, bandwidth)
     stats = QACTStatistics(quantiles, samples, bw)
     return (stats, counts) if with_counts else stats
 
 
+def _comb_offsets(draws: Draws, ch: int, device: torch.device) -> torch.Tensor:
+    """``(C, 1)`` float64 offsets ``U`` in ``[0, 1)`` of the channels' combs (module doc, "Sampling"),
+    multiples of ``2^-32``: from a seed tensor, 32 bits of ``SplitMix64(seed + c)`` for channel
+    ``c`` computed on ``device`` (the compiled kernels' ``_comb_offset``: the same offsets for the
+    same seed, and no generator, no read back to the host); from a generator (None: torch's default
+    generator of ``device``), 32 random bits a channel."""
+    if isinstance(draws, torch.Tensor):
+        key = draws.reshape(1).to(device=device, dtype=torch.int64) + torch.arange(ch, device=device)
+        bits = _rng.splitmix64(key) >> 32 & 0xFFFFFFFF
+    else:
+        bits = torch.randint(0, 2**32, (ch,), generator=draws, device=device)
+    return bits.double().mul_(2.0**-32)[:, None]
+
+
 def _draw_samples(
-    ctx: torch.Tensor, n_neg: torch.Tensor, n_samples: int, generator, bandwidth: Optional[float]
+    ctx: torch.Tensor, n_neg: torch.Tensor, n_samples: int, draws: Draws, bandwidth: Optional[float]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(C, S)`` KDE samples and ``(C,)`` bandwidths from the sorted grounded context ``ctx``
-    ``(C, K)`` with ``n_neg`` negative entries a row, ``S = n_samples >= 1`` (Alg. 2)."""
+    ``(C, K)`` with ``n_neg`` negative entries a row, ``S = n_samples >= 1`` (Alg. 2), the combs'
+    offsets from ``draws`` (:func:`_comb_offsets`)."""
     ch, k_dim = ctx.shape
     # Alg. 2: S points drawn with the grounding weights by systematic sampling (module doc): entry k
     # of the sorted grounded context is drawn c_k - c_{k-1} times, so draw s is entry #{k : c_k <= s}
-    u = torch.randint(0, 2**32, (ch, 1), generator=generator, device=ctx.device).double() * 2.0**-32
+    u = _comb_offsets(draws, ch, ctx.device)
     counts_through = _comb_counts(n_neg, k_dim, n_samples, u)
     draw = torch.arange(n_samples, device=ctx.device).expand(ch, -1).contiguous()
     idx = torch.searchsorted(counts_through, draw, right=True)
@@ -423,12 +451,13 @@ def _triton(x: torch.Tensor) -> bool:
 
 class _Running(NamedTuple):
     """Running statistics moved in place towards the applied ones: ``buffer += momentum * (new -
-    buffer)`` (``torch.lerp``), ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)``."""
+    buffer)`` (``torch.lerp``), ``quantiles (C, n_tau)``, ``samples (C, S)``, ``bandwidth (C,)``;
+    ``momentum`` a float, or a 0-dim tensor on the buffers' device (:func:`_cumulative`)."""
 
     quantiles: torch.Tensor
     samples: torch.Tensor
     bandwidth: torch.Tensor
-    momentum: float
+    momentum: Union[float, torch.Tensor]
 
 
 class _Forward(NamedTuple):
@@ -455,7 +484,7 @@ def _forward(
     n_tau: int,
     c: float,
     n_samples: int,
-    generator,
+    draws: Draws,
     need_density: bool,
     bandwidth: Optional[float] = None,
 ) -> _Forward:
@@ -463,7 +492,7 @@ def _forward(
     eager torch code; both compute the same values (module doc) behind this signature.
 
     ``stats``: the context's statistics, or None for the batch context (``x`` itself, with
-    ``n_samples`` KDE draws from ``generator``; 0 skips them). ``running``: moved towards the applied
+    ``n_samples`` KDE draws from ``draws``, :data:`Draws`; 0 skips them). ``running``: moved towards the applied
     statistics here, in the same call (the compiled training pass does it inside its pass where the
     buffers allow, :func:`_running_arrays`; every other case through :func:`_running_lerp`, the same
     arithmetic). ``need_density``: the gradient will be needed. ``bandwidth``: a fixed KDE
@@ -481,15 +510,15 @@ def _forward(
             stats = stats._replace(bandwidth=_fixed_bandwidth(bandwidth, stats.bandwidth.shape[0], stats.bandwidth))
         if _compiled(x):
             fwd, value_range = _compiled_forward(
-                x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth
+                x, stats, running, n_tau, float(c), n_samples, draws, need_density, bandwidth
             )
         elif _triton(x):
             fwd, value_range = (
-                _triton_forward(x, stats, running, n_tau, float(c), n_samples, generator, need_density, bandwidth),
+                _triton_forward(x, stats, running, n_tau, float(c), n_samples, draws, need_density, bandwidth),
                 None,
             )
         else:
-            fwd, value_range = _eager_forward(x, stats, running, n_tau, float(c), n_samples, generator, bandwidth), None
+            fwd, value_range = _eager_forward(x, stats, running, n_tau, float(c), n_samples, draws, bandwidth), None
         if need_density and fwd.density is None and fwd.stats.samples.shape[1] > 0:
             fwd = fwd._replace(density=_density(x, fwd.stats, value_range))
         return fwd
@@ -516,12 +545,12 @@ def _density(x: torch.Tensor, stats: QACTStatistics, value_range: Optional[tuple
     return _from_channel_values(dens, x)
 
 
-def _eager_forward(x, stats, running, n_tau, c, n_samples, generator, bandwidth=None) -> _Forward:
+def _eager_forward(x, stats, running, n_tau, c, n_samples, draws, bandwidth=None) -> _Forward:
     """:func:`_forward` in torch: in batch context every value's count is read off the context sort
     (:func:`_qact_statistics`), with given statistics ``searchsorted`` into their quantiles."""
     if stats is None:
         stats, counts = _qact_statistics(
-            channel_values(x), n_tau, c, n_samples, generator, with_counts=True, bandwidth=bandwidth
+            channel_values(x), n_tau, c, n_samples, draws, with_counts=True, bandwidth=bandwidth
         )
         n_levels = n_tau
     else:
@@ -534,7 +563,7 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, generator, bandwidth=
     return _Forward(output, stats)
 
 
-def _triton_forward(x, stats, running, n_tau, c, n_samples, generator, need_density, bandwidth=None) -> _Forward:
+def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density, bandwidth=None) -> _Forward:
     """:func:`_forward` by the Triton kernels (:mod:`shiftguard.functional._qact_triton`): the context
     sorted by ``torch.sort``, its quantiles (kernel), the draws and bandwidth (the eager code), the
     KDE grid (kernel) and every value's output and density in one pass (kernel); nothing is read
@@ -544,13 +573,12 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, generator, need_dens
     values = channel_values(x)
     ch = values.shape[0]
     if stats is None:
-        bounds = torch.tensor([-c, c], dtype=x.dtype, device=x.device).expand(ch, 2)
-        ctx = torch.sort(torch.cat([values, bounds], dim=1), dim=1).values
+        ctx = torch.sort(_grounded(values, c), dim=1).values
         zero = torch.zeros(ch, 1, dtype=x.dtype, device=x.device)
         n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]
         q = kern.grounded_quantiles(ctx, n_neg, quantile_levels(n_tau, x.dtype, x.device))
         if n_samples:
-            samples, bw = _draw_samples(ctx, n_neg, n_samples, generator, bandwidth)
+            samples, bw = _draw_samples(ctx, n_neg, n_samples, draws, bandwidth)
         else:
             samples = x.new_zeros(ch, 0)
             bw = x.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, x)
@@ -571,7 +599,7 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, generator, need_dens
 
 
 def _compiled_forward(
-    x, stats, running, n_tau, c, n_samples, generator, need_density, bandwidth=None
+    x, stats, running, n_tau, c, n_samples, draws, need_density, bandwidth=None
 ) -> tuple[_Forward, Optional[tuple]]:
     """:func:`_forward` by the compiled CPU kernels, and the per-channel ``(min, max)`` float64
     arrays of ``x`` its output pass recorded (for :func:`_density`; None where the density came
@@ -604,7 +632,7 @@ def _compiled_forward(
             q = _qact_cpu.grounded_quantiles(ctx, n_tau)
             # the output pass also checks for NaN/inf, before any random draw or stored statistic
             out3, xmin, xmax = _qact_cpu.counts_output(x3, q, vbc)
-            stats = _compiled_statistics(ctx, n_tau, n_samples, generator, x, q, bandwidth)
+            stats = _compiled_statistics(ctx, n_tau, n_samples, draws, x, q, bandwidth)
             if running is not None:
                 _move_running(running, stats)
             return _Forward(torch.from_numpy(out3.reshape(x.shape)), stats), (xmin, xmax)
@@ -617,7 +645,7 @@ def _compiled_forward(
         c,
         n_tau,
         n_samples,
-        _draw_seed(generator),
+        _draw_seed(draws),
         vbc,
         running=arrays,
         keep_samples=arrays is None,
@@ -670,10 +698,10 @@ def _attach(x: torch.Tensor, fwd: _Forward) -> torch.Tensor:
 # QACT as two torch.library operators, the form in which it enters a torch.compile graph: the
 # forward (:func:`_forward` behind a fixed signature, with a fake implementation that gives the
 # output shapes without running anything, and an autograd formula, :func:`_backward`) and the
-# running update (in place, no gradient). The randomness enters as a seed tensor: the forward
-# draws the KDE samples from a generator it seeds with it, as the module's eager forward always
-# has, so compiled and eager give the same bits. Everything inside the operators runs eagerly
-# (numba, Triton, torch); only the signature is traced.
+# running update (in place, no gradient). The randomness enters as a seed tensor, which the forward
+# turns into its draws as the eager forward does (:func:`_draws_of_seed`), so compiled and eager
+# give the same bits. Everything inside the operators runs eagerly (numba, Triton, torch); only the
+# signature is traced.
 @torch.library.custom_op("shiftguard::qact_forward", mutates_args=())
 def _qact_forward_op(
     x: torch.Tensor,
@@ -689,16 +717,16 @@ def _qact_forward_op(
     want_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(output, density, quantiles, samples, bandwidth)``: :func:`_forward` of ``x`` with the given
-    statistics (``quantiles`` not None) or in batch context, with ``n_samples`` draws from a
-    generator on ``x``'s device seeded with ``seed``; the batch's statistics where ``want_stats``,
+    statistics (``quantiles`` not None) or in batch context, with ``n_samples`` draws given by
+    ``seed`` (:func:`_draws_of_seed`); the batch's statistics where ``want_stats``,
     and the density where ``need_density`` (each an empty tensor otherwise)."""
     if not _compiled(x):  # (the compiled kernels check it in their first pass)
-        check_finite(x, "input")
+        _refuse_non_finite(x, "input")
     stats = None
     if quantiles is not None and samples is not None and bandwidth_t is not None:
         stats = QACTStatistics(quantiles, samples, bandwidth_t)
-    generator = _seeded(seed, x.device) if stats is None and n_samples and seed is not None else None
-    fwd = _forward(x, stats, None, n_tau, c, n_samples, generator, need_density, bandwidth)
+    draws = _draws_of_seed(seed, x.device) if stats is None and n_samples and seed is not None else None
+    fwd = _forward(x, stats, None, n_tau, c, n_samples, draws, need_density, bandwidth)
     dtype = _density_dtype(x, stats is not None)
     density = fwd.density if need_density and fwd.density is not None else x.new_empty(0, dtype=dtype)
     if want_stats and stats is None:
@@ -825,16 +853,19 @@ def _values_by_count(n_tau: int, dtype: torch.dtype) -> np.ndarray:
     return table
 
 
-def _draw_seed(generator) -> int:
-    """The seed of the compiled kernels' KDE draws, from the caller's torch generator."""
-    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+def _draw_seed(draws: Draws) -> int:
+    """The seed of the compiled kernels' KDE draws (CPU): a seed tensor's value, or one draw from the
+    generator (torch's global one where None)."""
+    if isinstance(draws, torch.Tensor):
+        return int(draws.reshape(()).item())
+    return int(torch.randint(0, 2**62, (1,), generator=draws).item())
 
 
 def _compiled_statistics(
     ctx: np.ndarray,
     n_tau: int,
     n_samples: int,
-    generator,
+    draws: Draws,
     like: torch.Tensor,
     quantiles: Optional[np.ndarray] = None,
     bandwidth: Optional[float] = None,
@@ -849,21 +880,29 @@ def _compiled_statistics(
     fixed = None if bandwidth is None else _fixed_bandwidth(bandwidth, ch, like)
     if not n_samples:
         return QACTStatistics(q, like.new_zeros(ch, 0), like.new_zeros(ch) if fixed is None else fixed)
-    samples, bw = _qact_cpu.grounded_samples(ctx, n_samples, _draw_seed(generator))
+    samples, bw = _qact_cpu.grounded_samples(ctx, n_samples, _draw_seed(draws))
     return QACTStatistics(q, torch.from_numpy(samples), torch.from_numpy(bw).to(like.dtype) if fixed is None else fixed)
 
 
-def _running_lerp(buffer: torch.Tensor, new: torch.Tensor, momentum: float) -> None:
+def _running_lerp(buffer: torch.Tensor, new: torch.Tensor, momentum) -> None:
     """``buffer += momentum * (new - buffer)`` in place (``new`` converted to ``buffer``'s dtype
     first): a running statistic's update. On CPU through the compiled kernels
     (:func:`_qact_cpu.lerp_rows_`), the arithmetic the fused training pass uses for the same update,
     so a layer's buffers do not depend on which pass computed its statistics; else ``lerp_``."""
     new = new.detach().to(buffer.dtype)
-    if _compiled(buffer) and buffer.is_contiguous() and buffer.shape == new.shape and buffer.dim() <= 2:
+    if (
+        _compiled(buffer)
+        and not isinstance(momentum, torch.Tensor)
+        and buffer.is_contiguous()
+        and buffer.shape == new.shape
+        and buffer.dim() <= 2
+    ):
         rows = buffer.shape[0] if buffer.dim() else 1
         _qact_cpu.lerp_rows_(
             buffer.detach().numpy().reshape(rows, -1), new.contiguous().numpy().reshape(rows, -1), momentum
         )
+    elif isinstance(momentum, torch.Tensor):  # a weight on the device (_cumulative)
+        buffer.lerp_(new, momentum.to(buffer.dtype))
     else:
         buffer.lerp_(new, momentum)
 
@@ -897,7 +936,7 @@ def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = 
     stored); ``True``: check here; ``False``: not here (the operators check it, :func:`_qact_forward_op`)."""
     x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
     if finite or (finite is None and not _compiled(x)):
-        check_finite(x, name)
+        _refuse_non_finite(x, name)
     return x
 
 
@@ -986,10 +1025,12 @@ def quantile_activation(
             bandwidth of the statistics applied (``"frozen"``, ``statistics``), so the running
             bandwidth moves towards it. The forward does not depend on it.
         seed: in place of ``generator``, a one-element integer tensor (e.g. ``torch.randint(0,
-            2**62, (1,))``): the KDE draws then come from a fresh generator on ``input``'s device
-            seeded with it, exactly as with ``generator=torch.Generator(input.device)
-            .manual_seed(int(seed))``. Unlike a generator, a seed tensor can enter a
-            ``torch.compile`` graph (``docs/qact.md``, "torch.compile"). Under ``torch.compile``
+            2**62, (1,), device=input.device)``). On the CPU the KDE draws then come from a fresh
+            generator seeded with it, exactly as with ``generator=torch.Generator()
+            .manual_seed(int(seed))``; on another device each channel ``c``'s comb offset is 32 bits
+            of ``SplitMix64(seed + c)`` computed there (the compiled CPU kernels' stream), so no
+            generator is made and nothing is read back (CUDA graphs, ``docs/qact.md``). Unlike a
+            generator, a seed tensor can enter a ``torch.compile`` graph. Under ``torch.compile``
             without a seed, one is drawn with ``torch.randint`` from ``generator``'s stream (the
             global RNG when None), so there the samples differ from the eager call's.
 
@@ -1101,13 +1142,13 @@ def _quantile_activation(
     draws = n_samples if (need_density or running is not None) else 0
     if traced:
         if seed is None:
-            seed = torch.randint(0, 2**62, (1,), generator=generator)
+            on = generator.device if generator is not None else input.device
+            seed = torch.randint(0, 2**62, (1,), generator=generator, device=on)
         return _traced_apply(input, statistics, running, n_tau, c, draws, seed, need_density, bandwidth, count)
-    if seed is not None:
-        generator = _seeded(seed, input.device)
+    source: Draws = generator if seed is None else _draws_of_seed(seed, input.device)
     if running is not None and count is not None:
         running = running._replace(momentum=_cumulative(count))
-    return _attach(input, _forward(input, statistics, running, n_tau, c, draws, generator, need_density, bandwidth))
+    return _attach(input, _forward(input, statistics, running, n_tau, c, draws, source, need_density, bandwidth))
 
 
 def _seeded(seed: torch.Tensor, device) -> torch.Generator:
@@ -1117,6 +1158,37 @@ def _seeded(seed: torch.Tensor, device) -> torch.Generator:
     return generator
 
 
-def _cumulative(count: torch.Tensor) -> float:
-    """The weight of the next batch in a cumulative average after ``count`` (a tensor) updates."""
-    return 1.0 / float(count.reshape(()).item() + 1)
+def _draws_of_seed(seed: torch.Tensor, device: torch.device) -> Draws:
+    """The KDE draws a seed tensor stands for on ``device``. On the CPU: a generator seeded with it
+    (what QACT has always drawn from there, so CPU results keep their bits). Elsewhere: the seed
+    itself on ``device``, whose comb offsets are computed there (:func:`_comb_offsets`, the compiled
+    CPU kernels' counter-based arithmetic): no generator is created and nothing is read back, so
+    that the forward can be captured in a CUDA graph."""
+    if torch.device(device).type == "cpu":
+        return _seeded(seed, device)
+    return seed.to(device)
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a CUDA graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_non_finite(x: torch.Tensor, name: str) -> None:
+    """``check_finite(x, name)``, which reads its verdict back to the host, except off the CPU while
+    a CUDA graph is being captured, where no value may be read back: there a device-side assertion
+    (``torch._assert_async``) is recorded instead, so a replay that meets NaN/inf stops with CUDA's
+    "device-side assert triggered" (without the argument's name) instead of going on silently."""
+    if x.device.type != "cpu" and _capturing():
+        torch._assert_async(torch.isfinite(x).all())
+    else:
+        check_finite(x, name)
+
+
+def _cumulative(count: torch.Tensor):
+    """The weight of the next batch in a cumulative average after ``count`` (a tensor) updates: a
+    float on the CPU, a float64 0-dim tensor computed on ``count``'s device elsewhere (read by
+    :func:`_running_lerp` there, so a CUDA update reads nothing back)."""
+    if count.device.type == "cpu":
+        return 1.0 / float(count.reshape(()).item() + 1)
+    return (count.reshape(()) + 1).double().reciprocal()

@@ -397,6 +397,24 @@ def _call_model(model: nn.Module, example_input):
     )
 
 
+def _cuda_devices(example_input) -> list[int]:
+    """The CUDA device indices of the tensors of ``example_input`` (a tensor, a tuple / list, a dict),
+    whose default generators QACT's forward draws its seeds from there."""
+    if isinstance(example_input, dict):
+        values = list(example_input.values())
+    elif isinstance(example_input, (tuple, list)):
+        values = list(example_input)
+    else:
+        values = [example_input]
+    return sorted(
+        {
+            t.device.index if t.device.index is not None else torch.cuda.current_device()
+            for t in values
+            if isinstance(t, torch.Tensor) and t.is_cuda
+        }
+    )
+
+
 def _restore_training(flags: dict) -> None:
     for m, flag in flags.items():
         m.training = flag
@@ -408,12 +426,13 @@ def _restore_training(flags: dict) -> None:
 
 def _materialise(model: nn.Module, example_input, watched: frozenset) -> Optional[_FunctionalCalls]:
     """One forward in eval mode without gradients: blocks are created, no running statistic moves
-    (BatchNorm and QACT update theirs only in training mode) and torch's global RNG (which QACT's KDE
-    seeds draw from) is left as it was. Returns the functional-call record when ``watched``."""
+    (BatchNorm and QACT update theirs only in training mode) and torch's random generators (QACT
+    draws its KDE seeds from that of its input's device: the CPU's, and the default generator of each
+    CUDA device ``example_input`` is on) are left as they were. Returns the functional-call record when ``watched``."""
     flags = {m: m.training for m in model.modules()}
     probe = _FunctionalCalls(watched) if watched else None
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
+        with torch.random.fork_rng(devices=_cuda_devices(example_input)), torch.no_grad():
             model.eval()
             with probe if probe is not None else contextlib.nullcontext():
                 _call_model(model, example_input)

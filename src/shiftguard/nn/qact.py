@@ -160,8 +160,9 @@ class QuantileActivation(nn.Module):
             and then holds it. The forward does not depend on it.
 
     Shape: input ``(N, C)`` or ``(N, C, *spatial)``, output the same, values in ``[0, 1]``.
-    The KDE samples come from a generator seeded from torch's global RNG, so results are
-    deterministic given ``torch.manual_seed``.
+    The KDE samples are given by a seed drawn from the default generator of the input's device
+    (torch's global RNG on the CPU), so results are deterministic given ``torch.manual_seed``
+    (which seeds every device).
     """
 
     running_quantiles: torch.Tensor
@@ -278,9 +279,10 @@ class QuantileActivation(nn.Module):
         self._ensure_buffers(input)
         batch = self._context == "batch"
         update = self.training and batch
-        # The KDE draws come from a generator seeded with this draw from torch's global RNG, made
-        # inside the operator (shiftguard.functional.quantile._qact_forward_op): a tensor, so that the
-        # forward traces under torch.compile, and the same draws eager or compiled. A cumulative
+        # The KDE draws are given by this seed, drawn from the default generator of the input's
+        # device (torch's global RNG on the CPU): a tensor, so that the forward traces under
+        # torch.compile with the same draws eager or compiled, and made on the device, so that a
+        # CUDA graph replays a fresh draw each time (docs/qact.md, "Randomness"). A cumulative
         # average (momentum=None) reads the update count inside the update operator.
         out = quantile_activation(
             input,
@@ -294,7 +296,7 @@ class QuantileActivation(nn.Module):
             c=self.c,
             n_samples=self.n_samples,
             bandwidth=self.bandwidth,
-            seed=torch.randint(0, 2**62, (1,)) if batch else None,
+            seed=torch.randint(0, 2**62, (1,), device=input.device) if batch else None,
             num_batches_tracked=self.num_batches_tracked,
         )
         if update:  # counted once the update is done: an input refused leaves every buffer as it was

@@ -23,8 +23,8 @@ modules, and with them triton, on the first CUDA input that takes this path
   :func:`~shiftguard.functional.kde.gaussian_kde_grid` does.
 
 The sort of the context, the systematic draws and Silverman's bandwidth stay torch operations on
-the device (the eager code's, so the same samples for the same generator); no step reads a value
-back to the host. The tests run every kernel in Triton's interpreter (``TRITON_INTERPRET=1``) on
+the device (the eager code's, so the same samples for the same generator or seed tensor); no step
+reads a value back to the host. The tests run every kernel in Triton's interpreter (``TRITON_INTERPRET=1``) on
 CPU tensors against the eager code (``tests/test_qact_triton.py``).
 """
 
