@@ -4,7 +4,8 @@ Two measurements, each QACT beside its baseline in the same run, both sides run 
 or both compiled with the same backend):
 
 - BN-QACT-BN (``QACTBlock``) vs BN-ReLU-BN (``BNActBlock``) forward+backward at the four shapes of
-  ``bench_qact.py`` (``--smoke``: tiny shapes), eager and compiled;
+  ``bench_qact.py`` (``--smoke``: tiny shapes), eager and compiled, and on CUDA also captured in a
+  CUDA graph and replayed (mode ``cuda-graph``: no launch overhead left, the kernels' own time);
 - a ResNet-18 (``shiftguard.models``) training step (forward, cross-entropy, backward, SGD step) on
   32x32 inputs at batch 128 (``--smoke``: batch 8, 16x16, base width 8), ``activation="qact"`` vs
   its twin ``"bn-relu-bn"``, compiled.
@@ -35,7 +36,22 @@ SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
 
 
 def _maybe_compile(module, backend):
-    return module if backend is None else torch.compile(module, backend=backend)
+    return module if backend is None or backend == "cuda-graph" else torch.compile(module, backend=backend)
+
+
+def _graphed_step(block, x, g):
+    """The block's forward+backward captured in a CUDA graph (after a warm-up on a side stream, as
+    ``torch.cuda.graph`` asks), returned as the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            block(x).backward(g)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        block(x).backward(g)
+    return graph.replay
 
 
 def bench_blocks(dev, shapes, backends, repeats, rows):
@@ -52,6 +68,8 @@ def bench_blocks(dev, shapes, backends, repeats, rows):
             g = torch.randn(*shape, device=dev)
 
             def step(block):
+                if backend == "cuda-graph":
+                    return _graphed_step(block, x, g)
                 return lambda: block(x).backward(g)
 
             t_relu = timed(step(relu), dev, repeats, 3)
@@ -130,12 +148,8 @@ def main() -> int:
             info["triton"] = None  # QACT then runs its eager torch code on the GPU
     repeats = args.repeats or (3 if args.smoke else 10)
     rows: list[dict] = info["rows"]
-    parts = [
-        (
-            "blocks",
-            lambda: bench_blocks(dev, SMOKE_SHAPES if args.smoke else SHAPES, (None, args.backend), repeats, rows),
-        )
-    ]
+    modes = (None, args.backend, "cuda-graph") if dev.type == "cuda" else (None, args.backend)
+    parts = [("blocks", lambda: bench_blocks(dev, SMOKE_SHAPES if args.smoke else SHAPES, modes, repeats, rows))]
     if not args.skip_resnet:
         parts.append(("resnet18", lambda: bench_resnet(dev, args.smoke, args.backend, repeats, rows)))
     for name, part in parts:

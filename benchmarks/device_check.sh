@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # GPU checks, run as one script on a machine with a CUDA device and PyTorch (python3). In order:
 #   1. QACT's CUDA tests (tests/test_cuda.py -k qact: the Triton path against the eager torch path,
-#      the compiled block against the eager one), 90 s;
+#      the compiled block against the eager one, a training step captured in a CUDA graph), 90 s;
 #   2. benchmarks/bench_qact_compile.py on the GPU: BN-QACT-BN vs BN-ReLU-BN fwd+bwd at the four
-#      benchmark shapes, eager and compiled (both sides alike), and a compiled ResNet-18 training step
+#      benchmark shapes, eager, compiled and captured in a CUDA graph (both sides alike), and a
+#      compiled ResNet-18 training step
 #      (32x32, batch 128), QACT vs its bn-relu-bn twin, 200 s;
 #   3. benchmarks/bench_evaluate_device.py on the GPU: evaluate() of a ResNet-18 on 10,000 32x32
 #      images x 19 CIFAR-10-C corruptions x 5 severities (softmax, temperature, kNN heads): images

@@ -44,7 +44,7 @@ from shiftguard.losses import (
     TightnessLoss,
 )
 from shiftguard.models import MLP
-from shiftguard.nn import QACTBlock, QuantileActivation
+from shiftguard.nn import QACTBlock, QuantileActivation, convert_activations
 from shiftguard.uncertainty import ESTIMATOR_NAMES, build_estimator
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -121,6 +121,59 @@ def test_qact_block_compiles_on_cuda_and_trains_as_eager():
         outs.append((y.detach(), xi.grad))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(), twin.state_dict().values()))
+
+
+@pytest.mark.parametrize("momentum", [0.1, None, 1.0])
+def test_qact_block_training_step_is_captured_in_a_cuda_graph_and_replays_like_eager(momentum):
+    """A QACTBlock's training step (forward, backward, running updates) on the Triton path, captured in
+    a CUDA graph and replayed: the forward and the running quantiles equal the eager block's after
+    the same steps (they do not depend on the draws), the gradient is a KDE estimate of the same
+    density; and each replay draws fresh samples (the seed is drawn on the device at replay: with
+    ``momentum=1`` the running samples are the last batch's)."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    block = QACTBlock(16, momentum=momentum).cuda().train()
+    eager = copy.deepcopy(block)
+    x = torch.randn(64, 16, 8, 8, device="cuda", requires_grad=True)
+    xe = x.detach().clone().requires_grad_(True)
+    w = torch.randn(64, 16, 8, 8, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture (Triton compiles its kernels here)
+        for _ in range(2):
+            (block(x) * w).sum().backward()
+    torch.cuda.current_stream().wait_stream(side)
+    for _ in range(2):
+        (eager(xe) * w).sum().backward()
+    x.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = block(x)
+        (y * w).sum().backward()
+    samples = []
+    for _ in range(3):
+        xe.grad = None
+        ye = eager(xe)
+        (ye * w).sum().backward()
+        graph.replay()
+        torch.cuda.synchronize()
+        samples.append(block.act.running_samples.clone())
+        assert torch.equal(y, ye)
+        assert torch.equal(block.act.running_quantiles, eager.act.running_quantiles)
+        assert int(block.act.num_batches_tracked) == int(eager.act.num_batches_tracked)
+        assert torch.isfinite(x.grad).all()
+        cos = torch.nn.functional.cosine_similarity(x.grad.flatten(), xe.grad.flatten(), dim=0)
+        assert cos > 0.9, float(cos)
+    if momentum == 1.0:
+        assert not torch.equal(samples[0], samples[1]) and not torch.equal(samples[1], samples[2])
+
+
+def test_qact_conversion_with_a_cuda_example_leaves_the_cuda_generator_as_it_was():
+    # QACT draws its KDE seeds from the input device's generator: the example forward must not move it
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU()).cuda()
+    before = torch.cuda.get_rng_state()
+    convert_activations(model, "qact", example_input=torch.randn(8, 1, 6, 6, device="cuda"))
+    assert torch.equal(torch.cuda.get_rng_state(), before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
