@@ -63,6 +63,23 @@ def check_forward():
             assert (got.density is not None) == need
 
 
+def check_draws():
+    # the one-kernel systematic draws against the eager code's, from a seed (the CUDA module's; a
+    # negative one wraps as uint64 on both) and from offsets drawn from a generator, down to one
+    # draw and a two-entry context
+    kern = _qact_triton.kernels()
+    cases = [((64, 5), torch.float64, 300), ((6, 3, 4, 4), torch.float32, 1000), ((1, 2), torch.float32, 7)]
+    for shape, dtype, n in cases + [((3, 2), torch.float64, 1), ((500, 3), torch.float32, 64)]:
+        ctx = torch.sort(Q._grounded(channel_values(torch.randn(shape, dtype=dtype)), 100.0), dim=1).values
+        n_neg = torch.searchsorted(ctx, torch.zeros(ctx.shape[0], 1, dtype=dtype))[:, 0]
+        for seed in (torch.tensor([12345]), torch.tensor([2**62 - 1]), torch.tensor([-5])):
+            want, _ = Q._draw_samples(ctx, n_neg, n, seed, None)
+            assert torch.equal(kern.systematic_draws(ctx, n_neg, n, seed=seed), want), (shape, int(seed))
+        want, _ = Q._draw_samples(ctx, n_neg, n, _gen(3), None)
+        offsets = Q._comb_offsets(_gen(3), ctx.shape[0], ctx.device)
+        assert torch.equal(kern.systematic_draws(ctx, n_neg, n, offsets=offsets), want), shape
+
+
 def check_density():
     for shape, dtype in CASES:
         x = torch.randn(shape, dtype=dtype) * 2
@@ -120,7 +137,10 @@ def check_gradient_through_the_functional():
         assert (diff <= channel_values(g.double()).abs() * (2 * bound + rounding * peak)).all()
 
 
-CHECKS = {f.__name__: f for f in (check_quantiles, check_forward, check_density, check_gradient_through_the_functional)}
+CHECKS = {
+    f.__name__: f
+    for f in (check_quantiles, check_draws, check_forward, check_density, check_gradient_through_the_functional)
+}
 
 
 def main(names) -> int:

@@ -89,6 +89,10 @@ class _StandIns:
         return ctx.new_zeros(ctx.shape[0], levels.shape[0]).add_(levels)
 
     @staticmethod
+    def systematic_draws(ctx, n_neg, n_samples, seed=None, offsets=None):
+        return ctx[:, :1].expand(-1, n_samples).contiguous()
+
+    @staticmethod
     def kde_grid(samples, h, lo, delta, n_nodes, max_nodes, truncate):
         return samples.new_zeros(samples.shape[0], max_nodes)
 

@@ -400,8 +400,15 @@ def _draw_samples(
     draw = torch.arange(n_samples, device=ctx.device).expand(ch, -1).contiguous()
     idx = torch.searchsorted(counts_through, draw, right=True)
     samples = torch.gather(ctx, 1, idx)  # sorted: ctx is, and idx is non-decreasing along each row
-    bw = silverman_bandwidth(samples, presorted=True) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, ctx)
-    return samples, bw
+    return samples, _sample_bandwidth(samples, bandwidth)
+
+
+def _sample_bandwidth(samples: torch.Tensor, bandwidth: Optional[float]) -> torch.Tensor:
+    """``(C,)``: Silverman's rule on the drawn rows (sorted by construction, so not checked: a check
+    would read a value back from a device), or the fixed ``bandwidth``."""
+    if bandwidth is None:
+        return silverman_bandwidth(samples, presorted=True)
+    return _fixed_bandwidth(bandwidth, samples.shape[0], samples)
 
 
 def default_statistics(
@@ -565,8 +572,8 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, draws, bandwidth=None
 
 def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density, bandwidth=None) -> _Forward:
     """:func:`_forward` by the Triton kernels (:mod:`shiftguard.functional._qact_triton`): the context
-    sorted by ``torch.sort``, its quantiles (kernel), the draws and bandwidth (the eager code), the
-    KDE grid (kernel) and every value's output and density in one pass (kernel); nothing is read
+    sorted by ``torch.sort``, its quantiles (kernel), the draws (kernel), Silverman's bandwidth (the
+    eager code), the KDE grid (kernel) and every value's output and density in one pass (kernel); nothing is read
     back to the host. The same output and statistics as :func:`_eager_forward`; the density within
     the grid error bound of the exact KDE (the grid's nodes are exact sums, the eager grid bins)."""
     kern = _qact_triton.kernels()
@@ -578,7 +585,11 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
         n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]
         q = kern.grounded_quantiles(ctx, n_neg, quantile_levels(n_tau, x.dtype, x.device))
         if n_samples:
-            samples, bw = _draw_samples(ctx, n_neg, n_samples, draws, bandwidth)
+            if isinstance(draws, torch.Tensor):
+                samples = kern.systematic_draws(ctx, n_neg, n_samples, seed=draws)
+            else:
+                samples = kern.systematic_draws(ctx, n_neg, n_samples, offsets=_comb_offsets(draws, ch, x.device))
+            bw = _sample_bandwidth(samples, bandwidth)
         else:
             samples = x.new_zeros(ch, 0)
             bw = x.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, x)

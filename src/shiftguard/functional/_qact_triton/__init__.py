@@ -10,6 +10,10 @@ modules, and with them triton, on the first CUDA input that takes this path
 - ``quantiles``: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs.
   (8)-(9)] -- the closed-form bracket of ``quantile._grounded_quantiles`` with the same operations
   in the same order, one program per channel, then the running maximum.
+- ``draws``: the KDE samples of each row by systematic sampling [QACT, Alg. 2] -- for each draw a
+  binary search for its entry with the comb counts of ``quantile._comb_counts`` computed on the fly
+  (same operations), the comb offsets given or computed from a seed (SplitMix64, as
+  ``quantile._comb_offsets``): the eager code's samples bit for bit, in one launch.
 - ``kde``: the KDE grid of the backward [QACT, Alg. 2, eq. (7)] on the nodes of
   :func:`shiftguard.functional.kde.grid_layout`: each node's value is the Gaussian kernel sum over
   the channel's samples, truncated at ``TRUNCATE * h``, evaluated directly (no binning, no FFT, no
@@ -22,10 +26,9 @@ modules, and with them triton, on the first CUDA input that takes this path
   and, where the gradient will be needed, its density linearly interpolated from the grid as
   :func:`~shiftguard.functional.kde.gaussian_kde_grid` does.
 
-The sort of the context, the systematic draws and Silverman's bandwidth stay torch operations on
-the device (the eager code's, so the same samples for the same generator or seed tensor); no step
-reads a value back to the host. The tests run every kernel in Triton's interpreter (``TRITON_INTERPRET=1``) on
-CPU tensors against the eager code (``tests/test_qact_triton.py``).
+The sort of the context and Silverman's bandwidth stay torch operations on the device (the eager
+code's); no step reads a value back to the host. The tests run every kernel in Triton's interpreter
+(``TRITON_INTERPRET=1``) on CPU tensors against the eager code (``tests/test_qact_triton.py``).
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ def available() -> bool:
 @functools.lru_cache(maxsize=1)
 def kernels() -> SimpleNamespace:
     """The stages' entry points (imports triton)."""
+    from shiftguard.functional._qact_triton.draws import systematic_draws
     from shiftguard.functional._qact_triton.kde import kde_grid
     from shiftguard.functional._qact_triton.output import levels_and_density
     from shiftguard.functional._qact_triton.quantiles import grounded_quantiles
 
     return SimpleNamespace(
-        grounded_quantiles=grounded_quantiles, kde_grid=kde_grid, levels_and_density=levels_and_density
+        grounded_quantiles=grounded_quantiles,
+        systematic_draws=systematic_draws,
+        kde_grid=kde_grid,
+        levels_and_density=levels_and_density,
     )
