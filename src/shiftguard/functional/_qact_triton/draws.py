@@ -83,7 +83,8 @@ def systematic_draws(
     out = torch.empty(ch, n_samples, dtype=ctx.dtype, device=ctx.device)
     block = min(1024, triton.next_power_of_2(n_samples))
     from_seed = seed is not None
-    seed_t = seed.reshape(1).to(device=ctx.device, dtype=torch.int64) if from_seed else n_neg
+    # (the pointer the kernel does not read is given any tensor of the device)
+    seed_t = seed.reshape(1).to(device=ctx.device, dtype=torch.int64) if seed is not None else n_neg
     u = offsets.reshape(ch).to(device=ctx.device, dtype=torch.float64).contiguous() if offsets is not None else out
     _draws_kernel[(ch, triton.cdiv(n_samples, block))](
         ctx.contiguous(),
