@@ -72,13 +72,17 @@ def bench_blocks(dev, shapes, backends, repeats, rows):
                     return _graphed_step(block, x, g)
                 return lambda: block(x).backward(g)
 
-            t_relu = timed(step(relu), dev, repeats, 3)
-            t_qact = timed(step(qact), dev, repeats, 3)
+            row = {"bench": "block fwd+bwd", "case": "x".join(map(str, shape)), "mode": backend or "eager"}
+            try:
+                t_relu = timed(step(relu), dev, repeats, 3)
+                t_qact = timed(step(qact), dev, repeats, 3)
+            except Exception as exc:  # one mode failing (a capture refused) must not hide the others
+                rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             rows.append(
                 {
-                    "bench": "block fwd+bwd",
-                    "case": "x".join(map(str, shape)),
-                    "mode": backend or "eager",
+                    **row,
                     "baseline": "BN-ReLU-BN",
                     "baseline_ms": 1e3 * t_relu,
                     "ms": 1e3 * t_qact,
@@ -148,10 +152,12 @@ def main() -> int:
             info["triton"] = None  # QACT then runs its eager torch code on the GPU
     repeats = args.repeats or (3 if args.smoke else 10)
     rows: list[dict] = info["rows"]
-    modes = (None, args.backend, "cuda-graph") if dev.type == "cuda" else (None, args.backend)
-    parts = [("blocks", lambda: bench_blocks(dev, SMOKE_SHAPES if args.smoke else SHAPES, modes, repeats, rows))]
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    parts = [("blocks", lambda: bench_blocks(dev, shapes, (None, args.backend), repeats, rows))]
     if not args.skip_resnet:
         parts.append(("resnet18", lambda: bench_resnet(dev, args.smoke, args.backend, repeats, rows)))
+    if dev.type == "cuda":  # last: a refused capture may leave the device unusable for what follows
+        parts.append(("blocks cuda-graph", lambda: bench_blocks(dev, shapes, ("cuda-graph",), repeats, rows)))
     for name, part in parts:
         t0 = time.perf_counter()
         try:
