@@ -80,6 +80,26 @@ def check_draws():
         assert torch.equal(kern.systematic_draws(ctx, n_neg, n, offsets=offsets), want), shape
 
 
+def check_grid_layout():
+    # the KDE stage lays out its grid itself: kde.grid_layout's start, spacing and count bit for bit,
+    # for sorted and shuffled samples, including a range wide enough to hit the node cap
+    from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE
+
+    kern = _qact_triton.kernels()
+    for dtype in (torch.float32, torch.float64):
+        samples = torch.sort(torch.randn(5, 70, dtype=dtype), dim=1).values
+        h = torch.rand(5, dtype=dtype) * 0.5 + 0.05
+        h[3] = 1e-3  # a spacing of h / 8 would need ~40,000 nodes: capped at 256
+        xmin = torch.tensor([-3.0, -1.0, 0.5, -100.0, -2.0], dtype=dtype)
+        xmax = torch.tensor([3.0, 0.2, 0.6, 100.0, -1.5], dtype=dtype)
+        want = grid_layout(samples.min(1).values, samples.max(1).values, h, xmin, xmax, max_points=256)
+        for rows in (samples, samples[:, torch.randperm(70)]):
+            _, lo, delta, n = kern.kde_grid(rows, h, xmin, xmax, POINTS_PER_BANDWIDTH, TRUNCATE, 256)
+            for got, ref in zip((lo, delta, n), want):
+                assert torch.equal(got, ref), (dtype, got, ref)
+        assert int(n.max()) <= 258 and int(n[3]) > 200
+
+
 def check_density():
     for shape, dtype in CASES:
         x = torch.randn(shape, dtype=dtype) * 2
@@ -139,7 +159,14 @@ def check_gradient_through_the_functional():
 
 CHECKS = {
     f.__name__: f
-    for f in (check_quantiles, check_draws, check_forward, check_density, check_gradient_through_the_functional)
+    for f in (
+        check_quantiles,
+        check_draws,
+        check_grid_layout,
+        check_forward,
+        check_density,
+        check_gradient_through_the_functional,
+    )
 }
 
 

@@ -93,8 +93,10 @@ class _StandIns:
         return ctx[:, :1].expand(-1, n_samples).contiguous()
 
     @staticmethod
-    def kde_grid(samples, h, lo, delta, n_nodes, max_nodes, truncate):
-        return samples.new_zeros(samples.shape[0], max_nodes)
+    def kde_grid(samples, h, xmin, xmax, per_h, truncate, max_points):
+        ch = samples.shape[0]
+        n = torch.zeros(ch, dtype=torch.int64, device=samples.device)
+        return samples.new_zeros(ch, max_points + 2), h.clone(), h.clone(), n
 
     @staticmethod
     def levels_and_density(x, q, table, grid, lo, delta, n_nodes):

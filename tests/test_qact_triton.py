@@ -33,7 +33,14 @@ def report() -> dict:
 
 @pytest.mark.parametrize(
     "check",
-    ["check_quantiles", "check_draws", "check_forward", "check_density", "check_gradient_through_the_functional"],
+    [
+        "check_quantiles",
+        "check_draws",
+        "check_grid_layout",
+        "check_forward",
+        "check_density",
+        "check_gradient_through_the_functional",
+    ],
 )
 def test_triton_kernels_in_the_interpreter_match_the_eager_code(report, check):
     assert report[check] == "ok", report[check]

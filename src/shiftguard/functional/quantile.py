@@ -72,7 +72,7 @@ import torch
 from shiftguard import _rng
 from shiftguard._validation import check_finite, check_positive, check_tensor
 from shiftguard.functional import _qact_cpu, _qact_triton
-from shiftguard.functional.kde import TRUNCATE, gaussian_kde_grid, grid_layout, silverman_bandwidth
+from shiftguard.functional.kde import POINTS_PER_BANDWIDTH, TRUNCATE, gaussian_kde_grid, silverman_bandwidth
 
 #: The grid nodes of a channel's KDE at most (``max_points`` of :func:`~shiftguard.functional.kde.grid_layout`).
 _MAX_GRID_NODES = 4096
@@ -600,9 +600,9 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
     if need_density and stats.samples.shape[1] > 0:
         samples, h = stats.samples.to(x.dtype).contiguous(), stats.bandwidth.to(x.dtype).contiguous()
         xmin, xmax = torch.aminmax(values, dim=1)
-        smin, smax = torch.aminmax(samples, dim=1)
-        lo, delta, n_nodes = grid_layout(smin, smax, h, xmin, xmax)
-        grid = kern.kde_grid(samples, h, lo, delta, n_nodes, _MAX_GRID_NODES + 2, TRUNCATE)
+        grid, lo, delta, n_nodes = kern.kde_grid(
+            samples, h, xmin, xmax, POINTS_PER_BANDWIDTH, TRUNCATE, _MAX_GRID_NODES
+        )
     out, dens = kern.levels_and_density(x, q, table, grid, lo, delta, n_nodes)
     if running is not None:
         _move_running(running, stats)
