@@ -3,10 +3,11 @@ path, beside its BN-ReLU-BN twin: the count that decides the eager ratio where t
 launches, and what a CUDA graph replays.
 
 Runs without a GPU: the CUDA path (``quantile._triton_forward``) is taken for CPU tensors with the
-Triton kernels in Triton's interpreter; a ``TorchDispatchMode`` counts the torch operations that
-launch a kernel on CUDA (views, allocations and scalar reads excluded) and a wrapper counts the Triton
-launches. Counted outside a CUDA graph (the input's NaN/inf check reads its verdict) and as during
-capture (the check is a device assertion). The figures are counts of operations, not times.
+Triton kernels in Triton's interpreter and the module's seed used as on CUDA; a ``TorchDispatchMode``
+counts the torch operations that launch a kernel on CUDA (views, allocations and scalar reads
+excluded) and a wrapper counts the Triton launches. On CPU tensors the input's NaN/inf check takes
+its reading form (the device assertion of a capture has as many operations). The figures are counts
+of operations, not times.
 
 Usage: ``python benchmarks/count_qact_launches.py [--out FILE]`` (prints JSON).
 """
@@ -59,7 +60,7 @@ class _Launches(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count(make, capturing: bool) -> dict:
+def _count(make) -> dict:
     import shiftguard.functional.quantile as Q
 
     triton_calls: collections.Counter = collections.Counter()
@@ -73,10 +74,10 @@ def _count(make, capturing: bool) -> dict:
                 return _fn(*a, **k)
 
         wrapped[name] = counted
-    saved = (Q.USE_COMPILED, Q._triton, Q._capturing, Q._qact_triton.kernels)
+    saved = (Q.USE_COMPILED, Q._triton, Q._qact_triton.kernels, Q._draws_of_seed)
     Q.USE_COMPILED = False  # the CPU kernels would take CPU tensors first
     Q._triton = lambda x: True
-    Q._capturing = lambda: capturing
+    Q._draws_of_seed = lambda seed, device: seed  # the module's seed used as on CUDA (no generator)
     Q._qact_triton.kernels = lambda: type(kernels)(**wrapped)
     try:
         torch.manual_seed(0)
@@ -88,7 +89,7 @@ def _count(make, capturing: bool) -> dict:
         with _Launches() as mode:
             block(x).backward(g)
     finally:
-        Q.USE_COMPILED, Q._triton, Q._capturing, Q._qact_triton.kernels = saved
+        Q.USE_COMPILED, Q._triton, Q._qact_triton.kernels, Q._draws_of_seed = saved
     torch_ops = sum(mode.ops.values())
     return {
         "torch_ops": torch_ops,
@@ -107,9 +108,8 @@ def main() -> int:
     report = {
         "shape": [16, 8, 5, 5],
         "torch": torch.__version__,
-        "BN-QACT-BN": _count(lambda: QACTBlock(8), capturing=False),
-        "BN-QACT-BN (capturing)": _count(lambda: QACTBlock(8), capturing=True),
-        "BN-ReLU-BN": _count(lambda: BNActBlock(8, "relu"), capturing=False),
+        "BN-QACT-BN": _count(lambda: QACTBlock(8)),
+        "BN-ReLU-BN": _count(lambda: BNActBlock(8, "relu")),
     }
     text = json.dumps(report, indent=1)
     print(text)

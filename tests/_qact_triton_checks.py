@@ -58,8 +58,9 @@ def check_forward():
             got = Q._triton_forward(x, None, None, 20, 100.0, 50 if need else 0, draws(3), need)
             want = Q._eager_forward(x, None, None, 20, 100.0, 50 if need else 0, draws(3))
             assert torch.equal(got.output, want.output), (shape, dtype)
-            for a, b in zip(got.stats, want.stats):
-                assert torch.equal(a, b), (shape, dtype)
+            assert torch.equal(got.stats.quantiles, want.stats.quantiles), (shape, dtype)
+            assert torch.equal(got.stats.samples, want.stats.samples), (shape, dtype)
+            torch.testing.assert_close(got.stats.bandwidth, want.stats.bandwidth, rtol=_BW_RTOL[dtype], atol=0)
             assert (got.density is not None) == need
 
 
@@ -73,11 +74,35 @@ def check_draws():
         ctx = torch.sort(Q._grounded(channel_values(torch.randn(shape, dtype=dtype)), 100.0), dim=1).values
         n_neg = torch.searchsorted(ctx, torch.zeros(ctx.shape[0], 1, dtype=dtype))[:, 0]
         for seed in (torch.tensor([12345]), torch.tensor([2**62 - 1]), torch.tensor([-5])):
-            want, _ = Q._draw_samples(ctx, n_neg, n, seed, None)
-            assert torch.equal(kern.systematic_draws(ctx, n_neg, n, seed=seed), want), (shape, int(seed))
+            want, want_bw = Q._draw_samples(ctx, n_neg, n, seed, None)
+            for silverman in (False, True):
+                got, bw = kern.systematic_draws(ctx, n_neg, n, seed=seed, silverman=silverman)
+                assert torch.equal(got, want), (shape, int(seed))
+                if silverman:  # Silverman's rule in the same program: its sums in another order
+                    torch.testing.assert_close(bw, want_bw, rtol=_BW_RTOL[dtype], atol=0)
+                else:
+                    assert bw is None
         want, _ = Q._draw_samples(ctx, n_neg, n, _gen(3), None)
         offsets = Q._comb_offsets(_gen(3), ctx.shape[0], ctx.device)
-        assert torch.equal(kern.systematic_draws(ctx, n_neg, n, offsets=offsets), want), shape
+        assert torch.equal(kern.systematic_draws(ctx, n_neg, n, offsets=offsets)[0], want), shape
+    # the bandwidth's fallbacks: a zero IQR (std), a constant row (1e-3 max(1, |v|)), one sample
+    for row in ([0.0] * 6 + [1.0, 2.0], [3.0] * 8, [-2.5]):
+        for dtype in (torch.float32, torch.float64):
+            r = torch.tensor([row], dtype=dtype)
+            ctx = torch.cat([torch.full((1, 1), -100.0, dtype=dtype), r, torch.full((1, 1), 100.0, dtype=dtype)], 1)
+            n_neg = torch.searchsorted(ctx, torch.zeros(1, 1, dtype=dtype))[:, 0]
+            samples, want_bw = Q._draw_samples(ctx, n_neg, len(row), torch.tensor([7]), None)
+            _, bw = kern.systematic_draws(ctx, n_neg, len(row), seed=torch.tensor([7]), silverman=True)
+            torch.testing.assert_close(bw, want_bw, rtol=_BW_RTOL[dtype], atol=0)
+    # beyond the fused size the caller computes it
+    ctx = torch.sort(torch.randn(2, 50), dim=1).values
+    n_neg = torch.searchsorted(ctx, torch.zeros(2, 1))[:, 0]
+    big = kern.systematic_draws(ctx, n_neg, 4097, seed=torch.tensor([1]), silverman=True)
+    assert big[1] is None and big[0].shape == (2, 4097)
+
+
+#: How far the Triton path's Silverman bandwidth may lie from the eager code's (sums in another order).
+_BW_RTOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 
 
 def check_grid_layout():
@@ -143,7 +168,8 @@ def check_gradient_through_the_functional():
                 Q.USE_COMPILED = True
         (y1, g1, r1), (y0, g0, r0) = results
         assert torch.equal(y1, y0)
-        assert all(torch.equal(a, b) for a, b in zip(r1, r0))
+        assert torch.equal(r1[0], r0[0]) and torch.equal(r1[1], r0[1])  # running quantiles, samples
+        torch.testing.assert_close(r1[2], r0[2], rtol=_BW_RTOL[dtype], atol=0)  # running bandwidth
         # the gradient is g * density: the two densities within the grid bound of the exact KDE each
         stats = Q.qact_statistics(channel_values(x), 10, n_samples=40, generator=_gen(5))
         xs = channel_values(x).double()

@@ -89,8 +89,8 @@ class _StandIns:
         return ctx.new_zeros(ctx.shape[0], levels.shape[0]).add_(levels)
 
     @staticmethod
-    def systematic_draws(ctx, n_neg, n_samples, seed=None, offsets=None):
-        return ctx[:, :1].expand(-1, n_samples).contiguous()
+    def systematic_draws(ctx, n_neg, n_samples, seed=None, offsets=None, silverman=False):
+        return ctx[:, :1].expand(-1, n_samples).contiguous(), (ctx[:, -1].clone() if silverman else None)
 
     @staticmethod
     def kde_grid(samples, h, xmin, xmax, per_h, truncate, max_points):

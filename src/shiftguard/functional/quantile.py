@@ -572,10 +572,12 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, draws, bandwidth=None
 
 def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density, bandwidth=None) -> _Forward:
     """:func:`_forward` by the Triton kernels (:mod:`shiftguard.functional._qact_triton`): the context
-    sorted by ``torch.sort``, its quantiles (kernel), the draws (kernel), Silverman's bandwidth (the
-    eager code), the KDE grid (kernel) and every value's output and density in one pass (kernel); nothing is read
-    back to the host. The same output and statistics as :func:`_eager_forward`; the density within
-    the grid error bound of the exact KDE (the grid's nodes are exact sums, the eager grid bins)."""
+    sorted by ``torch.sort``, its quantiles (kernel), the draws and their Silverman bandwidth (kernel;
+    the eager code beyond ``draws.SILVERMAN_MAX_SAMPLES`` samples), the KDE grid (kernel) and every
+    value's output and density in one pass (kernel); nothing is read back to the host. The same
+    output, quantiles and samples as :func:`_eager_forward`, the bandwidth to rounding (its sums are
+    taken in another order); the density within the grid error bound of the exact KDE (the grid's
+    nodes are exact sums, the eager grid bins)."""
     kern = _qact_triton.kernels()
     values = channel_values(x)
     ch = values.shape[0]
@@ -585,11 +587,12 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
         n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]
         q = kern.grounded_quantiles(ctx, n_neg, quantile_levels(n_tau, x.dtype, x.device))
         if n_samples:
-            if isinstance(draws, torch.Tensor):
-                samples = kern.systematic_draws(ctx, n_neg, n_samples, seed=draws)
-            else:
-                samples = kern.systematic_draws(ctx, n_neg, n_samples, offsets=_comb_offsets(draws, ch, x.device))
-            bw = _sample_bandwidth(samples, bandwidth)
+            given = (
+                {"seed": draws} if isinstance(draws, torch.Tensor) else {"offsets": _comb_offsets(draws, ch, x.device)}
+            )
+            samples, bw = kern.systematic_draws(ctx, n_neg, n_samples, silverman=bandwidth is None, **given)
+            if bw is None:
+                bw = _sample_bandwidth(samples, bandwidth)
         else:
             samples = x.new_zeros(ch, 0)
             bw = x.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, x)

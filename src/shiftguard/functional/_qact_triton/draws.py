@@ -12,6 +12,8 @@ compiled CPU kernels compute it. One launch in place of the eager code's two doz
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import Optional
 
 import torch
@@ -39,8 +41,63 @@ def _comb_count(k, last, kf_dim, nn, s_f, u):
 
 
 @triton.jit
+def _constant(bits, dtype):
+    # a float64 constant handed over as its int64 bit pattern (a float argument would be float32),
+    # rounded to dtype as torch rounds a Python number operating on a tensor of that dtype
+    return tl.cast(bits, tl.int64).to(tl.float64, bitcast=True).to(dtype)
+
+
+@triton.jit
+def _sorted_quantile(vz, s, lo, hi, frac):
+    # kde._sorted_quantile: v[lo] + (pos - lo) * (v[hi] - v[lo]), the entries picked out of the row
+    v_lo = tl.sum(tl.where(s == lo, vz, 0.0), axis=0)
+    v_hi = tl.sum(tl.where(s == hi, vz, 0.0), axis=0)
+    return v_lo + _constant(frac, vz.dtype) * (v_hi - v_lo)
+
+
+@triton.jit
+def _silverman(v, s, live, S, lo25, hi25, frac25, lo75, hi75, frac75, c_iqr, c_floor, c_scale, c_pow):
+    # kde.silverman_bandwidth of one sorted row held whole in v (S >= 1 values where live):
+    # 0.9 * A * S^(-1/5), A = min(std, IQR / 1.34), falling back to std, then to 1e-3 max(1, max|v|)
+    dt = v.dtype
+    vz = tl.where(live, v, 0.0)
+    mean = tl.sum(vz, axis=0) / S
+    d = tl.where(live, v - mean, 0.0)
+    std = tl.where(S > 1, tl.sqrt(tl.sum(d * d, axis=0) / tl.maximum(S - 1, 1)), 0.0)
+    q25 = _sorted_quantile(vz, s, lo25, hi25, frac25)
+    q75 = _sorted_quantile(vz, s, lo75, hi75, frac75)
+    iqr = (q75 - q25) / _constant(c_iqr, dt)
+    a = tl.minimum(std, iqr)
+    a = tl.where(a > 0, a, std)
+    floor = _constant(c_floor, dt) * tl.maximum(tl.max(tl.abs(vz), axis=0), 1.0)
+    a = tl.where(a > 0, a, floor)
+    return _constant(c_scale, dt) * a * _constant(c_pow, dt)
+
+
+@triton.jit
 def _draws_kernel(
-    ctx_ptr, nneg_ptr, seed_ptr, u_ptr, out_ptr, K, S, STEPS, FROM_SEED: tl.constexpr, BLOCK_S: tl.constexpr
+    ctx_ptr,
+    nneg_ptr,
+    seed_ptr,
+    u_ptr,
+    out_ptr,
+    bw_ptr,
+    lo25,
+    hi25,
+    frac25,
+    lo75,
+    hi75,
+    frac75,
+    c_iqr,
+    c_floor,
+    c_scale,
+    c_pow,
+    K,
+    S,
+    STEPS,
+    FROM_SEED: tl.constexpr,
+    SILVERMAN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     c = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -51,8 +108,8 @@ def _draws_kernel(
     else:
         u = tl.load(u_ptr + c)
     nn = tl.load(nneg_ptr + c).to(tl.float64)
-    kf_dim = K * 1.0
-    s_f = S * 1.0
+    kf_dim = tl.cast(K, tl.float64)  # (not K * 1.0: a float32 product, inexact from K = 2^24)
+    s_f = tl.cast(S, tl.float64)
     sf = s.to(tl.float64)
     # the first k with c_k > s, in [0, K - 1] (c_{K-1} = S > s): lo <= answer <= hi throughout
     lo = tl.zeros([BLOCK_S], dtype=tl.int64)
@@ -64,6 +121,29 @@ def _draws_kernel(
         lo = tl.where(above, lo, mid + 1)
     v = tl.load(ctx_ptr + c * K + lo, mask=live, other=0.0)
     tl.store(out_ptr + c * S + s, v, mask=live)
+    if SILVERMAN:  # (one program holds the channel's whole sample, sorted by construction)
+        h = _silverman(v, s, live, S, lo25, hi25, frac25, lo75, hi75, frac75, c_iqr, c_floor, c_scale, c_pow)
+        tl.store(bw_ptr + c, h)
+
+
+#: Samples per channel up to which one program draws them all and computes their bandwidth too.
+SILVERMAN_MAX_SAMPLES = 4096
+
+
+def _bits(x: float) -> int:
+    """The int64 bit pattern of the float64 ``x``."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _quartile_positions(n: int) -> list[int]:
+    """``kde._sorted_quantile``'s bracket of the 0.25 and 0.75 quantiles of ``n`` sorted values: for
+    each, the indices ``lo, hi`` and the bit pattern of the weight ``pos - lo``."""
+    out = []
+    for level in (0.25, 0.75):
+        pos = level * (n - 1)
+        lo = int(math.floor(pos))
+        out += [lo, min(lo + 1, n - 1), _bits(pos - lo)]
+    return out
 
 
 def systematic_draws(
@@ -72,16 +152,23 @@ def systematic_draws(
     n_samples: int,
     seed: Optional[torch.Tensor] = None,
     offsets: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """``(C, S)`` sorted samples of the sorted grounded context ``ctx`` ``(C, K)`` with ``n_neg``
-    ``(C,)`` entries below 0 a row, ``S = n_samples >= 1``: the samples of ``quantile._draw_samples``
-    for the comb offsets ``offsets`` ``(C,)`` / ``(C, 1)`` float64, or for those of the one-element
-    integer ``seed`` (exactly one of the two)."""
+    silverman: bool = False,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``(samples, bandwidth)``: the ``(C, S)`` sorted samples of the sorted grounded context ``ctx``
+    ``(C, K)`` with ``n_neg`` ``(C,)`` entries below 0 a row, ``S = n_samples >= 1`` -- the samples of
+    ``quantile._draw_samples`` for the comb offsets ``offsets`` ``(C,)`` / ``(C, 1)`` float64, or for
+    those of the one-element integer ``seed`` (exactly one of the two) -- and, where ``silverman``
+    and ``S <= SILVERMAN_MAX_SAMPLES``, their ``(C,)`` Silverman bandwidths computed in the same
+    program (``kde.silverman_bandwidth``'s formula; its sums in another order, so equal to rounding,
+    not bit for bit); else None."""
     if (seed is None) == (offsets is None):
         raise ValueError("seed: expected either a seed or the offsets")
     ch, k_dim = ctx.shape
     out = torch.empty(ch, n_samples, dtype=ctx.dtype, device=ctx.device)
-    block = min(1024, triton.next_power_of_2(n_samples))
+    fused = silverman and n_samples <= SILVERMAN_MAX_SAMPLES
+    block = triton.next_power_of_2(n_samples) if fused else min(1024, triton.next_power_of_2(n_samples))
+    bw = torch.empty(ch, dtype=ctx.dtype, device=ctx.device) if fused else None
+
     from_seed = seed is not None
     # (the pointer the kernel does not read is given any tensor of the device)
     seed_t = seed.reshape(1).to(device=ctx.device, dtype=torch.int64) if seed is not None else n_neg
@@ -92,11 +179,18 @@ def systematic_draws(
         seed_t,
         u,
         out,
+        out if bw is None else bw,
+        *_quartile_positions(n_samples),
+        _bits(1.34),
+        _bits(1e-3),
+        _bits(0.9),
+        _bits(n_samples ** (-0.2)),
         k_dim,
         n_samples,
         max(1, (k_dim - 1).bit_length()),
         FROM_SEED=from_seed,
+        SILVERMAN=fused,
         BLOCK_S=block,
         enable_fp_fusion=False,  # (no fused multiply-add: the eager code rounds each operation)
     )
-    return out
+    return out, bw
