@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shiftguard.functional._qact_triton.common import ieee_div, ieee_sqrt
+
 
 @triton.jit
 def _splitmix64(key):
@@ -61,12 +63,12 @@ def _silverman(v, s, live, S, lo25, hi25, frac25, lo75, hi75, frac75, c_iqr, c_f
     # 0.9 * A * S^(-1/5), A = min(std, IQR / 1.34), falling back to std, then to 1e-3 max(1, max|v|)
     dt = v.dtype
     vz = tl.where(live, v, 0.0)
-    mean = tl.sum(vz, axis=0) / S
+    mean = ieee_div(tl.sum(vz, axis=0), tl.cast(S, dt))
     d = tl.where(live, v - mean, 0.0)
-    std = tl.where(S > 1, tl.sqrt(tl.sum(d * d, axis=0) / tl.maximum(S - 1, 1)), 0.0)
+    std = tl.where(S > 1, ieee_sqrt(ieee_div(tl.sum(d * d, axis=0), tl.cast(tl.maximum(S - 1, 1), dt))), 0.0)
     q25 = _sorted_quantile(vz, s, lo25, hi25, frac25)
     q75 = _sorted_quantile(vz, s, lo75, hi75, frac75)
-    iqr = (q75 - q25) / _constant(c_iqr, dt)
+    iqr = ieee_div(q75 - q25, _constant(c_iqr, dt))
     a = tl.minimum(std, iqr)
     a = tl.where(a > 0, a, std)
     floor = _constant(c_floor, dt) * tl.maximum(tl.max(tl.abs(vz), axis=0), 1.0)

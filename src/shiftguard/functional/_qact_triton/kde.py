@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shiftguard.functional._qact_triton.common import ieee_div
+
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
@@ -46,8 +48,8 @@ def _kde_grid_kernel(
         smax = tl.where(k < S, tl.maximum(smax, v), smax)
     lo = tl.maximum(tl.load(xmin_ptr + c), tl.min(smin, axis=0) - truncate * h)
     hi = tl.maximum(tl.minimum(tl.load(xmax_ptr + c), tl.max(smax, axis=0) + truncate * h), lo)
-    delta = tl.maximum(h / per_h, (hi - lo) / (max_points - 1))
-    n = tl.ceil((hi - lo) / delta).to(tl.int64) + 2
+    delta = tl.maximum(ieee_div(h, tl.cast(per_h, h.dtype)), ieee_div(hi - lo, tl.cast(max_points - 1, h.dtype)))
+    n = tl.ceil(ieee_div(hi - lo, delta)).to(tl.int64) + 2
     if tl.program_id(1) == 0:
         tl.store(lo_ptr + c, lo)
         tl.store(delta_ptr + c, delta)

@@ -6,12 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from shiftguard.functional._qact_triton.common import ieee_div
+
 
 @triton.jit
 def _position(k, n_neg, nn, np_):
     # quantile._grounded_position: the midpoint CDF position of sorted entry k (same operations)
     kf = k.to(nn.dtype)
-    return tl.where(k < n_neg, (kf + 0.5) / (2 * nn), 0.5 + (kf - nn + 0.5) / (2 * np_))
+    return tl.where(k < n_neg, ieee_div(kf + 0.5, 2 * nn), 0.5 + ieee_div(kf - nn + 0.5, 2 * np_))
 
 
 @triton.jit
@@ -47,7 +49,7 @@ def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, levels_ptr, q_ptr, K, n_tau, B
     p1 = _position(k + 1, n_neg, nn, np_)
     v0 = tl.load(row + k, mask=live, other=0.0)
     v1 = tl.load(row + k + 1, mask=live, other=0.0)
-    t = (tau - p0) / (p1 - p0)
+    t = ieee_div(tau - p0, p1 - p0)
     q = v0 + t * (v1 - v0)
     q = tl.where(below, tl.load(row), q)
     q = tl.where(above, tl.load(row + K - 1), q)
