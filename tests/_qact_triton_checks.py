@@ -45,8 +45,12 @@ def check_quantiles():
             n_neg = torch.searchsorted(ctx, torch.zeros(ch, 1, dtype=dtype))[:, 0]
             levels = Q.quantile_levels(n_tau, dtype)
             want = Q._grounded_quantiles(ctx, n_neg, levels.expand(ch, -1).contiguous())
-            got = kern.grounded_quantiles(ctx, n_neg, levels)
+            got, got_neg = kern.grounded_quantiles(ctx, n_tau)
             assert torch.equal(got, want), (shape, dtype, n_tau, (got - want).abs().max())
+            assert torch.equal(got_neg, n_neg), (shape, dtype)
+    # the count of entries below 0 at its edges: exact zeros (not below), every entry but +c below
+    ctx = torch.tensor([[-100.0, -0.0, 0.0, 0.0, 100.0], [-100.0, -3.0, -2.0, -1e-30, 100.0]])
+    assert kern.grounded_quantiles(ctx, 5)[1].tolist() == [1, 4]
 
 
 def check_forward():

@@ -85,8 +85,9 @@ class _StandIns:
     is what crosses between host and device around them)."""
 
     @staticmethod
-    def grounded_quantiles(ctx, n_neg, levels):
-        return ctx.new_zeros(ctx.shape[0], levels.shape[0]).add_(levels)
+    def grounded_quantiles(ctx, n_tau):
+        ch = ctx.shape[0]
+        return ctx.new_zeros(ch, n_tau), torch.zeros(ch, dtype=torch.int64, device=ctx.device)
 
     @staticmethod
     def systematic_draws(ctx, n_neg, n_samples, seed=None, offsets=None, silverman=False):
@@ -99,7 +100,7 @@ class _StandIns:
         return samples.new_zeros(ch, max_points + 2), h.clone(), h.clone(), n
 
     @staticmethod
-    def levels_and_density(x, q, table, grid, lo, delta, n_nodes):
+    def levels_and_density(x, q, grid, lo, delta, n_nodes):
         return torch.zeros_like(x), (None if grid is None else torch.ones_like(x))
 
 

@@ -583,9 +583,7 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
     ch = values.shape[0]
     if stats is None:
         ctx = torch.sort(_grounded(values, c), dim=1).values
-        zero = torch.zeros(ch, 1, dtype=x.dtype, device=x.device)
-        n_neg = torch.searchsorted(ctx, zero, right=False)[:, 0]
-        q = kern.grounded_quantiles(ctx, n_neg, quantile_levels(n_tau, x.dtype, x.device))
+        q, n_neg = kern.grounded_quantiles(ctx, n_tau)
         if n_samples:
             given = (
                 {"seed": draws} if isinstance(draws, torch.Tensor) else {"offsets": _comb_offsets(draws, ch, x.device)}
@@ -598,7 +596,6 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
             bw = x.new_zeros(ch) if bandwidth is None else _fixed_bandwidth(bandwidth, ch, x)
         stats = QACTStatistics(q, samples, bw)
     q = stats.quantiles.to(x.dtype).contiguous()
-    table = torch.arange(q.shape[1] + 1, dtype=x.dtype, device=x.device).div_(q.shape[1])  # (_values_by_count)
     grid = lo = delta = n_nodes = None
     if need_density and stats.samples.shape[1] > 0:
         samples, h = stats.samples.to(x.dtype).contiguous(), stats.bandwidth.to(x.dtype).contiguous()
@@ -606,7 +603,7 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
         grid, lo, delta, n_nodes = kern.kde_grid(
             samples, h, xmin, xmax, POINTS_PER_BANDWIDTH, TRUNCATE, _MAX_GRID_NODES
         )
-    out, dens = kern.levels_and_density(x, q, table, grid, lo, delta, n_nodes)
+    out, dens = kern.levels_and_density(x, q, grid, lo, delta, n_nodes)
     if running is not None:
         _move_running(running, stats)
     return _Forward(out, stats, dens)

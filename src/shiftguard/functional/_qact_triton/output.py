@@ -9,12 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from shiftguard.functional._qact_triton.common import ieee_div
+
 
 @triton.jit
 def _levels_kernel(
     x_ptr,
     q_ptr,
-    table_ptr,
     out_ptr,
     grid_ptr,
     lo_ptr,
@@ -41,7 +42,8 @@ def _levels_kernel(
         ok = live & (cand <= n_tau)
         qv = tl.load(q_ptr + c * n_tau + cand - 1, mask=ok, other=0.0)
         cnt = tl.where(ok & (qv <= v), cand, cnt)
-    tl.store(out_ptr + i, tl.load(table_ptr + cnt, mask=live, other=0.0), mask=live)
+    # the value k / n_tau as the eager code rounds it (torch.arange(n_tau + 1, dtype).div_(n_tau))
+    tl.store(out_ptr + i, ieee_div(cnt.to(v.dtype), tl.cast(n_tau, v.dtype)), mask=live)
     if DENSITY:
         # gaussian_kde_grid's interpolation: position on the grid, 0 off it, torch.lerp, clamp at 0
         lo = tl.load(lo_ptr + c, mask=live, other=0.0)
@@ -62,14 +64,13 @@ def _levels_kernel(
 def levels_and_density(
     x: torch.Tensor,
     quantiles: torch.Tensor,
-    values_by_count: torch.Tensor,
     grid: Optional[torch.Tensor] = None,
     lo: Optional[torch.Tensor] = None,
     delta: Optional[torch.Tensor] = None,
     n_nodes: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The forward output of every value of ``x`` ``(N, C, *)`` (contiguous) against the channels'
-    non-decreasing ``quantiles`` ``(C, n_tau)`` (``values_by_count[k]`` = ``k / n_tau`` in x's dtype),
+    non-decreasing ``quantiles`` ``(C, n_tau)`` (``k / n_tau`` in x's dtype for ``k`` quantiles ``<= x``),
     and, with a grid (:func:`kde_grid`'s ``(C, G)`` on nodes ``lo + j * delta``, ``j < n_nodes``), the
     density at every value; both shaped like ``x``."""
     x = x.contiguous()
@@ -83,15 +84,12 @@ def levels_and_density(
     q = quantiles.contiguous()
     if grid is None or lo is None or delta is None or n_nodes is None:
         # (the density's pointers are not read: the values' own stand in for them)
-        _levels_kernel[launch](
-            x, q, values_by_count, out, q, q, q, q, out, total, ch, length, n_tau, 0, DENSITY=False, **common
-        )
+        _levels_kernel[launch](x, q, out, q, q, q, q, out, total, ch, length, n_tau, 0, DENSITY=False, **common)
         return out, None
     dens = torch.empty_like(x)
     _levels_kernel[launch](
         x,
         q,
-        values_by_count,
         out,
         grid,
         lo,

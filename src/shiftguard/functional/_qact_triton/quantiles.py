@@ -22,7 +22,7 @@ def _maximum(a, b):
 
 
 @triton.jit
-def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, levels_ptr, q_ptr, K, n_tau, BLOCK_T: tl.constexpr):
+def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, q_ptr, K, n_tau, STEPS, BLOCK_T: tl.constexpr):
     # quantile._grounded_quantiles for row c: the bracket k (largest with p_k <= tau) in closed
     # form, two correction steps against the exact positions, linear interpolation, clamping, and
     # the running maximum
@@ -30,8 +30,19 @@ def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, levels_ptr, q_ptr, K, n_tau, B
     i = tl.arange(0, BLOCK_T)
     live = i < n_tau
     row = ctx_ptr + c * K
-    tau = tl.load(levels_ptr + i, mask=live, other=0.0)
-    n_neg = tl.load(nneg_ptr + c)
+    # the levels tau_i = i / (n_tau + 1), i = 1..n_tau, as quantile.quantile_levels rounds them
+    # (in float64, then to the row's dtype)
+    tau = ieee_div((i + 1).to(tl.float64), tl.cast(n_tau + 1, tl.float64)).to(ctx_ptr.dtype.element_ty)
+    # the row's entries below 0 (torch.searchsorted(row, 0) of the sorted row), stored for the draws
+    lo = tl.zeros([], dtype=tl.int64)
+    hi = tl.zeros([], dtype=tl.int64) + K
+    for _ in range(STEPS):
+        mid = (lo + hi) // 2
+        below = (mid < hi) & (tl.load(row + tl.minimum(mid, K - 1)) < 0)
+        lo = tl.where(below, mid + 1, lo)
+        hi = tl.where(below | (mid >= hi), hi, mid)
+    n_neg = lo
+    tl.store(nneg_ptr + c, n_neg)
     nn = n_neg.to(tau.dtype)
     np_ = K - nn
     k_neg = tl.floor(2.0 * tau * nn - 0.5)
@@ -58,21 +69,21 @@ def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, levels_ptr, q_ptr, K, n_tau, B
     tl.store(q_ptr + c * n_tau + i, q, mask=live)
 
 
-def grounded_quantiles(ctx: torch.Tensor, n_neg: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """``(C, n_tau)`` weighted quantiles of the sorted grounded context ``ctx`` ``(C, K)``, ``K >= 2``,
-    with ``n_neg`` ``(C,)`` values below 0 in each row, at ``levels`` ``(n_tau,)`` (ctx's dtype);
-    the values of ``quantile._grounded_quantiles``."""
+def grounded_quantiles(ctx: torch.Tensor, n_tau: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(quantiles, n_neg)``: the ``(C, n_tau)`` weighted quantiles of the sorted grounded context
+    ``ctx`` ``(C, K)``, ``K >= 2``, at ``quantile.quantile_levels(n_tau)`` -- the values of
+    ``quantile._grounded_quantiles`` -- and the ``(C,)`` int64 count of each row's entries below 0."""
     ch, k_dim = ctx.shape
-    n_tau = levels.shape[0]
     q = torch.empty(ch, n_tau, dtype=ctx.dtype, device=ctx.device)
+    n_neg = torch.empty(ch, dtype=torch.int64, device=ctx.device)
     _grounded_quantiles_kernel[(ch,)](
         ctx.contiguous(),
-        n_neg.contiguous(),
-        levels.contiguous(),
+        n_neg,
         q,
         k_dim,
         n_tau,
+        k_dim.bit_length(),
         BLOCK_T=triton.next_power_of_2(n_tau),
         enable_fp_fusion=False,  # (no fused multiply-add: the eager code rounds each operation)
     )
-    return q
+    return q, n_neg
