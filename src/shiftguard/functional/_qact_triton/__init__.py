@@ -9,26 +9,32 @@ modules, and with them triton, on the first CUDA input that takes this path
 
 - ``quantiles``: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs.
   (8)-(9)] -- the closed-form bracket of ``quantile._grounded_quantiles`` with the same operations
-  in the same order, one program per channel, then the running maximum.
+  in the same order, one program per channel, then the running maximum; the levels and the row's
+  count of entries below 0 (for the draws) are computed there too.
 - ``draws``: the KDE samples of each row by systematic sampling [QACT, Alg. 2] -- for each draw a
   binary search for its entry with the comb counts of ``quantile._comb_counts`` computed on the fly
   (same operations), the comb offsets given or computed from a seed (SplitMix64, as
-  ``quantile._comb_offsets``): the eager code's samples bit for bit, in one launch.
+  ``quantile._comb_offsets``): the eager code's samples bit for bit, in one launch; and, where one
+  program holds a channel's whole sample (up to 4096), their Silverman bandwidth (equal to the eager
+  code's to rounding: its sums in another order).
 - ``kde``: the KDE grid of the backward [QACT, Alg. 2, eq. (7)] on the nodes of
-  :func:`shiftguard.functional.kde.grid_layout`: each node's value is the Gaussian kernel sum over
-  the channel's samples, truncated at ``TRUNCATE * h``, evaluated directly (no binning, no FFT, no
-  atomics: deterministic). At the nodes this is the exact truncated KDE, so the density
-  interpolated from it is within ``phi(0) delta^2 / (8 h^3) + phi(truncate) / h`` of the exact KDE,
-  inside :func:`shiftguard.functional.kde.kde_grid_error_bound` (the eager grid also bins).
+  :func:`shiftguard.functional.kde.grid_layout` (computed in the kernel, bit for bit): each node's
+  value is the Gaussian kernel sum over the channel's samples, truncated at ``TRUNCATE * h``,
+  evaluated directly (no binning, no FFT, no atomics: deterministic). At the nodes this is the exact
+  truncated KDE, so the density interpolated from it is within ``phi(0) delta^2 / (8 h^3) +
+  phi(truncate) / h`` of the exact KDE, inside :func:`shiftguard.functional.kde.kde_grid_error_bound`
+  (the eager grid also bins).
 - ``output``: one pass over the input in its own ``(N, C, *)`` layout: each value's forward output
   ``#{i : q_i <= x} / n_tau`` (eq. (6); a branchless binary search in the channel's quantiles, the
-  count of ``torch.searchsorted(q, x, right=True)``, read from the eager code's table of ``k / n_tau``)
+  count of ``torch.searchsorted(q, x, right=True)``, and ``k / n_tau`` rounded as the eager code's table)
   and, where the gradient will be needed, its density linearly interpolated from the grid as
   :func:`~shiftguard.functional.kde.gaussian_kde_grid` does.
 
-The sort of the context and Silverman's bandwidth stay torch operations on the device (the eager
-code's); no step reads a value back to the host. The tests run every kernel in Triton's interpreter
-(``TRITON_INTERPRET=1``) on CPU tensors against the eager code (``tests/test_qact_triton.py``).
+The sort of the context stays a torch operation on the device; no step reads a value back to the
+host. ``common`` holds the division and square root rounded to nearest that the stages use where
+they match the eager code's bits (Triton's float32 ``/`` is approximate on NVIDIA GPUs). The tests
+run every kernel in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors against the eager
+code (``tests/test_qact_triton.py``).
 """
 
 from __future__ import annotations
