@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
+
+
+def f64_bits(x: float) -> int:
+    """The int64 bit pattern of the float64 ``x``: how a float64 constant reaches a kernel (a float
+    argument of a Triton kernel is float32), read back there by :func:`constant`."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+@triton.jit
+def constant(bits, dtype):
+    # a float64 constant handed over as its int64 bit pattern (f64_bits), rounded to dtype as torch
+    # rounds a Python number operating on a tensor of that dtype
+    return tl.cast(bits, tl.int64).to(tl.float64, bitcast=True).to(dtype)
 
 
 @triton.jit

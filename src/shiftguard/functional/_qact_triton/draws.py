@@ -13,14 +13,13 @@ compiled CPU kernels compute it. One launch in place of the eager code's two doz
 from __future__ import annotations
 
 import math
-import struct
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from shiftguard.functional._qact_triton.common import ieee_div, ieee_sqrt
+from shiftguard.functional._qact_triton.common import constant, f64_bits, ieee_div, ieee_sqrt
 
 
 @triton.jit
@@ -43,18 +42,11 @@ def _comb_count(k, last, kf_dim, nn, s_f, u):
 
 
 @triton.jit
-def _constant(bits, dtype):
-    # a float64 constant handed over as its int64 bit pattern (a float argument would be float32),
-    # rounded to dtype as torch rounds a Python number operating on a tensor of that dtype
-    return tl.cast(bits, tl.int64).to(tl.float64, bitcast=True).to(dtype)
-
-
-@triton.jit
 def _sorted_quantile(vz, s, lo, hi, frac):
     # kde._sorted_quantile: v[lo] + (pos - lo) * (v[hi] - v[lo]), the entries picked out of the row
     v_lo = tl.sum(tl.where(s == lo, vz, 0.0), axis=0)
     v_hi = tl.sum(tl.where(s == hi, vz, 0.0), axis=0)
-    return v_lo + _constant(frac, vz.dtype) * (v_hi - v_lo)
+    return v_lo + constant(frac, vz.dtype) * (v_hi - v_lo)
 
 
 @triton.jit
@@ -68,12 +60,12 @@ def _silverman(v, s, live, S, lo25, hi25, frac25, lo75, hi75, frac75, c_iqr, c_f
     std = tl.where(S > 1, ieee_sqrt(ieee_div(tl.sum(d * d, axis=0), tl.cast(tl.maximum(S - 1, 1), dt))), 0.0)
     q25 = _sorted_quantile(vz, s, lo25, hi25, frac25)
     q75 = _sorted_quantile(vz, s, lo75, hi75, frac75)
-    iqr = ieee_div(q75 - q25, _constant(c_iqr, dt))
+    iqr = ieee_div(q75 - q25, constant(c_iqr, dt))
     a = tl.minimum(std, iqr)
     a = tl.where(a > 0, a, std)
-    floor = _constant(c_floor, dt) * tl.maximum(tl.max(tl.abs(vz), axis=0), 1.0)
+    floor = constant(c_floor, dt) * tl.maximum(tl.max(tl.abs(vz), axis=0), 1.0)
     a = tl.where(a > 0, a, floor)
-    return _constant(c_scale, dt) * a * _constant(c_pow, dt)
+    return constant(c_scale, dt) * a * constant(c_pow, dt)
 
 
 @triton.jit
@@ -132,11 +124,6 @@ def _draws_kernel(
 SILVERMAN_MAX_SAMPLES = 4096
 
 
-def _bits(x: float) -> int:
-    """The int64 bit pattern of the float64 ``x``."""
-    return struct.unpack("<q", struct.pack("<d", x))[0]
-
-
 def _quartile_positions(n: int) -> list[int]:
     """``kde._sorted_quantile``'s bracket of the 0.25 and 0.75 quantiles of ``n`` sorted values: for
     each, the indices ``lo, hi`` and the bit pattern of the weight ``pos - lo``."""
@@ -144,7 +131,7 @@ def _quartile_positions(n: int) -> list[int]:
     for level in (0.25, 0.75):
         pos = level * (n - 1)
         lo = int(math.floor(pos))
-        out += [lo, min(lo + 1, n - 1), _bits(pos - lo)]
+        out += [lo, min(lo + 1, n - 1), f64_bits(pos - lo)]
     return out
 
 
@@ -183,10 +170,10 @@ def systematic_draws(
         out,
         out if bw is None else bw,
         *_quartile_positions(n_samples),
-        _bits(1.34),
-        _bits(1e-3),
-        _bits(0.9),
-        _bits(n_samples ** (-0.2)),
+        f64_bits(1.34),
+        f64_bits(1e-3),
+        f64_bits(0.9),
+        f64_bits(n_samples ** (-0.2)),
         k_dim,
         n_samples,
         max(1, (k_dim - 1).bit_length()),

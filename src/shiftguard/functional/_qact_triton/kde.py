@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from shiftguard.functional._qact_triton.common import ieee_div
+from shiftguard.functional._qact_triton.common import constant, f64_bits, ieee_div
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -68,7 +69,7 @@ def _kde_grid_kernel(
         w = tl.exp(-0.5 * z * z)
         w = tl.where((tl.abs(z) <= truncate) & (k < S)[None, :], w, 0.0)
         acc += tl.sum(w, axis=1)
-    tl.store(grid_ptr + c * G + j, acc * (scale / h), mask=live & (j < G))
+    tl.store(grid_ptr + c * G + j, acc * (constant(scale, h.dtype) / h), mask=live & (j < G))
 
 
 def kde_grid(
@@ -85,6 +86,8 @@ def kde_grid(
     ``(C,)`` with ``points_per_bandwidth`` and ``max_points`` (the same values: the same operations),
     and the KDE values on them, ``(C, max_points + 2)`` (``n_nodes[c] <= max_points + 2``; the rest
     unset: the allocation needs no value read back). All in one dtype but ``n_nodes`` (int64)."""
+    if float(np.float32(truncate)) != float(truncate):  # (a float kernel argument is float32)
+        raise ValueError(f"truncate: expected a value exact in float32, got {truncate!r}")
     ch, s_dim = samples.shape
     capacity = max_points + 2
     grid = torch.empty(ch, capacity, dtype=samples.dtype, device=samples.device)
@@ -106,7 +109,7 @@ def kde_grid(
         float(truncate),
         int(points_per_bandwidth),
         int(max_points),
-        _INV_SQRT_2PI / s_dim,
+        f64_bits(_INV_SQRT_2PI / s_dim),
         BLOCK_G=block_g,
         BLOCK_S=64,
         enable_fp_fusion=False,  # (the layout rounds each operation as grid_layout does)
