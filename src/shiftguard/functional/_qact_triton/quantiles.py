@@ -34,8 +34,8 @@ def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, q_ptr, K, n_tau, STEPS, BLOCK_
     # (in float64, then to the row's dtype)
     tau = ieee_div((i + 1).to(tl.float64), tl.cast(n_tau + 1, tl.float64)).to(ctx_ptr.dtype.element_ty)
     # the row's entries below 0 (torch.searchsorted(row, 0) of the sorted row), stored for the draws
-    lo = tl.zeros([], dtype=tl.int64)
-    hi = tl.zeros([], dtype=tl.int64) + K
+    lo = c * 0  # (int64 scalars)
+    hi = c * 0 + K
     for _ in range(STEPS):
         mid = (lo + hi) // 2
         below = (mid < hi) & (tl.load(row + tl.minimum(mid, K - 1)) < 0)
