@@ -25,8 +25,9 @@ def constant(bits, dtype):
 def ieee_div(a, b):
     # a / b rounded to nearest, as torch divides: Triton's `/` on float32 is div.full.f32 on NVIDIA
     # GPUs (within 2 ulp, not correctly rounded), which would break the stages' bit-for-bit
-    # agreement with the eager code; float64 `/` is already div.rn.f64. (The interpreter divides
-    # exactly either way, so only a GPU run can tell the two apart.)
+    # agreement with the eager code; float64 `/` is already div.rn.f64 (and div_rn of float64 has
+    # failed to compile in some Triton versions). The interpreter divides exactly either way, so
+    # only a GPU run can tell the two apart.
     if a.dtype == tl.float32:
         return tl.math.div_rn(a, b)
     return a / b
