@@ -38,9 +38,9 @@ def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, q_ptr, K, n_tau, STEPS, BLOCK_
     hi = c * 0 + K
     for _ in range(STEPS):
         mid = (lo + hi) // 2
-        below = (mid < hi) & (tl.load(row + tl.minimum(mid, K - 1)) < 0)
-        lo = tl.where(below, mid + 1, lo)
-        hi = tl.where(below | (mid >= hi), hi, mid)
+        negative = (mid < hi) & (tl.load(row + tl.minimum(mid, K - 1)) < 0)
+        lo = tl.where(negative, mid + 1, lo)
+        hi = tl.where(negative | (mid >= hi), hi, mid)
     n_neg = lo
     tl.store(nneg_ptr + c, n_neg)
     nn = n_neg.to(tau.dtype)
