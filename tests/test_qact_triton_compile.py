@@ -7,14 +7,13 @@ or a fused multiply-add. Skipped without triton."""
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
 
 
-def _ptx_of_every_stage(cache_dir: Path) -> dict:
+def _ptx_of_every_stage() -> dict:
     """Each stage's kernel, in each variant the dispatch launches, compiled ahead of time for a Hopper
     GPU (sm_90, the lent machines' H100 / H200) by Triton's own compiler and ptxas, without a GPU:
     ``{name: ptx}``."""
@@ -83,7 +82,7 @@ def test_every_stage_compiles_for_a_gpu_and_divides_as_torch_does(tmp_path, monk
     bit for bit rounds as torch does -- no approximate float32 division or square root (Triton's
     float32 ``/`` is ``div.full.f32`` on NVIDIA) and no fused multiply-add."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # (not the user's ~/.triton)
-    ptx = _ptx_of_every_stage(tmp_path)
+    ptx = _ptx_of_every_stage()
     assert len(ptx) == 2 * (1 + 4 + 1 + 2)
     exact = [name for name in ptx if name.startswith(("quantiles", "draws")) or name.endswith("density=False")]
     for name in exact:
