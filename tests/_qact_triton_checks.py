@@ -33,16 +33,20 @@ def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
+def _sorted_context(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sorted grounded context of ``values`` ``(C, M)`` (``c = 100``) and each row's count of
+    entries below 0, as the eager code makes them."""
+    ctx = torch.sort(Q._grounded(values, 100.0), dim=1).values
+    return ctx, torch.searchsorted(ctx, ctx.new_zeros(ctx.shape[0], 1))[:, 0]
+
+
 def check_quantiles():
     kern = _qact_triton.kernels()
     for shape, dtype in CASES:
         x = torch.randn(shape, dtype=dtype)
         for n_tau in (7, 100):
-            v = channel_values(x)
-            ch = v.shape[0]
-            bounds = torch.tensor([-100.0, 100.0], dtype=dtype).expand(ch, 2)
-            ctx = torch.sort(torch.cat([v, bounds], 1), 1).values
-            n_neg = torch.searchsorted(ctx, torch.zeros(ch, 1, dtype=dtype))[:, 0]
+            ctx, n_neg = _sorted_context(channel_values(x))
+            ch = ctx.shape[0]
             levels = Q.quantile_levels(n_tau, dtype)
             want = Q._grounded_quantiles(ctx, n_neg, levels.expand(ch, -1).contiguous())
             got, got_neg = kern.grounded_quantiles(ctx, n_tau)
@@ -75,8 +79,7 @@ def check_draws():
     kern = _qact_triton.kernels()
     cases = [((64, 5), torch.float64, 300), ((6, 3, 4, 4), torch.float32, 1000), ((1, 2), torch.float32, 7)]
     for shape, dtype, n in cases + [((3, 2), torch.float64, 1), ((500, 3), torch.float32, 64)]:
-        ctx = torch.sort(Q._grounded(channel_values(torch.randn(shape, dtype=dtype)), 100.0), dim=1).values
-        n_neg = torch.searchsorted(ctx, torch.zeros(ctx.shape[0], 1, dtype=dtype))[:, 0]
+        ctx, n_neg = _sorted_context(channel_values(torch.randn(shape, dtype=dtype)))
         for seed in (torch.tensor([12345]), torch.tensor([2**62 - 1]), torch.tensor([-5])):
             want, want_bw = Q._draw_samples(ctx, n_neg, n, seed, None)
             for silverman in (False, True):
@@ -92,15 +95,12 @@ def check_draws():
     # the bandwidth's fallbacks: a zero IQR (std), a constant row (1e-3 max(1, |v|)), one sample
     for row in ([0.0] * 6 + [1.0, 2.0], [3.0] * 8, [-2.5]):
         for dtype in (torch.float32, torch.float64):
-            r = torch.tensor([row], dtype=dtype)
-            ctx = torch.cat([torch.full((1, 1), -100.0, dtype=dtype), r, torch.full((1, 1), 100.0, dtype=dtype)], 1)
-            n_neg = torch.searchsorted(ctx, torch.zeros(1, 1, dtype=dtype))[:, 0]
-            samples, want_bw = Q._draw_samples(ctx, n_neg, len(row), torch.tensor([7]), None)
+            ctx, n_neg = _sorted_context(torch.tensor([row], dtype=dtype))
+            _, want_bw = Q._draw_samples(ctx, n_neg, len(row), torch.tensor([7]), None)
             _, bw = kern.systematic_draws(ctx, n_neg, len(row), seed=torch.tensor([7]), silverman=True)
             torch.testing.assert_close(bw, want_bw, rtol=_BW_RTOL[dtype], atol=0)
     # beyond the fused size the caller computes it
-    ctx = torch.sort(torch.randn(2, 50), dim=1).values
-    n_neg = torch.searchsorted(ctx, torch.zeros(2, 1))[:, 0]
+    ctx, n_neg = _sorted_context(torch.randn(2, 50))
     big = kern.systematic_draws(ctx, n_neg, 4097, seed=torch.tensor([1]), silverman=True)
     assert big[1] is None and big[0].shape == (2, 4097)
 
