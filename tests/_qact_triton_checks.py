@@ -13,6 +13,8 @@ import os
 import sys
 import traceback
 
+import numpy as np
+
 os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
@@ -38,6 +40,47 @@ def _sorted_context(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     entries below 0, as the eager code makes them."""
     ctx = torch.sort(Q._grounded(values, 100.0), dim=1).values
     return ctx, torch.searchsorted(ctx, ctx.new_zeros(ctx.shape[0], 1))[:, 0]
+
+
+def check_grounded_context():
+    # the one-launch grounded context equals the eager transposed copy with -c, +c bit for bit,
+    # including a c that float32 rounds and a tail shorter than a block
+    kern = _qact_triton.kernels()
+    for shape, dtype in CASES + [((3, 700, 1), torch.float32), ((1, 1), torch.float64)]:
+        x = torch.randn(shape, dtype=dtype)
+        for c in (100.0, 0.1, 3.0e38 if dtype == torch.float32 else 1e300):
+            got = kern.grounded_context(x, c)
+            assert torch.equal(got, Q._grounded(channel_values(x), c)), (shape, dtype, c)
+
+
+def check_non_finite():
+    # the output pass flags NaN and +-inf wherever they fall (first, last, in a partial last block);
+    # the Triton forward refuses them by name before the running statistics move, with draws from a
+    # seed (the flags' verdict) and from a generator (checked first)
+    kern = _qact_triton.kernels()
+    for shape, dtype in CASES + [((3, 2, 300), torch.float32)]:
+        x = torch.randn(shape, dtype=dtype)
+        q = torch.sort(torch.randn(shape[1], 9, dtype=dtype), dim=1).values
+        assert bool(kern.levels_and_density(x, q)[2].all())
+        for at in (0, x.numel() - 1, x.numel() // 2):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                y = x.clone()
+                y.view(-1)[at] = bad
+                assert not bool(kern.levels_and_density(y, q)[2].all()), (shape, at, bad)
+    shape, dtype = CASES[1]
+    for at, bad in ((-1, float("nan")), (0, float("-inf"))):
+        y = torch.randn(shape, dtype=dtype)
+        y.view(-1)[at] = bad
+        for draws in (torch.tensor([5]), _gen(5)):
+            running = [t.clone() for t in Q.default_statistics(shape[1], 9, 20, dtype)]
+            try:
+                with np.errstate(all="ignore"):  # (the interpreter computes on the NaN before the verdict)
+                    Q._triton_forward(y, None, Q._Running(*running, 0.5), 9, 100.0, 20, draws, True)
+            except ValueError as e:
+                assert str(e).startswith("input: contains non-finite values"), e
+            else:
+                raise AssertionError(("not refused", at, bad, type(draws)))
+            assert all(torch.equal(a, b) for a, b in zip(running, Q.default_statistics(shape[1], 9, 20, dtype)))
 
 
 def check_quantiles():
@@ -190,11 +233,13 @@ def check_gradient_through_the_functional():
 CHECKS = {
     f.__name__: f
     for f in (
+        check_grounded_context,
         check_quantiles,
         check_draws,
         check_grid_layout,
         check_forward,
         check_density,
+        check_non_finite,
         check_gradient_through_the_functional,
     )
 }

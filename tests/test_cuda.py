@@ -109,6 +109,20 @@ def test_qact_triton_path_on_cuda_equals_the_eager_torch_path(shape, monkeypatch
     assert (diff <= bound).all()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_qact_on_cuda_refuses_non_finite_input_by_name_before_its_running_statistics_move(bad):
+    # on the Triton path the verdict comes from the output pass's flags (after the draws from the
+    # module's seed), on the eager path from a pass before the forward: the same refusal either way
+    torch.manual_seed(0)
+    block = QACTBlock(4).cuda().train()
+    x = torch.randn(8, 4, 3, 3, device="cuda")
+    x[5, 2, 1, 0] = bad
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^input: contains non-finite values"):
+        block(x.requires_grad_(True))
+    assert all(torch.equal(before[k], v) for k, v in block.state_dict().items() if "act." in k)
+
+
 def test_qact_block_compiles_on_cuda_and_trains_as_eager():
     torch.manual_seed(0)
     eager = QACTBlock(16).cuda()

@@ -6,7 +6,7 @@ QACT's CUDA path therefore draws its KDE samples from a seed tensor made on the 
 module's), whose comb offsets are SplitMix64 of the seed computed there (the compiled CPU kernels'
 arithmetic, so a seed gives the same samples on every path), weighs a cumulative average
 (``momentum=None``) on the device, grounds the context without a host tensor, and asserts finiteness
-on the device during capture. The tests run that path on the fake accelerator of
+(the output pass's flags) on the device during capture. The tests run that path on the fake accelerator of
 ``tests/_fake_device.py`` with stand-ins for the Triton kernels (a launch takes pointers and sizes,
 so no value crosses to the host there; the kernels themselves are checked against the eager code in
 Triton's interpreter, ``tests/test_qact_triton.py``) and count what crosses. Every comparison is
@@ -85,6 +85,10 @@ class _StandIns:
     is what crosses between host and device around them)."""
 
     @staticmethod
+    def grounded_context(x, c):
+        return x.new_zeros(x.shape[1], x.numel() // x.shape[1] + 2)
+
+    @staticmethod
     def grounded_quantiles(ctx, n_tau):
         ch = ctx.shape[0]
         return ctx.new_zeros(ch, n_tau), torch.zeros(ch, dtype=torch.int64, device=ctx.device)
@@ -101,7 +105,8 @@ class _StandIns:
 
     @staticmethod
     def levels_and_density(x, q, grid, lo, delta, n_nodes):
-        return torch.zeros_like(x), (None if grid is None else torch.ones_like(x))
+        finite = torch.isfinite(x).all().reshape(1).to(torch.int8)  # (the flags' meaning, computed by torch)
+        return torch.zeros_like(x), (None if grid is None else torch.ones_like(x)), finite
 
 
 @pytest.fixture

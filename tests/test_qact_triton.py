@@ -36,11 +36,13 @@ def report() -> dict:
 @pytest.mark.parametrize(
     "check",
     [
+        "check_grounded_context",
         "check_quantiles",
         "check_draws",
         "check_grid_layout",
         "check_forward",
         "check_density",
+        "check_non_finite",
         "check_gradient_through_the_functional",
     ],
 )

@@ -21,7 +21,7 @@ def _ptx_of_every_stage() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shiftguard.functional._qact_triton import draws, kde, output, quantiles
+    from shiftguard.functional._qact_triton import context, draws, kde, output, quantiles
 
     target = GPUTarget("cuda", 90, 32)
     out = {}
@@ -31,6 +31,13 @@ def _ptx_of_every_stage() -> dict:
         out[name] = triton_compile(src, target=target, options={"enable_fp_fusion": fp_fusion}).asm["ptx"]
 
     for dt in ("fp32", "fp64"):
+        build(
+            f"context {dt}",
+            context._grounded_context_kernel,
+            {"x_ptr": f"*{dt}", "out_ptr": f"*{dt}", "total": "i64", "C": "i32", "L": "i32", "M": "i32"}
+            | {"c_bits": "i64", "BLOCK": "constexpr"},
+            {"BLOCK": 1024},
+        )
         build(
             f"quantiles {dt}",
             quantiles._grounded_quantiles_kernel,
@@ -69,7 +76,15 @@ def _ptx_of_every_stage() -> dict:
                 f"levels {dt} density={density}",
                 output._levels_kernel,
                 ptrs
-                | {"n_ptr": "*i64", "total": "i64", "C": "i32", "L": "i32", "n_tau": "i32", "G": "i32"}
+                | {
+                    "n_ptr": "*i64",
+                    "finite_ptr": "*i8",
+                    "total": "i64",
+                    "C": "i32",
+                    "L": "i32",
+                    "n_tau": "i32",
+                    "G": "i32",
+                }
                 | {"LOG_T": "constexpr", "DENSITY": "constexpr", "BLOCK": "constexpr"},
                 {"LOG_T": 7, "DENSITY": density, "BLOCK": 256},
             )
@@ -83,8 +98,10 @@ def test_every_stage_compiles_for_a_gpu_and_divides_as_torch_does(tmp_path, monk
     float32 ``/`` is ``div.full.f32`` on NVIDIA) and no fused multiply-add."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # (not the user's ~/.triton)
     ptx = _ptx_of_every_stage()
-    assert len(ptx) == 2 * (1 + 4 + 1 + 2)
-    exact = [name for name in ptx if name.startswith(("quantiles", "draws")) or name.endswith("density=False")]
+    assert len(ptx) == 2 * (1 + 1 + 4 + 1 + 2)
+    exact = [
+        name for name in ptx if name.startswith(("context", "quantiles", "draws")) or name.endswith("density=False")
+    ]
     for name in exact:
         approximate = re.findall(r"\b(?:div\.full\.f32|div\.approx\S*|sqrt\.approx\S*|rcp\.approx\S*)", ptx[name])
         assert not approximate, (name, sorted(set(approximate)))

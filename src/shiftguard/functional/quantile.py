@@ -571,18 +571,26 @@ def _eager_forward(x, stats, running, n_tau, c, n_samples, draws, bandwidth=None
 
 
 def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density, bandwidth=None) -> _Forward:
-    """:func:`_forward` by the Triton kernels (:mod:`shiftguard.functional._qact_triton`): the context
-    sorted by ``torch.sort``, its quantiles (kernel), the draws and their Silverman bandwidth (kernel;
+    """:func:`_forward` by the Triton kernels (:mod:`shiftguard.functional._qact_triton`): the grounded
+    context (kernel) sorted by ``torch.sort``, its quantiles (kernel), the draws and their Silverman bandwidth (kernel;
     the eager code beyond ``draws.SILVERMAN_MAX_SAMPLES`` samples), the KDE grid (kernel) and every
-    value's output and density in one pass (kernel); nothing is read back to the host. The same
+    value's output and density in one pass (kernel), which also checks the input for NaN/inf (read back
+    outside a CUDA graph's capture, :func:`_refuse_flagged`); nothing else is read back. The same
     output, quantiles and samples as :func:`_eager_forward`, the bandwidth to rounding (its sums are
     taken in another order); the density within the grid error bound of the exact KDE (the grid's
     nodes are exact sums, the eager grid bins)."""
     kern = _qact_triton.kernels()
-    values = channel_values(x)
-    ch = values.shape[0]
+    ch = x.shape[1]
+    # NaN/inf is refused by the output pass's flags, before the running update; a generator would
+    # be drawn from before that, so with one the input is checked first
+    checked = stats is None and bool(n_samples) and isinstance(draws, torch.Generator)
+    if checked:
+        _refuse_non_finite(x, "input")
+    values = None
     if stats is None:
-        ctx = torch.sort(_grounded(values, c), dim=1).values
+        grounded = kern.grounded_context(x, c)
+        values = grounded[:, :-2]  # (the channels' values, a view: the KDE grid's range needs no copy)
+        ctx = torch.sort(grounded, dim=1).values
         q, n_neg = kern.grounded_quantiles(ctx, n_tau)
         if n_samples:
             given = (
@@ -599,11 +607,13 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
     grid = lo = delta = n_nodes = None
     if need_density and stats.samples.shape[1] > 0:
         samples, h = stats.samples.to(x.dtype).contiguous(), stats.bandwidth.to(x.dtype).contiguous()
-        xmin, xmax = torch.aminmax(values, dim=1)
+        xmin, xmax = torch.aminmax(channel_values(x) if values is None else values, dim=1)
         grid, lo, delta, n_nodes = kern.kde_grid(
             samples, h, xmin, xmax, POINTS_PER_BANDWIDTH, TRUNCATE, _MAX_GRID_NODES
         )
-    out, dens = kern.levels_and_density(x, q, grid, lo, delta, n_nodes)
+    out, dens, finite = kern.levels_and_density(x, q, grid, lo, delta, n_nodes)
+    if not checked:
+        _refuse_flagged(finite, x, "input")
     if running is not None:
         _move_running(running, stats)
     return _Forward(out, stats, dens)
@@ -731,7 +741,7 @@ def _qact_forward_op(
     statistics (``quantiles`` not None) or in batch context, with ``n_samples`` draws given by
     ``seed`` (:func:`_draws_of_seed`); the batch's statistics where ``want_stats``,
     and the density where ``need_density`` (each an empty tensor otherwise)."""
-    if not _compiled(x):  # (the compiled kernels check it in their first pass)
+    if not (_compiled(x) or _triton(x)):  # (the compiled and the Triton kernels check it in a pass)
         _refuse_non_finite(x, "input")
     stats = None
     if quantiles is not None and samples is not None and bandwidth_t is not None:
@@ -942,11 +952,12 @@ def _running_arrays(running: Optional[_Running], x: torch.Tensor, n_tau: int, n_
 
 # ----------------------------------------------------------------------------- public entry points
 def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = None) -> torch.Tensor:
-    """Validate a QACT input. ``finite=None``: the NaN/inf check is left to the compiled forward
-    where that runs (its first pass over the values checks them, before anything is drawn or
-    stored); ``True``: check here; ``False``: not here (the operators check it, :func:`_qact_forward_op`)."""
+    """Validate a QACT input. ``finite=None``: the NaN/inf check is left to the compiled CPU or the
+    Triton forward where that runs (a pass over the values checks them before anything is stored:
+    the compiled kernels' first, the Triton output pass); ``True``: check here; ``False``: not here
+    (the operators check it, :func:`_qact_forward_op`)."""
     x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
-    if finite or (finite is None and not _compiled(x)):
+    if finite or (finite is None and not (_compiled(x) or _triton(x))):
         _refuse_non_finite(x, name)
     return x
 
@@ -973,7 +984,8 @@ def qact_apply(x: torch.Tensor, stats: QACTStatistics) -> torch.Tensor:
 
     Raises:
         ValueError: ``x`` is not a non-empty floating tensor of at least 2 dims, or (compiled CPU
-            kernels) holds NaN/inf; ``stats`` has another number of channels.
+            kernels, or the Triton kernels on CUDA) holds NaN/inf; ``stats`` has another number of
+            channels.
     """
     x = check_tensor(x, "x", min_ndim=2, floating=True, nonempty=True)
     if x.shape[1] != stats.quantiles.shape[0]:
@@ -1193,6 +1205,17 @@ def _refuse_non_finite(x: torch.Tensor, name: str) -> None:
     if x.device.type != "cpu" and _capturing():
         torch._assert_async(torch.isfinite(x).all())
     else:
+        check_finite(x, name)
+
+
+def _refuse_flagged(finite: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    """:func:`_refuse_non_finite` given the Triton output pass's flags (``finite.all()`` is whether
+    ``x`` holds no NaN/inf): one reduction instead of a pass of its own; the message, counting NaN
+    and inf, is made only for an input that fails."""
+    verdict = finite.all()
+    if x.device.type != "cpu" and _capturing():
+        torch._assert_async(verdict)
+    elif not bool(verdict):
         check_finite(x, name)
 
 

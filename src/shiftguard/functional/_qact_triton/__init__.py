@@ -7,6 +7,8 @@ package is installed (the optional extra ``shiftguard[gpu]``), and :func:`kernel
 modules, and with them triton, on the first CUDA input that takes this path
 (``quantile._triton``). Stages, one module each:
 
+- ``context``: the grounded context rows (each channel's values, then ``-c`` and ``+c``) made from
+  the input in its ``(N, C, *)`` layout in one launch, bit for bit ``quantile._grounded``'s.
 - ``quantiles``: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs.
   (8)-(9)] -- the closed-form bracket of ``quantile._grounded_quantiles`` with the same operations
   in the same order, one program per channel, then the running maximum; the levels and the row's
@@ -28,10 +30,12 @@ modules, and with them triton, on the first CUDA input that takes this path
   ``#{i : q_i <= x} / n_tau`` (eq. (6); a branchless binary search in the channel's quantiles, the
   count of ``torch.searchsorted(q, x, right=True)``, and ``k / n_tau`` rounded as the eager code's table)
   and, where the gradient will be needed, its density linearly interpolated from the grid as
-  :func:`~shiftguard.functional.kde.gaussian_kde_grid` does.
+  :func:`~shiftguard.functional.kde.gaussian_kde_grid` does; each program also flags whether its
+  values are finite, the input's NaN/inf check.
 
 The sort of the context stays a torch operation on the device; no step reads a value back to the
-host. ``common`` holds the division and square root rounded to nearest that the stages use where
+host but the NaN/inf verdict (``quantile._refuse_flagged``; a device-side assertion while a CUDA graph
+is captured). ``common`` holds the division and square root rounded to nearest that the stages use where
 they match the eager code's bits (Triton's float32 ``/`` is approximate on NVIDIA GPUs). The tests
 run every kernel in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors against the eager
 code (``tests/test_qact_triton.py``).
@@ -55,12 +59,14 @@ def available() -> bool:
 @functools.lru_cache(maxsize=1)
 def kernels() -> SimpleNamespace:
     """The stages' entry points (imports triton)."""
+    from shiftguard.functional._qact_triton.context import grounded_context
     from shiftguard.functional._qact_triton.draws import systematic_draws
     from shiftguard.functional._qact_triton.kde import kde_grid
     from shiftguard.functional._qact_triton.output import levels_and_density
     from shiftguard.functional._qact_triton.quantiles import grounded_quantiles
 
     return SimpleNamespace(
+        grounded_context=grounded_context,
         grounded_quantiles=grounded_quantiles,
         systematic_draws=systematic_draws,
         kde_grid=kde_grid,
