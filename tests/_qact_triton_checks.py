@@ -92,12 +92,22 @@ def check_quantiles():
             ch = ctx.shape[0]
             levels = Q.quantile_levels(n_tau, dtype)
             want = Q._grounded_quantiles(ctx, n_neg, levels.expand(ch, -1).contiguous())
-            got, got_neg = kern.grounded_quantiles(ctx, n_tau)
+            got, got_neg, xmin, xmax = kern.grounded_quantiles(ctx, n_tau, 100.0)
             assert torch.equal(got, want), (shape, dtype, n_tau, (got - want).abs().max())
             assert torch.equal(got_neg, n_neg), (shape, dtype)
+            lo, hi = torch.aminmax(channel_values(x), dim=1)
+            assert torch.equal(xmin, lo) and torch.equal(xmax, hi), (shape, dtype)
     # the count of entries below 0 at its edges: exact zeros (not below), every entry but +c below
     ctx = torch.tensor([[-100.0, -0.0, 0.0, 0.0, 100.0], [-100.0, -3.0, -2.0, -1e-30, 100.0]])
-    assert kern.grounded_quantiles(ctx, 5)[1].tolist() == [1, 4]
+    assert kern.grounded_quantiles(ctx, 5, 100.0)[1].tolist() == [1, 4]
+    # the values' range read off the sorted rows where values reach or pass the bounds, one value a row
+    rows = [[3.0], [-100.0], [100.0], [-250.0], [250.0], [100.0, 100.0], [-100.0, -100.0], [-100.0, 100.0]]
+    rows += [[-300.0, 300.0], [-100.0, 5.0, 100.0], [120.0, 130.0], [-130.0, -120.0], [-100.0, 250.0]]
+    for row in rows:
+        values = torch.tensor([row], dtype=torch.float64)
+        ctx, _ = _sorted_context(values)
+        _, _, xmin, xmax = kern.grounded_quantiles(ctx, 3, 100.0)
+        assert (float(xmin), float(xmax)) == (min(row), max(row)), row
 
 
 def check_forward():

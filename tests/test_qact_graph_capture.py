@@ -89,9 +89,9 @@ class _StandIns:
         return x.new_zeros(x.shape[1], x.numel() // x.shape[1] + 2)
 
     @staticmethod
-    def grounded_quantiles(ctx, n_tau):
+    def grounded_quantiles(ctx, n_tau, c):
         ch = ctx.shape[0]
-        return ctx.new_zeros(ch, n_tau), torch.zeros(ch, dtype=torch.int64, device=ctx.device)
+        return ctx.new_zeros(ch, n_tau), torch.zeros(ch, dtype=torch.int64, device=ctx.device), ctx[:, 0], ctx[:, -1]
 
     @staticmethod
     def systematic_draws(ctx, n_neg, n_samples, seed=None, offsets=None, silverman=False):

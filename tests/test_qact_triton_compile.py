@@ -41,8 +41,8 @@ def _ptx_of_every_stage() -> dict:
         build(
             f"quantiles {dt}",
             quantiles._grounded_quantiles_kernel,
-            {"ctx_ptr": f"*{dt}", "nneg_ptr": "*i64", "q_ptr": f"*{dt}", "K": "i32", "n_tau": "i32", "STEPS": "i32"}
-            | {"BLOCK_T": "constexpr"},
+            {"ctx_ptr": f"*{dt}", "nneg_ptr": "*i64", "q_ptr": f"*{dt}", "xmin_ptr": f"*{dt}", "xmax_ptr": f"*{dt}"}
+            | {"K": "i32", "n_tau": "i32", "STEPS": "i32", "c_bits": "i64", "BLOCK_T": "constexpr"},
             {"BLOCK_T": 128},
             fp_fusion=False,
         )

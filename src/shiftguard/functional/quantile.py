@@ -586,12 +586,11 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
     checked = stats is None and bool(n_samples) and isinstance(draws, torch.Generator)
     if checked:
         _refuse_non_finite(x, "input")
-    values = None
+    value_range: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     if stats is None:
-        grounded = kern.grounded_context(x, c)
-        values = grounded[:, :-2]  # (the channels' values, a view: the KDE grid's range needs no copy)
-        ctx = torch.sort(grounded, dim=1).values
-        q, n_neg = kern.grounded_quantiles(ctx, n_tau)
+        ctx = torch.sort(kern.grounded_context(x, c), dim=1).values
+        q, n_neg, xmin, xmax = kern.grounded_quantiles(ctx, n_tau, c)
+        value_range = (xmin, xmax)
         if n_samples:
             given = (
                 {"seed": draws} if isinstance(draws, torch.Tensor) else {"offsets": _comb_offsets(draws, ch, x.device)}
@@ -607,7 +606,8 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
     grid = lo = delta = n_nodes = None
     if need_density and stats.samples.shape[1] > 0:
         samples, h = stats.samples.to(x.dtype).contiguous(), stats.bandwidth.to(x.dtype).contiguous()
-        xmin, xmax = torch.aminmax(channel_values(x) if values is None else values, dim=1)
+        # the values' range: read off the sorted context by the quantiles' kernel, else a reduction
+        xmin, xmax = value_range if value_range is not None else torch.aminmax(channel_values(x), dim=1)
         grid, lo, delta, n_nodes = kern.kde_grid(
             samples, h, xmin, xmax, POINTS_PER_BANDWIDTH, TRUNCATE, _MAX_GRID_NODES
         )

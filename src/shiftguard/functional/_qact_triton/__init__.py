@@ -11,8 +11,9 @@ modules, and with them triton, on the first CUDA input that takes this path
   the input in its ``(N, C, *)`` layout in one launch, bit for bit ``quantile._grounded``'s.
 - ``quantiles``: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs.
   (8)-(9)] -- the closed-form bracket of ``quantile._grounded_quantiles`` with the same operations
-  in the same order, one program per channel, then the running maximum; the levels and the row's
-  count of entries below 0 (for the draws) are computed there too.
+  in the same order, one program per channel, then the running maximum; the levels, the row's
+  count of entries below 0 (for the draws) and its values' range (for the KDE grid) are computed
+  there too.
 - ``draws``: the KDE samples of each row by systematic sampling [QACT, Alg. 2] -- for each draw a
   binary search for its entry with the comb counts of ``quantile._comb_counts`` computed on the fly
   (same operations), the comb offsets given or computed from a seed (SplitMix64, as

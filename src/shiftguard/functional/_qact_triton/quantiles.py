@@ -1,4 +1,5 @@
-"""Stage 1: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs. (8)-(9)]."""
+"""Stage 1: the weighted quantiles of each sorted grounded context row [QACT, Alg. 1, eqs. (8)-(9)], with
+the row's count of negative entries and its values' range."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shiftguard.functional._qact_triton.common import ieee_div
+from shiftguard.functional._qact_triton.common import constant, f64_bits, ieee_div
 
 
 @triton.jit
@@ -22,7 +23,9 @@ def _maximum(a, b):
 
 
 @triton.jit
-def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, q_ptr, K, n_tau, STEPS, BLOCK_T: tl.constexpr):
+def _grounded_quantiles_kernel(
+    ctx_ptr, nneg_ptr, q_ptr, xmin_ptr, xmax_ptr, K, n_tau, STEPS, c_bits, BLOCK_T: tl.constexpr
+):
     # quantile._grounded_quantiles for row c: the bracket k (largest with p_k <= tau) in closed
     # form, two correction steps against the exact positions, linear interpolation, clamping, and
     # the running maximum
@@ -43,6 +46,14 @@ def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, q_ptr, K, n_tau, STEPS, BLOCK_
         hi = tl.where(negative | (mid >= hi), hi, mid)
     n_neg = lo
     tl.store(nneg_ptr + c, n_neg)
+    # the smallest and the largest of the row's values, the row without one -c and one +c (for the
+    # KDE grid's range): below -c the first entry is a value; else, with one -c taken out, the next
+    # is one unless it is +c (a value or the bound), in which case the one after is (K >= 3)
+    bound = constant(c_bits, ctx_ptr.dtype.element_ty)
+    a0, a1, a2 = tl.load(row), tl.load(row + 1), tl.load(row + 2)
+    tl.store(xmin_ptr + c, tl.where(a0 < -bound, a0, tl.where(a1 < bound, a1, a2)))
+    b0, b1, b2 = tl.load(row + K - 1), tl.load(row + K - 2), tl.load(row + K - 3)
+    tl.store(xmax_ptr + c, tl.where(b0 > bound, b0, tl.where(b1 > -bound, b1, b2)))
     nn = n_neg.to(tau.dtype)
     np_ = K - nn
     k_neg = tl.floor(2.0 * tau * nn - 0.5)
@@ -69,21 +80,28 @@ def _grounded_quantiles_kernel(ctx_ptr, nneg_ptr, q_ptr, K, n_tau, STEPS, BLOCK_
     tl.store(q_ptr + c * n_tau + i, q, mask=live)
 
 
-def grounded_quantiles(ctx: torch.Tensor, n_tau: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(quantiles, n_neg)``: the ``(C, n_tau)`` weighted quantiles of the sorted grounded context
-    ``ctx`` ``(C, K)``, ``K >= 2``, at ``quantile.quantile_levels(n_tau)`` -- the values of
-    ``quantile._grounded_quantiles`` -- and the ``(C,)`` int64 count of each row's entries below 0."""
+def grounded_quantiles(ctx: torch.Tensor, n_tau: int, c: float) -> tuple[torch.Tensor, ...]:
+    """``(quantiles, n_neg, xmin, xmax)``: the ``(C, n_tau)`` weighted quantiles of the sorted grounded
+    context ``ctx`` ``(C, K)`` (each row's values with ``-c`` and ``+c``, sorted; ``K >= 3``) at
+    ``quantile.quantile_levels(n_tau)`` -- the values of ``quantile._grounded_quantiles`` -- the
+    ``(C,)`` int64 count of each row's entries below 0, and the ``(C,)`` smallest and largest of each
+    row's values (``torch.aminmax`` of the rows without the bounds; with NaN in a row, unspecified)."""
     ch, k_dim = ctx.shape
     q = torch.empty(ch, n_tau, dtype=ctx.dtype, device=ctx.device)
     n_neg = torch.empty(ch, dtype=torch.int64, device=ctx.device)
+    xmin = torch.empty(ch, dtype=ctx.dtype, device=ctx.device)
+    xmax = torch.empty_like(xmin)
     _grounded_quantiles_kernel[(ch,)](
         ctx.contiguous(),
         n_neg,
         q,
+        xmin,
+        xmax,
         k_dim,
         n_tau,
         k_dim.bit_length(),
+        f64_bits(float(c)),
         BLOCK_T=triton.next_power_of_2(n_tau),
         enable_fp_fusion=False,  # (no fused multiply-add: the eager code rounds each operation)
     )
-    return q, n_neg
+    return q, n_neg, xmin, xmax
