@@ -15,7 +15,11 @@ Measured, each in the same run:
   synchronised, and their share of the evaluation's wall time (target: >= 70%);
 - on CUDA, the share of the wall time the GPU is busy: the union of the kernels' intervals in a
   ``torch.profiler`` trace of a one-corruption evaluation, over its wall time (approximate: the
-  profiler adds its own overhead to the wall time).
+  profiler adds its own overhead to the wall time);
+- on CUDA, the GPU memory a one-corruption evaluation allocates at its peak above what was resident
+  before the call (the model and the images given on the device), with all ``--n`` test and support
+  images and with a quarter of them: what the batches need stays, what grows with the data (the
+  outputs the heads are fitted and scored on, a few MiB a thousand images) is the difference.
 
 ``--smoke``: 64 images, base width 8, two corruptions at one severity (the CPU check of the
 script). Prints a table and writes JSON to ``--out`` (the path is printed).
@@ -81,6 +85,16 @@ def _busy_share(evaluate, dev: torch.device) -> float:
     return busy / 1e6 / wall
 
 
+def _peak_above_resident(evaluate, dev: torch.device) -> int:
+    """Bytes of GPU memory ``evaluate()`` allocates at its peak above what was allocated before it."""
+    sync(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    resident = torch.cuda.memory_allocated(dev)
+    evaluate()
+    sync(dev)
+    return torch.cuda.max_memory_allocated(dev) - resident
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -113,8 +127,11 @@ def main() -> int:
         extra=True,
     )
 
-    def evaluate(cs=corruptions, ss=severities):
-        return shiftguard.evaluate(model, test, corruptions=cs, severities=ss, **kw)
+    def evaluate(cs=corruptions, ss=severities, m=n):
+        if m == n:
+            return shiftguard.evaluate(model, test, corruptions=cs, severities=ss, **kw)
+        part = dict(kw, support=tuple(t[:m] for t in support))
+        return shiftguard.evaluate(model, tuple(t[:m] for t in test), corruptions=cs, severities=ss, **part)
 
     evaluate(cs=corruptions[:1], ss=[1])  # warm-up: kernels, cuDNN's choices, the corruption tables
     sync(dev)
@@ -136,11 +153,16 @@ def main() -> int:
         "forward_share": round(forward / wall, 3),
         "timings": res.results.get("timings"),
     }
+    info["row"] = row
+    path.write_text(json.dumps(info, indent=1))  # (kept if a time limit stops the extras below)
     if dev.type == "cuda":
         row["gpu_busy_share"] = round(_busy_share(lambda: evaluate(cs=corruptions[:1]), dev), 3)
-    info["row"] = row
+        path.write_text(json.dumps(info, indent=1))
+        for m in (n, n // 4):
+            peak = _peak_above_resident(lambda: evaluate(cs=corruptions[:1], m=m), dev)
+            row[f"peak_above_resident_gib_n{m}"] = round(peak / 2**30, 3)
+        path.write_text(json.dumps(info, indent=1))
     print(json.dumps(row), flush=True)
-    path.write_text(json.dumps(info, indent=1))
     print(f"wrote {path}")
     return 0
 
