@@ -83,6 +83,27 @@ def check_non_finite():
             assert all(torch.equal(a, b) for a, b in zip(running, Q.default_statistics(shape[1], 9, 20, dtype)))
 
 
+def check_half_precision():
+    # a float16 input (bfloat16 takes the same lines) is the float32 path on its values made float32
+    # (exactly): the same statistics, density and running update, the output rounded to the half
+    # dtype, which is also the eager code's on those values; and with given statistics
+    for dtype in (torch.float16,):
+        x = torch.randn(6, 2, 3, 3).to(dtype)
+        runs = [Q._Running(*(t.clone() for t in Q.default_statistics(2, 10, 20)), 0.5) for _ in range(2)]
+        got = Q._triton_forward(x, None, runs[0], 10, 100.0, 20, torch.tensor([9]), True)
+        want = Q._triton_forward(x.float(), None, runs[1], 10, 100.0, 20, torch.tensor([9]), True)
+        assert got.output.dtype == dtype and torch.equal(got.output, want.output.to(dtype))
+        assert all(torch.equal(a, b) for a, b in zip(got.stats, want.stats))
+        assert got.density.dtype == torch.float32 and torch.equal(got.density, want.density)
+        assert all(torch.equal(a, b) for a, b in zip(runs[0][:3], runs[1][:3]))
+        eager = Q._eager_forward(x.float(), None, None, 10, 100.0, 20, torch.tensor([9]))
+        assert torch.equal(got.output, eager.output.to(dtype))
+    y = torch.randn(5, 2, 3, 3).to(torch.float16)
+    a = Q._triton_forward(y, want.stats, None, 10, 100.0, 0, None, True)
+    b = Q._triton_forward(y.float(), want.stats, None, 10, 100.0, 0, None, True)
+    assert torch.equal(a.output, b.output.to(torch.float16)) and torch.equal(a.density, b.density)
+
+
 def check_quantiles():
     kern = _qact_triton.kernels()
     for shape, dtype in CASES:
@@ -250,6 +271,7 @@ CHECKS = {
         check_forward,
         check_density,
         check_non_finite,
+        check_half_precision,
         check_gradient_through_the_functional,
     )
 }

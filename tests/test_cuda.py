@@ -204,6 +204,26 @@ def test_qact_block_trains_under_autocast(dtype):
     assert torch.isfinite(x.grad).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qact_half_precision_on_cuda_is_the_float32_path_on_the_upcast_values(dtype):
+    # what a QACT layer receives inside a network under autocast (a convolution's half output):
+    # the Triton path computes it in float32 on the exactly upcast values and rounds the output back
+    import shiftguard.functional.quantile as Q
+
+    pytest.importorskip("triton")
+    x = torch.randn(64, 16, 8, 8, device="cuda").to(dtype)
+    seed = torch.tensor([5], device="cuda")
+    half = Q._forward(x, None, None, 100, 100.0, 1000, seed, True)
+    full = Q._forward(x.float(), None, None, 100, 100.0, 1000, seed, True)
+    assert half.output.dtype == dtype and torch.equal(half.output, full.output.to(dtype))
+    assert half.density.dtype == torch.float32 and torch.equal(half.density, full.density)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1), QACTBlock(16)).cuda()
+    with torch.autocast("cuda", dtype=dtype):
+        y = net(torch.randn(32, 3, 8, 8, device="cuda"))
+    y.float().square().mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
 def test_evaluate_on_cuda_matches_cpu():
     torch.manual_seed(0)
     net = nn.Sequential(

@@ -43,6 +43,7 @@ def report() -> dict:
         "check_forward",
         "check_density",
         "check_non_finite",
+        "check_half_precision",
         "check_gradient_through_the_functional",
     ],
 )

@@ -452,8 +452,12 @@ USE_TRITON = True
 
 
 def _triton(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels handle ``x``: a CUDA float32/float64 tensor, triton installed."""
-    return USE_TRITON and x.is_cuda and x.dtype in (torch.float32, torch.float64) and _qact_triton.available()
+    """Whether the Triton kernels handle ``x``: a CUDA floating tensor (half precision computed in
+    float32, :func:`_triton_forward`), triton installed."""
+    return USE_TRITON and x.is_cuda and x.dtype in _TRITON_DTYPES and _qact_triton.available()
+
+
+_TRITON_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
 class _Running(NamedTuple):
@@ -578,7 +582,15 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
     outside a CUDA graph's capture, :func:`_refuse_flagged`); nothing else is read back. The same
     output, quantiles and samples as :func:`_eager_forward`, the bandwidth to rounding (its sums are
     taken in another order); the density within the grid error bound of the exact KDE (the grid's
-    nodes are exact sums, the eager grid bins)."""
+    nodes are exact sums, the eager grid bins).
+
+    A half-precision ``x`` (float16, bfloat16) is computed in float32 on its values made float32
+    (exactly): the float32 path's statistics and density, its output rounded to ``x``'s dtype (the
+    eager code computes in the half dtype itself, so where a value lies within half-precision
+    rounding of a quantile the two may count it differently)."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        fwd = _triton_forward(x.float(), stats, running, n_tau, c, n_samples, draws, need_density, bandwidth)
+        return fwd._replace(output=fwd.output.to(x.dtype))
     kern = _qact_triton.kernels()
     ch = x.shape[1]
     # NaN/inf is refused by the output pass's flags, before the running update; a generator would
