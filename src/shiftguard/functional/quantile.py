@@ -441,13 +441,14 @@ USE_COMPILED = True
 
 def _compiled(x: torch.Tensor) -> bool:
     """Whether the compiled CPU kernels (:mod:`shiftguard.functional._qact_cpu`) handle ``x``:
-    CPU float32/float64 with numba installed; the eager torch code does everything else (CUDA,
-    other dtypes). ``USE_COMPILED = False`` forces the eager code (the tests compare the two)."""
+    CPU float32/float64 with numba installed; the Triton kernels take CUDA inputs (:func:`_triton`),
+    the eager torch code everything else. ``USE_COMPILED = False`` forces the eager code (the tests compare the two)."""
     return USE_COMPILED and _qact_cpu.AVAILABLE and x.is_cpu and x.dtype in (torch.float32, torch.float64)
 
 
-#: Whether CUDA float32/float64 inputs take the Triton kernels (:mod:`shiftguard.functional._qact_triton`)
-#: where triton is installed; False forces the eager torch code there.
+#: Whether CUDA floating inputs (float32/float64; half precision in float32) take the Triton kernels
+#: (:mod:`shiftguard.functional._qact_triton`) where triton is installed; False forces the eager torch
+#: code there.
 USE_TRITON = True
 
 
