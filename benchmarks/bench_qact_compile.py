@@ -10,6 +10,12 @@ or both compiled with the same backend):
   32x32 inputs at batch 128 (``--smoke``: batch 8, 16x16, base width 8), ``activation="qact"`` vs
   its twin ``"bn-relu-bn"``, compiled.
 
+And where a BN-QACT-BN training step's time goes (``kernels`` rows): a ``torch.profiler`` trace of
+eager steps at each shape, the kernels launched per step and their device time by name, so that a
+GPU run says which stage (the sort, a Triton kernel, the launches) to work on next (on CUDA; with
+``--smoke`` on the CPU the aten operators' CPU time, only to check the script: the compiled QACT
+kernels are not operators).
+
 Targets (``docs/performance.md``): ratio QACT / twin <= 2 at every shape, eager and compiled;
 ResNet-18 step <= 1.5 compiled. Prints a table and writes JSON to ``--out`` (the path is printed).
 
@@ -29,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_device import report_header, timed  # (the same timing and report as the other device benchmarks)
+from bench_device import report_header, sync, timed  # (the same timing and report as the other device benchmarks)
 
 SHAPES = [(256, 64, 12, 12), (128, 64, 16, 16), (256, 512), (1024, 128)]
 SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
@@ -94,6 +100,56 @@ def bench_blocks(dev, shapes, backends, repeats, rows):
             print(json.dumps(rows[-1]), flush=True)
 
 
+def bench_kernels(dev, shapes, rows, steps=5, top=8):
+    """Per shape, the device time and launches of eager BN-QACT-BN training steps by kernel name (on
+    the CPU: operators and their CPU time), from a ``torch.profiler`` trace of ``steps`` steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from shiftguard.nn import QACTBlock
+
+    cuda = dev.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    for shape in shapes:
+        torch.manual_seed(0)
+        block = QACTBlock(shape[1]).to(dev).train()
+        x = torch.randn(*shape, device=dev, requires_grad=True)
+        g = torch.randn(*shape, device=dev)
+        for _ in range(3):  # (kernels compiled, allocator warm)
+            block(x).backward(g)
+        sync(dev)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                block(x).backward(g)
+            sync(dev)
+        spent: dict[str, list] = {}
+        for e in prof.events():
+            if cuda and e.device_type == DeviceType.CUDA:
+                us = e.time_range.elapsed_us()
+            elif not cuda and e.name.startswith("aten::"):
+                us = e.self_cpu_time_total  # (self: an operator inside another is not counted twice)
+            else:
+                continue
+            entry = spent.setdefault(e.name[:120], [0.0, 0])
+            entry[0] += us
+            entry[1] += 1
+        ranked = sorted(spent.items(), key=lambda kv: -kv[1][0])
+        rows.append(
+            {
+                "bench": "block kernels",
+                "case": "x".join(map(str, shape)),
+                "what": "CUDA kernels" if cuda else "aten operators' CPU time, not the numba kernels (script check)",
+                "ms_per_step": round(sum(v[0] for v in spent.values()) / steps / 1e3, 4),
+                "launches_per_step": sum(v[1] for v in spent.values()) / steps,
+                "top": [
+                    {"name": name, "ms_per_step": round(v[0] / steps / 1e3, 4), "per_step": v[1] / steps}
+                    for name, v in ranked[:top]
+                ],
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def bench_resnet(dev, smoke, backend, repeats, rows):
     from shiftguard.models import resnet18
 
@@ -153,7 +209,10 @@ def main() -> int:
     repeats = args.repeats or (3 if args.smoke else 10)
     rows: list[dict] = info["rows"]
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    parts = [("blocks", lambda: bench_blocks(dev, shapes, (None, args.backend), repeats, rows))]
+    parts = []
+    if dev.type == "cuda" or args.smoke:  # (on the CPU the numba kernels are not operators: only the check)
+        parts.append(("kernels", lambda: bench_kernels(dev, shapes, rows)))  # first: eager, seconds
+    parts.append(("blocks", lambda: bench_blocks(dev, shapes, (None, args.backend), repeats, rows)))
     if not args.skip_resnet:
         parts.append(("resnet18", lambda: bench_resnet(dev, args.smoke, args.backend, repeats, rows)))
     if dev.type == "cuda":  # last: a refused capture may leave the device unusable for what follows
