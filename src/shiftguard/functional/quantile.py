@@ -452,13 +452,19 @@ def _compiled(x: torch.Tensor) -> bool:
 USE_TRITON = True
 
 
+_TRITON_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
 def _triton(x: torch.Tensor) -> bool:
     """Whether the Triton kernels handle ``x``: a CUDA floating tensor (half precision computed in
     float32, :func:`_triton_forward`), triton installed."""
     return USE_TRITON and x.is_cuda and x.dtype in _TRITON_DTYPES and _qact_triton.available()
 
 
-_TRITON_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+def _checks_finite(x: torch.Tensor) -> bool:
+    """Whether the forward that takes ``x`` refuses NaN/inf itself, in a pass it makes anyway (the
+    compiled kernels' first, the Triton output pass's flags), before anything is stored."""
+    return _compiled(x) or _triton(x)
 
 
 class _Running(NamedTuple):
@@ -580,7 +586,7 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
     context (kernel) sorted by ``torch.sort``, its quantiles (kernel), the draws and their Silverman bandwidth (kernel;
     the eager code beyond ``draws.SILVERMAN_MAX_SAMPLES`` samples), the KDE grid (kernel) and every
     value's output and density in one pass (kernel), which also checks the input for NaN/inf (read back
-    outside a CUDA graph's capture, :func:`_refuse_flagged`); nothing else is read back. The same
+    outside a CUDA graph's capture, :func:`_refuse_non_finite`); nothing else is read back. The same
     output, quantiles and samples as :func:`_eager_forward`, the bandwidth to rounding (its sums are
     taken in another order); the density within the grid error bound of the exact KDE (the grid's
     nodes are exact sums, the eager grid bins).
@@ -626,7 +632,7 @@ def _triton_forward(x, stats, running, n_tau, c, n_samples, draws, need_density,
         )
     out, dens, finite = kern.levels_and_density(x, q, grid, lo, delta, n_nodes)
     if not checked:
-        _refuse_flagged(finite, x, "input")
+        _refuse_non_finite(x, "input", flags=finite)
     if running is not None:
         _move_running(running, stats)
     return _Forward(out, stats, dens)
@@ -754,7 +760,7 @@ def _qact_forward_op(
     statistics (``quantiles`` not None) or in batch context, with ``n_samples`` draws given by
     ``seed`` (:func:`_draws_of_seed`); the batch's statistics where ``want_stats``,
     and the density where ``need_density`` (each an empty tensor otherwise)."""
-    if not (_compiled(x) or _triton(x)):  # (the compiled and the Triton kernels check it in a pass)
+    if not _checks_finite(x):
         _refuse_non_finite(x, "input")
     stats = None
     if quantiles is not None and samples is not None and bandwidth_t is not None:
@@ -935,10 +941,8 @@ def _running_lerp(buffer: torch.Tensor, new: torch.Tensor, momentum) -> None:
         _qact_cpu.lerp_rows_(
             buffer.detach().numpy().reshape(rows, -1), new.contiguous().numpy().reshape(rows, -1), momentum
         )
-    elif isinstance(momentum, torch.Tensor):  # a weight on the device (_cumulative)
-        buffer.lerp_(new, momentum.to(buffer.dtype))
-    else:
-        buffer.lerp_(new, momentum)
+    else:  # (a tensor momentum: a weight on the device, _cumulative)
+        buffer.lerp_(new, momentum.to(buffer.dtype) if isinstance(momentum, torch.Tensor) else momentum)
 
 
 def _move_running(running: _Running, stats: QACTStatistics) -> None:
@@ -970,7 +974,7 @@ def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = 
     the compiled kernels' first, the Triton output pass); ``True``: check here; ``False``: not here
     (the operators check it, :func:`_qact_forward_op`)."""
     x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
-    if finite or (finite is None and not (_compiled(x) or _triton(x))):
+    if finite or (finite is None and not _checks_finite(x)):
         _refuse_non_finite(x, name)
     return x
 
@@ -1210,22 +1214,15 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _refuse_non_finite(x: torch.Tensor, name: str) -> None:
+def _refuse_non_finite(x: torch.Tensor, name: str, flags: Optional[torch.Tensor] = None) -> None:
     """``check_finite(x, name)``, which reads its verdict back to the host, except off the CPU while
     a CUDA graph is being captured, where no value may be read back: there a device-side assertion
     (``torch._assert_async``) is recorded instead, so a replay that meets NaN/inf stops with CUDA's
-    "device-side assert triggered" (without the argument's name) instead of going on silently."""
-    if x.device.type != "cpu" and _capturing():
-        torch._assert_async(torch.isfinite(x).all())
-    else:
-        check_finite(x, name)
-
-
-def _refuse_flagged(finite: torch.Tensor, x: torch.Tensor, name: str) -> None:
-    """:func:`_refuse_non_finite` given the Triton output pass's flags (``finite.all()`` is whether
-    ``x`` holds no NaN/inf): one reduction instead of a pass of its own; the message, counting NaN
-    and inf, is made only for an input that fails."""
-    verdict = finite.all()
+    "device-side assert triggered" (without the argument's name) instead of going on silently.
+    ``flags``: the Triton output pass's (``flags.all()`` is whether ``x`` holds no NaN/inf), the
+    verdict in one reduction instead of a pass of its own; the message, counting NaN and inf, is
+    then made only for an input that fails."""
+    verdict = torch.isfinite(x).all() if flags is None else flags.all()
     if x.device.type != "cpu" and _capturing():
         torch._assert_async(verdict)
     elif not bool(verdict):

@@ -35,7 +35,7 @@ modules, and with them triton, on the first CUDA input that takes this path
   values are finite, the input's NaN/inf check.
 
 The sort of the context stays a torch operation on the device; no step reads a value back to the
-host but the NaN/inf verdict (``quantile._refuse_flagged``; a device-side assertion while a CUDA graph
+host but the NaN/inf verdict (``quantile._refuse_non_finite``; a device-side assertion while a CUDA graph
 is captured). ``common`` holds the division and square root rounded to nearest that the stages use where
 they match the eager code's bits (Triton's float32 ``/`` is approximate on NVIDIA GPUs). The tests
 run every kernel in Triton's interpreter (``TRITON_INTERPRET=1``) on CPU tensors against the eager
