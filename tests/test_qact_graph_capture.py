@@ -147,8 +147,8 @@ def test_a_qact_block_trains_and_evaluates_on_the_device_path_without_crossing(d
 
 
 def test_the_operators_run_on_the_device_path_without_crossing(device_path):
-    """The bodies of ``qact_forward`` / ``qact_update_`` (what a CUDA graph records when the compiled
-    module is captured), with the seed and the update count on the device."""
+    """The body of ``qact_forward`` (what a CUDA graph records when the compiled module is captured),
+    with the seed and the update count on the device, moving the running statistics or not."""
     x = torch.randn(8, 3, 2, 2)
     with FakeDevice() as fd:
         xd = x.to(DEVICE)
@@ -156,28 +156,40 @@ def test_the_operators_run_on_the_device_path_without_crossing(device_path):
         count = torch.tensor(3, device=DEVICE)
         running = [t.to(DEVICE) for t in Q.default_statistics(3, 10, 20)]
         fd.uploads.clear()
-        out, dens, q, s, bw = Q._qact_forward_op._init_fn(xd, None, None, None, seed, 10, 100.0, 20, None, True, True)
+        out, dens = Q._qact_forward_op._init_fn(
+            xd, None, None, None, seed, *running, 0.1, count, 10, 100.0, 20, None, True
+        )
         Q._backward(torch.ones_like(out), dens)
-        Q._qact_update_op._init_fn(*running, q, s, bw, 0.1, count)
-        Q._qact_forward_op._init_fn(xd, *running, None, 10, 0.0, 0, 0.5, True, False)
+        Q._qact_forward_op._init_fn(xd, None, None, None, seed, None, None, None, 0.0, None, 10, 100.0, 20, None, False)
+        Q._qact_forward_op._init_fn(xd, *running, None, None, None, None, 0.0, None, 10, 0.0, 0, 0.5, True)
         crossings = _crossings(fd)
     assert crossings == []
 
 
 def test_a_cumulative_update_on_the_device_equals_the_cpu_update():
     """``momentum=None``: the weight ``1 / (n + 1)`` computed on the device moves the buffers as the
-    CPU's float weight does."""
+    CPU's float weight does, without reading the count back; and the operator, given statistics and
+    the count, moves the buffers towards them alike on both."""
     stats = Q.default_statistics(3, 10, 20, dtype=torch.float64)
     new = Q.QACTStatistics(*(t + 1.0 for t in stats))
-    cpu = [t.clone() for t in stats]
-    Q._qact_update_op._init_fn(*cpu, *new, 0.1, torch.tensor(4))
+    x = torch.randn(8, 3, dtype=torch.float64)
+    cpu, by_op = [t.clone() for t in stats], [t.clone() for t in stats]
+    Q._move_running(Q._Running(*cpu, Q._cumulative(torch.tensor(4))), new)
+    rest = (10, 0.0, 0, None, False)
+    Q._qact_forward_op._init_fn(x, *new, None, *by_op, 0.1, torch.tensor(4), *rest)
     with FakeDevice() as fd:
-        dev = [t.to(DEVICE) for t in stats]
-        Q._qact_update_op._init_fn(*dev, *(t.to(DEVICE) for t in new), 0.1, torch.tensor(4, device=DEVICE))
-        dev = [t.cpu() for t in dev]
-    assert all(h.kind == "copy" for h in fd.host_reads)
-    for a, b in zip(cpu, dev):
-        torch.testing.assert_close(a, b, rtol=1e-15, atol=0)
+        dev, dev_op = [t.to(DEVICE) for t in stats], [t.to(DEVICE) for t in stats]
+        given = Q.QACTStatistics(*(t.to(DEVICE) for t in new))
+        count = torch.tensor(4, device=DEVICE)
+        fd.host_reads.clear()
+        Q._move_running(Q._Running(*dev, Q._cumulative(count)), given)
+        reads = list(fd.host_reads)
+        Q._qact_forward_op._init_fn(x.to(DEVICE), *given, None, *dev_op, 0.1, count, *rest)
+        dev, dev_op = [t.cpu() for t in dev], [t.cpu() for t in dev_op]
+    assert reads == []
+    for a, b, c, d in zip(cpu, dev, by_op, dev_op):
+        for got in (b, c, d):
+            torch.testing.assert_close(got, a, rtol=1e-15, atol=0)
     torch.testing.assert_close(cpu[0], stats.quantiles + 0.2, rtol=1e-15, atol=0)
 
 

@@ -735,44 +735,55 @@ def _attach(x: torch.Tensor, fwd: _Forward) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- custom operators
-# QACT as two torch.library operators, the form in which it enters a torch.compile graph: the
-# forward (:func:`_forward` behind a fixed signature, with a fake implementation that gives the
-# output shapes without running anything, and an autograd formula, :func:`_backward`) and the
-# running update (in place, no gradient). The randomness enters as a seed tensor, which the forward
-# turns into its draws as the eager forward does (:func:`_draws_of_seed`), so compiled and eager
-# give the same bits. Everything inside the operators runs eagerly (numba, Triton, torch); only the
-# signature is traced.
-@torch.library.custom_op("shiftguard::qact_forward", mutates_args=())
+# QACT as one torch.library operator, the form in which it enters a torch.compile graph: the forward
+# (:func:`_forward` behind a fixed signature, with a fake implementation that gives the output
+# shapes without running anything; its gradient attached by :class:`_TracedQACT`), which moves the
+# running statistics in place as the eager forward does (the compiled CPU kernels inside their pass,
+# without keeping the draws; every other path by the same lerp): one operator, so that a traced
+# training step pays one dispatch and no batch statistics are handed from one operator to another.
+# The randomness enters as a seed tensor, which the forward turns into its draws as the eager
+# forward does (:func:`_draws_of_seed`), so compiled and eager give the same bits. Everything inside
+# the operator runs eagerly (numba, Triton, torch); only the signature is traced.
+@torch.library.custom_op(
+    "shiftguard::qact_forward", mutates_args=("running_quantiles", "running_samples", "running_bandwidth")
+)
 def _qact_forward_op(
     x: torch.Tensor,
     quantiles: Optional[torch.Tensor],
     samples: Optional[torch.Tensor],
     bandwidth_t: Optional[torch.Tensor],
     seed: Optional[torch.Tensor],
+    running_quantiles: Optional[torch.Tensor],
+    running_samples: Optional[torch.Tensor],
+    running_bandwidth: Optional[torch.Tensor],
+    momentum: float,
+    count: Optional[torch.Tensor],
     n_tau: int,
     c: float,
     n_samples: int,
     bandwidth: Optional[float],
     need_density: bool,
-    want_stats: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(output, density, quantiles, samples, bandwidth)``: :func:`_forward` of ``x`` with the given
-    statistics (``quantiles`` not None) or in batch context, with ``n_samples`` draws given by
-    ``seed`` (:func:`_draws_of_seed`); the batch's statistics where ``want_stats``,
-    and the density where ``need_density`` (each an empty tensor otherwise)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output, density)``: :func:`_forward` of ``x`` with the given statistics (``quantiles`` not
+    None) or in batch context, with ``n_samples`` draws given by ``seed`` (:func:`_draws_of_seed`);
+    the density where ``need_density`` (an empty tensor otherwise). Where the running statistics are
+    given they move towards the applied statistics (with the fixed ``bandwidth`` in place of
+    theirs) with weight ``momentum``, or ``1 / (count + 1)`` where ``count`` (the update count, a
+    tensor) is given: the cumulative average."""
     if not _checks_finite(x):
         _refuse_non_finite(x, "input")
     stats = None
     if quantiles is not None and samples is not None and bandwidth_t is not None:
         stats = QACTStatistics(quantiles, samples, bandwidth_t)
+    running = None
+    if running_quantiles is not None and running_samples is not None and running_bandwidth is not None:
+        m = momentum if count is None else _cumulative(count)
+        running = _Running(running_quantiles, running_samples, running_bandwidth, m)
     draws = _draws_of_seed(seed, x.device) if stats is None and n_samples and seed is not None else None
-    fwd = _forward(x, stats, None, n_tau, c, n_samples, draws, need_density, bandwidth)
+    fwd = _forward(x, stats, running, n_tau, c, n_samples, draws, need_density, bandwidth)
     dtype = _density_dtype(x, stats is not None)
     density = fwd.density if need_density and fwd.density is not None else x.new_empty(0, dtype=dtype)
-    if want_stats and stats is None:
-        q, s, b = (t.to(x.dtype).contiguous() for t in fwd.stats)
-        return fwd.output, density, q, s, b
-    return fwd.output, density, x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    return fwd.output, density
 
 
 def _density_dtype(x: torch.Tensor, given: bool) -> torch.dtype:
@@ -785,55 +796,28 @@ def _density_dtype(x: torch.Tensor, given: bool) -> torch.dtype:
 
 
 @_qact_forward_op.register_fake
-def _(x, quantiles, samples, bandwidth_t, seed, n_tau, c, n_samples, bandwidth, need_density, want_stats):
+def _(x, quantiles, samples, bandwidth_t, seed, rq, rs, rb, momentum, count, n_tau, c, n_samples, bandwidth, need):
     has_samples = n_samples > 0 if samples is None else samples.shape[1] > 0
-    out = x.new_empty(x.shape)
     dtype = _density_dtype(x, quantiles is not None)
-    density = x.new_empty(x.shape if need_density and has_samples else (0,), dtype=dtype)
-    if want_stats and quantiles is None:
-        ch = x.shape[1]
-        return out, density, x.new_empty(ch, n_tau), x.new_empty(ch, n_samples), x.new_empty(ch)
-    return out, density, x.new_empty(0), x.new_empty(0), x.new_empty(0)
+    return x.new_empty(x.shape), x.new_empty(x.shape if need and has_samples else (0,), dtype=dtype)
 
 
-def _qact_setup_context(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output[1:])
-    ctx.save_for_backward(output[1])
+class _TracedQACT(torch.autograd.Function):
+    """The operator's output with QACT's gradient, ``grad_output * density`` (:func:`_backward`):
+    the operator moves the running statistics in place, and torch.library registers autograd
+    formulas for functional operators only, so the gradient is attached here (traced whole by
+    ``torch.compile``: the operator inside, the product of the backward)."""
 
+    @staticmethod
+    def forward(ctx, x, *args):
+        out, density = _qact_forward_op(x, *args)
+        ctx.save_for_backward(density)
+        return out
 
-def _qact_backward_formula(ctx, grad_output, *unused):
-    (density,) = ctx.saved_tensors
-    return (_backward(grad_output, density),) + (None,) * 10
-
-
-_qact_forward_op.register_autograd(_qact_backward_formula, setup_context=_qact_setup_context)
-
-
-@torch.library.custom_op(
-    "shiftguard::qact_update_", mutates_args=("running_quantiles", "running_samples", "running_bandwidth")
-)
-def _qact_update_op(
-    running_quantiles: torch.Tensor,
-    running_samples: torch.Tensor,
-    running_bandwidth: torch.Tensor,
-    quantiles: torch.Tensor,
-    samples: torch.Tensor,
-    bandwidth: torch.Tensor,
-    momentum: float,
-    count: Optional[torch.Tensor],
-) -> None:
-    """:func:`_move_running` with weight ``momentum``, or ``1 / (count + 1)`` where ``count`` (the
-    update count, a tensor) is given: the cumulative average."""
-    m = momentum if count is None else _cumulative(count)
-    _move_running(
-        _Running(running_quantiles, running_samples, running_bandwidth, m),
-        QACTStatistics(quantiles, samples, bandwidth),
-    )
-
-
-@_qact_update_op.register_fake
-def _(running_quantiles, running_samples, running_bandwidth, quantiles, samples, bandwidth, momentum, count):
-    return None
+    @staticmethod
+    def backward(ctx, grad_output):
+        (density,) = ctx.saved_tensors
+        return (_backward(grad_output, density),) + (None,) * 14
 
 
 def _traced_apply(
@@ -848,29 +832,16 @@ def _traced_apply(
     bandwidth: Optional[float],
     count: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """What :func:`_attach` of :func:`_forward` computes, through the operators (the same bits for
-    the same seed): ``running`` moved after the forward, towards the batch's statistics or the
-    given ones (with the fixed ``bandwidth`` in place of theirs); ``count``: the momentum is the
-    cumulative average ``1 / (count + 1)`` instead of ``running.momentum``."""
+    """What :func:`_attach` of :func:`_forward` computes, through the operator (the same bits for the
+    same seed): ``running`` moved towards the batch's statistics or the given ones (with the fixed
+    ``bandwidth`` in place of theirs); ``count``: the momentum is the cumulative average
+    ``1 / (count + 1)`` instead of ``running.momentum``."""
     given = (None, None, None) if stats is None else tuple(stats)
-    want_stats = running is not None and stats is None
-    out, _, bq, bs, bb = _qact_forward_op(
-        x, *given, seed, n_tau, float(c), n_samples, bandwidth, need_density, want_stats
-    )
-    if running is not None:
-        new = QACTStatistics(bq, bs, bb)
-        if stats is not None:
-            b = stats.bandwidth
-            new = stats if bandwidth is None else stats._replace(bandwidth=_fixed_bandwidth(bandwidth, b.shape[0], b))
-        _qact_update_op(
-            running.quantiles,
-            running.samples,
-            running.bandwidth,
-            *(t.detach() for t in new),
-            float(running.momentum),
-            count,
-        )
-    return out
+    moved = (None, None, None, 0.0) if running is None else (*running[:3], float(running.momentum))
+    args = (*given, seed, *moved, count, n_tau, float(c), n_samples, bandwidth, need_density)
+    if need_density:
+        return _TracedQACT.apply(x, *args)
+    return _qact_forward_op(x, *args)[0]
 
 
 # ----------------------------------------------------------------------------- compiled-path helpers
@@ -972,7 +943,7 @@ def _check_input(x: torch.Tensor, name: str = "input", finite: Optional[bool] = 
     """Validate a QACT input. ``finite=None``: the NaN/inf check is left to the compiled CPU or the
     Triton forward where that runs (a pass over the values checks them before anything is stored:
     the compiled kernels' first, the Triton output pass); ``True``: check here; ``False``: not here
-    (the operators check it, :func:`_qact_forward_op`)."""
+    (the operator checks it, :func:`_qact_forward_op`)."""
     x = check_tensor(x, name, min_ndim=2, floating=True, nonempty=True)
     if finite or (finite is None and not _checks_finite(x)):
         _refuse_non_finite(x, name)
@@ -1074,8 +1045,8 @@ def quantile_activation(
             without a seed, one is drawn with ``torch.randint`` from ``generator``'s stream (the
             global RNG when None), so there the samples differ from the eager call's.
 
-    Under ``torch.compile`` the call is traced as the operators ``torch.ops.shiftguard.qact_forward``
-    and ``qact_update_`` (the same computation; the NaN/inf check runs inside the first).
+    Under ``torch.compile`` the call is traced as the operator ``torch.ops.shiftguard.qact_forward``
+    (the same computation, the running update and the NaN/inf check inside it).
 
     Returns:
         Tensor shaped like ``input``, values in ``{0, 1/n_tau, ..., 1}``; its gradient is
@@ -1130,7 +1101,7 @@ def _quantile_activation(
 ) -> torch.Tensor:
     """:func:`quantile_activation`; ``count``: the update count (a tensor; the module's
     ``num_batches_tracked``) whose cumulative average ``1 / (count + 1)`` replaces ``momentum`` (read
-    inside the update operator when traced, so that no Python number in the graph depends on a
+    inside the operator when traced, so that no Python number in the graph depends on a
     tensor)."""
     traced = torch.compiler.is_compiling()
     if seed is not None and generator is not None:

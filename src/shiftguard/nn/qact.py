@@ -283,7 +283,7 @@ class QuantileActivation(nn.Module):
         # device (torch's global RNG on the CPU): a tensor, so that the forward traces under
         # torch.compile with the same draws eager or compiled, and made on the device, so that a
         # CUDA graph replays a fresh draw each time (docs/qact.md, "Randomness"). A cumulative
-        # average (momentum=None) reads the update count inside the update operator.
+        # average (momentum=None) reads the update count inside the traced operator.
         out = quantile_activation(
             input,
             self.running_quantiles,
