@@ -8,7 +8,9 @@ or both compiled with the same backend):
   CUDA graph and replayed (mode ``cuda-graph``: no launch overhead left, the kernels' own time);
 - a ResNet-18 (``shiftguard.models``) training step (forward, cross-entropy, backward, SGD step) on
   32x32 inputs at batch 128 (``--smoke``: batch 8, 16x16, base width 8), ``activation="qact"`` vs
-  its twin ``"bn-relu-bn"``, compiled.
+  its twin ``"bn-relu-bn"``, eager and compiled, the two models' steps timed in turn (a drift of a
+  shared machine's speed during the run moved a ratio timed one model after the other from 1.13 to
+  0.88 on the CPU).
 
 And where a BN-QACT-BN training step's time goes (``kernels`` rows): a ``torch.profiler`` trace of
 eager steps at each shape, the kernels launched per step and their device time by name, so that a
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -150,40 +153,60 @@ def bench_kernels(dev, shapes, rows, steps=5, top=8):
         print(json.dumps(rows[-1]), flush=True)
 
 
-def bench_resnet(dev, smoke, backend, repeats, rows):
+def timed_in_turn(fns: dict, dev, repeats: int, warmup: int) -> dict:
+    """Median seconds of each of ``fns`` (name -> step), the steps timed in turn (one of each per
+    round), so that a drift of the machine's speed during the run falls on both sides alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(dev)
+    spent: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            spent[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in spent.items()}
+
+
+def bench_resnet(dev, smoke, backends, repeats, rows):
     from shiftguard.models import resnet18
 
     batch, size, width = (8, 16, 8) if smoke else (128, 32, 64)
     x = torch.randn(batch, 3, size, size, device=dev)
     y = torch.randint(0, 10, (batch,), device=dev)
-    times = {}
-    for act in ("bn-relu-bn", "qact"):
+    for backend in backends:
         t0 = time.perf_counter()
-        torch.manual_seed(0)
-        model = resnet18(activation=act, base_width=width).to(dev).train()
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        fwd = _maybe_compile(model, backend)
+        steps = {}
+        for act in ("bn-relu-bn", "qact"):
+            torch.manual_seed(0)
+            model = resnet18(activation=act, base_width=width).to(dev).train()
+            opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+            fwd = _maybe_compile(model, backend)
 
-        def step():
-            opt.zero_grad(set_to_none=True)
-            F.cross_entropy(fwd(x), y).backward()
-            opt.step()
+            def step(fwd=fwd, opt=opt):
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(fwd(x), y).backward()
+                opt.step()
 
-        times[act] = (timed(step, dev, repeats, 3), time.perf_counter() - t0)
-    rows.append(
-        {
-            "bench": "resnet18 train step",
-            "case": f"batch {batch}, {size}x{size}, base width {width}",
-            "mode": backend or "eager",
-            "baseline": "bn-relu-bn",
-            "baseline_ms": 1e3 * times["bn-relu-bn"][0],
-            "ms": 1e3 * times["qact"][0],
-            "ratio": times["qact"][0] / times["bn-relu-bn"][0],
-            "target": 1.5,
-            "wall_s": times["qact"][1] + times["bn-relu-bn"][1],
-        }
-    )
-    print(json.dumps(rows[-1]), flush=True)
+            steps[act] = step
+        times = timed_in_turn(steps, dev, repeats, 3)  # (the warm-up compiles)
+        rows.append(
+            {
+                "bench": "resnet18 train step",
+                "case": f"batch {batch}, {size}x{size}, base width {width}",
+                "mode": backend or "eager",
+                "baseline": "bn-relu-bn",
+                "baseline_ms": 1e3 * times["bn-relu-bn"],
+                "ms": 1e3 * times["qact"],
+                "ratio": times["qact"] / times["bn-relu-bn"],
+                "target": 1.5,
+                "timing": "steps in turn",
+                "wall_s": time.perf_counter() - t0,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
 
 
 def main() -> int:
@@ -214,7 +237,7 @@ def main() -> int:
         parts.append(("kernels", lambda: bench_kernels(dev, shapes, rows)))  # first: eager, seconds
     parts.append(("blocks", lambda: bench_blocks(dev, shapes, (None, args.backend), repeats, rows)))
     if not args.skip_resnet:
-        parts.append(("resnet18", lambda: bench_resnet(dev, args.smoke, args.backend, repeats, rows)))
+        parts.append(("resnet18", lambda: bench_resnet(dev, args.smoke, (None, args.backend), repeats, rows)))
     if dev.type == "cuda":  # last: a refused capture may leave the device unusable for what follows
         parts.append(("blocks cuda-graph", lambda: bench_blocks(dev, shapes, ("cuda-graph",), repeats, rows)))
     for name, part in parts:

@@ -10,7 +10,7 @@
 #      images x 19 CIFAR-10-C corruptions x 5 severities (softmax, temperature, kNN heads): images
 #      per second, the forward passes' share of the wall time, the GPU's busy share, 150 s;
 #   4. the QACT benchmark on the machine's CPU cores, for the ratio, 150 s, and the evaluation on
-#      500 images there, 60 s;
+#      64 images there, 60 s (500 took 738 s on 2 cores: the grid is 96 cells, each a forward pass);
 #   5. the QACT paper's reference code beside shiftguard's QACT (benchmarks/bench_peer_qact.py), block
 #      against block on the GPU, when a checkout of it is in .peer/quantile_activation (git-ignored:
 #      carry it to the device machine), 60 s;
@@ -98,7 +98,7 @@ else
 fi
 run_part 150 "$OUT/bench_qact_compile_cpu.txt" $PY benchmarks/bench_qact_compile.py --device cpu --out "$OUT" \
     "${QARGS[@]}"
-run_part 60 "$OUT/bench_evaluate_device_cpu.txt" $PY benchmarks/bench_evaluate_device.py --device cpu --n 500 \
+run_part 60 "$OUT/bench_evaluate_device_cpu.txt" $PY benchmarks/bench_evaluate_device.py --device cpu --n 64 \
     --out "$OUT" "${EARGS[@]}"
 PEER=.peer/quantile_activation
 if [[ -d $PEER ]]; then
