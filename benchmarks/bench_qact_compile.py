@@ -8,9 +8,11 @@ or both compiled with the same backend):
   CUDA graph and replayed (mode ``cuda-graph``: no launch overhead left, the kernels' own time);
 - a ResNet-18 (``shiftguard.models``) training step (forward, cross-entropy, backward, SGD step) on
   32x32 inputs at batch 128 (``--smoke``: batch 8, 16x16, base width 8), ``activation="qact"`` vs
-  its twin ``"bn-relu-bn"``, eager and compiled, the two models' steps timed in turn (a drift of a
-  shared machine's speed during the run moved a ratio timed one model after the other from 1.13 to
-  0.88 on the CPU).
+  its twin ``"bn-relu-bn"``, eager and compiled.
+
+Each pair's steps are timed in turn, one of each per round (:func:`timed_in_turn`): a drift of a
+shared machine's speed during the run moved a ResNet-18 ratio timed one model after the other from
+1.13 to 0.88 on the CPU.
 
 And where a BN-QACT-BN training step's time goes (``kernels`` rows): a ``torch.profiler`` trace of
 eager steps at each shape, the kernels launched per step and their device time by name, so that a
@@ -38,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_device import report_header, sync, timed  # (the same timing and report as the other device benchmarks)
+from bench_device import report_header, sync  # (the same report and synchronisation as the other device benchmarks)
 
 SHAPES = [(256, 64, 12, 12), (128, 64, 16, 16), (256, 512), (1024, 128)]
 SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
@@ -63,6 +65,23 @@ def _graphed_step(block, x, g):
     return graph.replay
 
 
+def timed_in_turn(fns: dict, dev, repeats: int, warmup: int) -> dict:
+    """Median seconds of each of ``fns`` (name -> step), the steps timed in turn (one of each per
+    round), so that a drift of the machine's speed during the run falls on both sides alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    sync(dev)
+    spent: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            spent[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in spent.items()}
+
+
 def bench_blocks(dev, shapes, backends, repeats, rows):
     from shiftguard.nn import BNActBlock, QACTBlock
 
@@ -83,8 +102,8 @@ def bench_blocks(dev, shapes, backends, repeats, rows):
 
             row = {"bench": "block fwd+bwd", "case": "x".join(map(str, shape)), "mode": backend or "eager"}
             try:
-                t_relu = timed(step(relu), dev, repeats, 3)
-                t_qact = timed(step(qact), dev, repeats, 3)
+                times = timed_in_turn({"relu": step(relu), "qact": step(qact)}, dev, repeats, 3)
+                t_relu, t_qact = times["relu"], times["qact"]
             except Exception as exc:  # one mode failing (a capture refused) must not hide the others
                 rows.append({**row, "error": f"{type(exc).__name__}: {exc}"})
                 print(json.dumps(rows[-1]), flush=True)
@@ -97,6 +116,7 @@ def bench_blocks(dev, shapes, backends, repeats, rows):
                     "ms": 1e3 * t_qact,
                     "ratio": t_qact / t_relu,
                     "target": 2.0,
+                    "timing": "steps in turn",
                     "wall_s": time.perf_counter() - t0,
                 }
             )
@@ -151,23 +171,6 @@ def bench_kernels(dev, shapes, rows, steps=5, top=8):
             }
         )
         print(json.dumps(rows[-1]), flush=True)
-
-
-def timed_in_turn(fns: dict, dev, repeats: int, warmup: int) -> dict:
-    """Median seconds of each of ``fns`` (name -> step), the steps timed in turn (one of each per
-    round), so that a drift of the machine's speed during the run falls on both sides alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    sync(dev)
-    spent: dict = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            sync(dev)
-            spent[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in spent.items()}
 
 
 def bench_resnet(dev, smoke, backends, repeats, rows):
