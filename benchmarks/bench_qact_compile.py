@@ -238,9 +238,12 @@ def main() -> int:
     parts = []
     if dev.type == "cuda" or args.smoke:  # (on the CPU the numba kernels are not operators: only the check)
         parts.append(("kernels", lambda: bench_kernels(dev, shapes, rows)))  # first: eager, seconds
-    parts.append(("blocks", lambda: bench_blocks(dev, shapes, (None, args.backend), repeats, rows)))
+    # the eager blocks (seconds), then the ResNet-18 step (two compiles), then the compiled blocks
+    # (eight compiles), so that a time limit stopping the script loses the figures that matter least
+    parts.append(("blocks eager", lambda: bench_blocks(dev, shapes, (None,), repeats, rows)))
     if not args.skip_resnet:
         parts.append(("resnet18", lambda: bench_resnet(dev, args.smoke, (None, args.backend), repeats, rows)))
+    parts.append(("blocks compiled", lambda: bench_blocks(dev, shapes, (args.backend,), repeats, rows)))
     if dev.type == "cuda":  # last: a refused capture may leave the device unusable for what follows
         parts.append(("blocks cuda-graph", lambda: bench_blocks(dev, shapes, ("cuda-graph",), repeats, rows)))
     for name, part in parts:
