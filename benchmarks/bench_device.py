@@ -63,16 +63,25 @@ def report_header(benchmark: str, device: str, out: str, smoke: bool, **fields) 
 
 
 def timed(fn, dev, repeats: int = 5, warmup: int = 2) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup`` (the device synchronised)."""
+    return timed_in_turn({"fn": fn}, dev, repeats, warmup)["fn"]
+
+
+def timed_in_turn(fns: dict, dev, repeats: int, warmup: int) -> dict:
+    """Median seconds of each of ``fns`` (name -> step), the steps timed in turn (one of each per
+    round), so that a drift of the machine's speed during the run falls on both sides alike."""
     for _ in range(warmup):
-        fn()
+        for fn in fns.values():
+            fn()
     sync(dev)
-    out = []
+    spent: dict = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync(dev)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            sync(dev)
+            spent[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in spent.items()}
 
 
 def bench_qact(dev, rows):

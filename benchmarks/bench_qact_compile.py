@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,7 +39,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_device import report_header, sync  # (the same report and synchronisation as the other device benchmarks)
+from bench_device import (
+    report_header,
+    sync,
+    timed_in_turn,
+)  # (the same timing and report as the other device benchmarks)
 
 SHAPES = [(256, 64, 12, 12), (128, 64, 16, 16), (256, 512), (1024, 128)]
 SMOKE_SHAPES = [(16, 4, 6, 6), (32, 16)]
@@ -63,23 +66,6 @@ def _graphed_step(block, x, g):
     with torch.cuda.graph(graph):
         block(x).backward(g)
     return graph.replay
-
-
-def timed_in_turn(fns: dict, dev, repeats: int, warmup: int) -> dict:
-    """Median seconds of each of ``fns`` (name -> step), the steps timed in turn (one of each per
-    round), so that a drift of the machine's speed during the run falls on both sides alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    sync(dev)
-    spent: dict = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            sync(dev)
-            spent[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(v) for name, v in spent.items()}
 
 
 def bench_blocks(dev, shapes, backends, repeats, rows):
