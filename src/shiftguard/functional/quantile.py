@@ -812,12 +812,13 @@ class _TracedQACT(torch.autograd.Function):
     def forward(ctx, x, *args):
         out, density = _qact_forward_op(x, *args)
         ctx.save_for_backward(density)
+        ctx.n_args = len(args)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
         (density,) = ctx.saved_tensors
-        return (_backward(grad_output, density),) + (None,) * 14
+        return (_backward(grad_output, density),) + (None,) * ctx.n_args
 
 
 def _traced_apply(
